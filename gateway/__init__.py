@@ -1,0 +1,1 @@
+"""kvgate gateway: the OpenAI-compatible KV-aware proxy, its config, fleet state and servers."""

@@ -1,0 +1,59 @@
+"""The ``kvgate`` command: one entry point, a subcommand per tool.
+
+Each subcommand lives in its own module exposing ``configure(parser)`` and ``run(args) -> int``;
+modules are imported only when their subcommand runs, so ``kvgate compare`` never pays for
+aiohttp or grpc imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from router_policies.errors import UserInputError
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("gateway.serve_cli", "run the gateway"),
+    "agent": ("replica_agent.agent_cli", "run a replica agent beside an engine"),
+    "sim-engine": ("replica_agent.sim_engine_cli", "run a simulated vLLM engine"),
+    "compare": ("router_policies.sim.compare_cli", "compare policies on a trace in the simulator"),
+    "demo": ("gateway.demo", "live demo: simulated fleet, agents, gateway, four policies"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _Parser(prog="kvgate", description="KV-aware routing gateway for LLM-serving fleets")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    wanted = argv[0] if argv and argv[0] in SUBCOMMANDS else None
+    modules = {}
+    for name, (mod_name, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        if name == wanted:
+            modules[name] = importlib.import_module(mod_name)
+            modules[name].configure(p)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        rc: int = modules[args.command].run(args)
+    except UserInputError as exc:
+        print(f"kvgate {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,227 @@
+"""The gateway's one typed config tree (ARCHITECTURE.md §8), loaded from YAML and validated at
+start-up.
+
+Errors name the field path (``policy.kv_aware.balance_abs: Input should be ...``). Environment
+variables prefixed ``KVGATE_`` override fields, ``__`` separating levels and values parsed as YAML
+scalars: ``KVGATE_POLICY__NAME=round_robin``, ``KVGATE_INDEX__APPROXIMATE_TTL_S=30``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from router_policies.errors import UserInputError
+from router_policies.prefix_index import IndexConfig
+from router_policies.registry import (
+    BUILTIN_POLICIES,
+    PolicyConfigError,
+    format_validation_error,
+    validate_params,
+)
+
+ENV_PREFIX = "KVGATE_"
+
+
+class ConfigError(UserInputError):
+    """The config is invalid; the message names the field path."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _host_port(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    return value
+
+
+class ListenConfig(_Strict):
+    http: str = Field("0.0.0.0:8000", description="HOST:PORT of the OpenAI-compatible HTTP API.")
+    inventory: str = Field("0.0.0.0:50051", description="HOST:PORT of the agents' gRPC inventory stream.")
+
+    _check = field_validator("http", "inventory")(_host_port)
+
+
+class PolicyConfig(BaseModel):
+    """``name`` picks the policy; a key named after a policy holds its parameters."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    name: str = Field(
+        "kv_aware", description="round_robin, least_loaded, consistent_hash, kv_aware or module:attr."
+    )
+    seed: int = Field(0, description="Seed of the policy's deterministic tie-breaks.")
+
+    @model_validator(mode="after")
+    def _check_params(self) -> PolicyConfig:
+        extra = self.model_extra or {}
+        for key, params in extra.items():
+            if key not in BUILTIN_POLICIES and key != self.name:
+                raise ValueError(f"unknown policy parameter block {key!r}")
+            if params is not None and not isinstance(params, Mapping):
+                raise ValueError(f"{key}: expected a mapping of parameters")
+            try:
+                validate_params(key, params, path=key)
+            except PolicyConfigError as exc:
+                raise ValueError(str(exc)) from None
+        if self.name not in extra:
+            try:
+                validate_params(self.name, {}, path=self.name)
+            except PolicyConfigError as exc:
+                raise ValueError(str(exc)) from None
+        return self
+
+    def params_for(self, name: str | None = None) -> dict[str, Any]:
+        return dict((self.model_extra or {}).get(name or self.name) or {})
+
+
+class ModelConfig(_Strict):
+    name: str = Field(..., min_length=1, description="Model name as clients send it.")
+    tokenizer: str | None = Field(
+        None,
+        description="Folder with tokenizer.json + tokenizer_config.json, 'remote' to ask a replica's "
+        "/tokenize, or null for approximate routing on character blocks.",
+    )
+    block_size: int = Field(16, gt=0, description="Engine KV block size in tokens (or a multiple of it).")
+    char_block_size: int = Field(64, gt=0, description="Characters per block when there is no tokenizer.")
+
+
+class ReplicaConfig(_Strict):
+    id: str = Field(..., min_length=1, description="Replica id, unique in the fleet.")
+    url: str = Field(..., description="Base URL of the engine's OpenAI API, e.g. http://10.0.0.1:8000.")
+    models: list[str] = Field(default_factory=list, description="Models served (empty: all configured).")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("url must start with http:// or https://")
+        return v.rstrip("/")
+
+
+class ProxyConfig(_Strict):
+    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Larger request bodies get 413.")
+    connect_timeout_s: float = Field(2.0, gt=0, description="Upstream connect timeout.")
+    request_timeout_s: float = Field(600.0, gt=0, description="Upstream total timeout per request.")
+    retries: int = Field(2, ge=0, description="Retries on other replicas before the first byte.")
+    session_header: str = Field("x-session-id", description="Request header carrying the session id.")
+    debug_headers: bool = Field(True, description="Send x-kvgate-replica and x-kvgate-matched-tokens.")
+    speculative_ttl_s: float = Field(
+        10.0, gt=0, description="TTL of the index entry each routed request adds."
+    )
+    tokenize_cache_entries: int = Field(4096, ge=0, description="Bound of the cache of tokenized messages.")
+
+
+class HealthConfig(_Strict):
+    interval_s: float = Field(2.0, gt=0, description="Active health check period.")
+    timeout_s: float = Field(1.0, gt=0, description="Health check timeout.")
+    unhealthy_after: int = Field(2, ge=1, description="Consecutive failures that eject a replica.")
+    healthy_after: int = Field(1, ge=1, description="Consecutive successes that restore it.")
+
+
+class SharedStateConfig(_Strict):
+    redis_url: str | None = Field(None, description="Redis URL to share index and load between gateways.")
+    key_prefix: str = Field("kvgate", description="Prefix of every Redis key.")
+
+
+class TelemetryConfig(_Strict):
+    metrics: bool = Field(True, description="Serve Prometheus metrics on /metrics.")
+    otlp_endpoint: str | None = Field(None, description="OTLP/gRPC endpoint for traces, e.g. localhost:4317.")
+    access_log: bool = Field(True, description="Structured JSON access log on stderr.")
+    log_prompts: bool = Field(False, description="Include prompts in access logs.")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+
+
+class AuthConfig(_Strict):
+    agent_token_env: str | None = Field(
+        "KVGATE_AGENT_TOKEN", description="Env var holding the agents' bearer token (unset: no auth)."
+    )
+    admin_token_env: str | None = Field(
+        "KVGATE_ADMIN_TOKEN", description="Env var holding the /admin bearer token (unset: no auth)."
+    )
+
+
+class GatewayConfig(_Strict):
+    listen: ListenConfig = Field(default_factory=ListenConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    models: list[ModelConfig] = Field(default_factory=list)
+    replicas: list[ReplicaConfig] = Field(default_factory=list)
+    index: IndexConfig = Field(default_factory=IndexConfig)
+    proxy: ProxyConfig = Field(default_factory=ProxyConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    shared_state: SharedStateConfig = Field(default_factory=SharedStateConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> GatewayConfig:
+        ids = [r.id for r in self.replicas]
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        if dup:
+            raise ValueError(f"replicas: duplicate id {dup[0]!r}")
+        names = {m.name for m in self.models}
+        if len(names) != len(self.models):
+            raise ValueError("models: duplicate model name")
+        for i, r in enumerate(self.replicas):
+            for m in r.models:
+                if m not in names:
+                    raise ValueError(f"replicas.{i}.models: unknown model {m!r}")
+        return self
+
+
+def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    node = tree
+    for part in path[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[path[-1]] = value
+
+
+def apply_env(tree: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+    out = dict(tree)
+    skip = {ENV_PREFIX + "AGENT_TOKEN", ENV_PREFIX + "ADMIN_TOKEN"}
+    for name, raw in sorted(env.items()):
+        if not name.startswith(ENV_PREFIX) or name in skip:
+            continue
+        path = [p.lower() for p in name[len(ENV_PREFIX) :].split("__") if p]
+        if not path or path[0] not in GatewayConfig.model_fields:
+            continue
+        _set_path(out, path, yaml.safe_load(raw) if raw else None)
+    return out
+
+
+def parse_config(data: Any, source: str = "config") -> GatewayConfig:
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: the top level must be a mapping")
+    try:
+        return GatewayConfig.model_validate(dict(data))
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: {format_validation_error(exc, '')}") from None
+
+
+def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> GatewayConfig:
+    """Load, override from ``KVGATE_*`` environment variables and validate."""
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: invalid YAML: {exc}") from None
+    if data is not None and not isinstance(data, Mapping):
+        raise ConfigError(f"{p}: the top level must be a mapping")
+    tree = apply_env(dict(data or {}), os.environ if env is None else env)
+    return parse_config(tree, str(p))

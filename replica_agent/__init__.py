@@ -1,0 +1,2 @@
+"""kvgate replica agent: engine KV-event subscriber, load probe and inventory stream; and the
+simulated engine used by demos, tests and benchmarks."""

@@ -1,0 +1,1 @@
+"""The built-in routing policies; see ``router_policies.registry`` for how they are named."""

@@ -1,0 +1,95 @@
+"""kv_aware: route to the replica with the smallest estimated time to first token.
+
+The rule, per healthy replica r (all quantities in prefill-token equivalents, so no engine
+timing constant is needed):
+
+    matched_r  = tokens of the request's leading blocks r holds (index match x block size);
+                 set to 0 when matched_r < min_match_ratio x prompt_tokens, so that a tiny shared
+                 head (a greeting, one system-prompt block) does not decide placement
+    uncached_r = prompt_tokens - matched_r                      (prefill this request adds)
+    queue_r    = pending_prefill_tokens_r                        (prefill already routed there)
+                 + request_cost_tokens x load_r                  (each request ahead slows steps)
+    ttft_r     = queue_r + uncached_r
+
+The replica with the smallest ttft_r wins; ties rotate deterministically (a cursor advanced per
+decision, started at the seed) so that an idle fleet spreads new prefixes.
+
+Hot-spot guard: a replica is a candidate only while
+    load_r <= balance_rel x mean_load + balance_abs
+where load is the requests ahead of a new one (``load_of``) and the mean is over healthy
+replicas. Cache affinity therefore can never pile traffic onto one replica: once a replica is that
+far above the fleet mean it receives nothing until the others catch up, whatever it holds. If
+every replica is excluded (impossible while the mean is a mean, kept for safety) the least loaded
+one wins.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from router_policies.policy import (
+    Decision,
+    FleetSnapshot,
+    ReplicaState,
+    RequestFeatures,
+    load_of,
+    require_healthy,
+)
+
+
+class KvAwareParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min_match_ratio: float = Field(
+        0.1, ge=0.0, le=1.0, description="Matches below this share of the prompt count as no match."
+    )
+    balance_abs: float = Field(
+        32.0, ge=0.0, description="Hot-spot guard: requests a replica may run above balance_rel x mean."
+    )
+    balance_rel: float = Field(1.5, ge=1.0, description="Hot-spot guard: multiple of the mean load.")
+    request_cost_tokens: float = Field(
+        64.0, ge=0.0, description="Prefill-token equivalent of each request already on a replica."
+    )
+
+
+class KvAware:
+    name = "kv_aware"
+
+    def __init__(self, params: KvAwareParams, seed: int = 0) -> None:
+        self.params = params
+        self._cursor = seed
+
+    def choose(self, request: RequestFeatures, fleet: FleetSnapshot) -> Decision:
+        healthy = require_healthy(fleet)
+        p = self.params
+        n = len(healthy)
+        loads = [load_of(r) for r in healthy]
+        limit = p.balance_rel * (sum(loads) / n) + p.balance_abs
+        prompt = request.prompt_tokens
+        min_match = p.min_match_ratio * prompt
+        start = self._cursor % n
+        self._cursor += 1
+        best: ReplicaState | None = None
+        best_cost = 0.0
+        scores: dict[str, float] = {}
+        for j in range(n):
+            idx = (start + j) % n
+            r = healthy[idx]
+            matched = min(r.matched_blocks * request.block_size, prompt)
+            if matched < min_match:
+                matched = 0
+            cost = r.pending_prefill_tokens + p.request_cost_tokens * loads[idx] + (prompt - matched)
+            scores[r.id] = cost
+            if loads[idx] > limit:
+                continue
+            if best is None or cost < best_cost:
+                best, best_cost = r, cost
+        if best is None:
+            best = min(healthy, key=load_of)
+            return Decision(best.id, "kv_aware:all_hot", best.matched_blocks, scores)
+        reason = (
+            "kv_aware:cache"
+            if best.matched_blocks * request.block_size >= max(min_match, 1)
+            else "kv_aware:load"
+        )
+        return Decision(best.id, reason, best.matched_blocks, scores)

@@ -1,0 +1,77 @@
+"""The Policy interface (ARCHITECTURE.md §7): a pure, synchronous function of (request, fleet).
+
+A policy never does I/O and never awaits. It may keep private state that only depends on the
+sequence of calls and its seed (a round-robin cursor, a seeded tie-break generator, a cached hash
+ring), so that the same inputs and seed always give the same decisions, in the gateway and in
+the simulator alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFeatures:
+    model: str
+    block_keys: Sequence[int]
+    prompt_tokens: int
+    block_size: int
+    session_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaState:
+    """One replica as the router sees it at decision time."""
+
+    id: str
+    healthy: bool = True
+    in_flight_requests: int = 0  # routed by this gateway, not finished
+    in_flight_tokens: int = 0  # prompt + expected output tokens of those requests
+    pending_prefill_tokens: int = 0  # uncached prompt tokens routed here still awaiting a first token
+    engine_running: int = 0  # from the engine's /metrics via the agent (may lag)
+    engine_waiting: int = 0
+    kv_usage: float = 0.0  # 0..1
+    matched_blocks: int = 0  # leading request blocks this replica holds (index match)
+    match_score: float = 0.0  # matched_blocks weighted by medium
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSnapshot:
+    replicas: tuple[ReplicaState, ...]
+
+    def healthy(self) -> list[ReplicaState]:
+        return [r for r in self.replicas if r.healthy]
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    replica: str
+    reason: str
+    matched_blocks: int = 0
+    scores: Mapping[str, float] = field(default_factory=dict)
+
+
+class NoReplicaError(Exception):
+    """No healthy replica can take the request."""
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(self, request: RequestFeatures, fleet: FleetSnapshot) -> Decision: ...
+
+
+def require_healthy(fleet: FleetSnapshot) -> list[ReplicaState]:
+    healthy = fleet.healthy()
+    if not healthy:
+        raise NoReplicaError("no healthy replica")
+    return healthy
+
+
+def load_of(r: ReplicaState) -> int:
+    """Requests ahead of a new one on this replica: what the gateway routed there, or what the
+    engine reports when that is larger (other gateways, or clients bypassing this one)."""
+    return max(r.in_flight_requests, r.engine_running + r.engine_waiting)
