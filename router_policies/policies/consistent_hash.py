@@ -55,7 +55,9 @@ class ConsistentHash:
         healthy = require_healthy(fleet)
         keys = request.block_keys
         if keys:
-            h = keys[min(self.params.prefix_blocks, len(keys)) - 1]
+            # re-mixed so that the ring stays uniform whatever the key distribution
+            key = keys[min(self.params.prefix_blocks, len(keys)) - 1]
+            h = xxhash.xxh3_64_intdigest(key.to_bytes(8, "little"), seed=self._seed)
         elif request.session_id:
             h = xxhash.xxh3_64_intdigest(request.session_id.encode(), seed=self._seed)
         else:
