@@ -140,6 +140,29 @@ class TelemetryConfig(_Strict):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
 
 
+class InventoryConfig(_Strict):
+    """The agents' gRPC inventory stream (gateway/inventory_server.py)."""
+
+    allow_registration: bool = Field(
+        True, description="Accept agents of replicas not listed under replicas (they register themselves)."
+    )
+    block_bound_factor: float = Field(
+        4.0,
+        ge=0,
+        description="A replica may hold at most this many times the KV capacity its agent reports "
+        "(never more than index.max_blocks_per_replica); 0: only the index bound.",
+    )
+    ack_every: int = Field(64, gt=0, description="Acknowledge an agent stream every N messages.")
+    tls_cert: str | None = Field(None, description="PEM certificate to serve the stream over TLS.")
+    tls_key: str | None = Field(None, description="PEM private key of tls_cert.")
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> InventoryConfig:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        return self
+
+
 class AuthConfig(_Strict):
     agent_token_env: str | None = Field(
         "KVGATE_AGENT_TOKEN", description="Env var holding the agents' bearer token (unset: no auth)."
@@ -160,6 +183,7 @@ class GatewayConfig(_Strict):
     shared_state: SharedStateConfig = Field(default_factory=SharedStateConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
+    inventory: InventoryConfig = Field(default_factory=InventoryConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> GatewayConfig:

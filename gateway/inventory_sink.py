@@ -1,0 +1,53 @@
+"""What the inventory server tells the rest of the gateway about agents (the fleet implements it).
+
+Kept free of grpc so that the fleet and its tests can import it cheaply. Every method is called
+from the event loop that runs the inventory server and must not block or await.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class AgentHello:
+    """An agent's Hello, as received (ARCHITECTURE.md §5)."""
+
+    replica_id: str
+    url: str
+    models: tuple[str, ...]
+    block_size: int
+    capacity_blocks: int  # 0 when the engine did not say
+    engine: str
+    engine_version: str
+    agent_version: str
+
+
+@dataclass(frozen=True, slots=True)
+class AgentLoad:
+    """The engine's own load figures, from its /metrics, as the agent last read them."""
+
+    running: int
+    waiting: int
+    kv_usage: float  # 0..1
+    prefix_queries: int  # counters, in tokens (0 when the engine has none)
+    prefix_hits: int
+
+
+class FleetSink(Protocol):
+    def agent_hello(self, hello: AgentHello) -> str | None:
+        """Accept the agent of ``hello.replica_id`` (register the replica if allowed).
+
+        Return None to accept, or a message to refuse the stream: an unknown replica when
+        registration is off, a block size the gateway cannot use, ..."""
+        ...
+
+    def agent_load(self, replica_id: str, load: AgentLoad) -> None: ...
+
+    def agent_state(self, replica_id: str, *, connected: bool, degraded: bool) -> None:
+        """The replica's agent stream connected or went away, or its inventory became (in)complete.
+
+        ``degraded`` is true while the index may miss blocks of the replica: before its first
+        snapshot is applied, and while the agent reports an unrecoverable event gap."""
+        ...
