@@ -1,0 +1,162 @@
+"""Admin endpoints, behind the admin bearer token (``auth.admin_token_env``; unset: open).
+
+* ``POST /admin/reload``: reread the config file; the new policy and settings swap in atomically,
+  an invalid file is refused with its error (400) and the running config stays.
+* ``POST /admin/explain``: the decision for a request body (every replica's match and score)
+  without forwarding it and without touching the index or the live policy's state.
+* ``GET /admin/replicas``: the fleet as the gateway sees it.
+* ``GET /admin/index``: the index summary; ``?replica=ID``: that replica's precise keys.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import orjson
+from aiohttp import web
+
+from gateway.fleet import Fleet
+from gateway.openai_errors import RequestRejected, error_response
+from gateway.routing import Router, RoutingState
+from router_policies.policy import NoReplicaError
+from router_policies.prefix_index import PrefixIndex
+
+
+class Reloader(Protocol):
+    def reload(self) -> str | None:
+        """Reload the config; None on success, else the error (the running config stays)."""
+        ...
+
+
+def _json(doc: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(doc), content_type="application/json")
+
+
+class Admin:
+    def __init__(
+        self,
+        state: Callable[[], RoutingState],
+        token: Callable[[], str | None],
+        reloader: Reloader,
+        router: Router,
+        fleet: Fleet,
+        index: PrefixIndex,
+    ) -> None:
+        self._state = state
+        self._token = token
+        self._reloader = reloader
+        self._router = router
+        self._fleet = fleet
+        self._index = index
+
+    def routes(self) -> list[web.RouteDef]:
+        g = self._guard
+        return [
+            web.post("/admin/reload", g(self.reload)),
+            web.post("/admin/explain", g(self.explain)),
+            web.get("/admin/replicas", g(self.replicas)),
+            web.get("/admin/index", g(self.index)),
+        ]
+
+    def _guard(
+        self, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def guarded(request: web.Request) -> web.StreamResponse:
+            token = self._token()
+            if token is not None:
+                given = request.headers.get("authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                    return error_response(401, "admin endpoints need 'Authorization: Bearer <admin token>'")
+            return await handler(request)
+
+        return guarded
+
+    async def reload(self, request: web.Request) -> web.StreamResponse:
+        err = self._reloader.reload()
+        if err is not None:
+            return error_response(
+                400, f"config rejected, the running config stays: {err}", code="invalid_config"
+            )
+        st = self._state()
+        return _json({"status": "reloaded", "policy": st.policy.name})
+
+    async def explain(self, request: web.Request) -> web.StreamResponse:
+        state = self._state()
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as exc:
+            return error_response(400, f"malformed JSON body: {exc}", code="invalid_json")
+        if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+            return error_response(400, "the body must be a request object with a 'model'", param="model")
+        endpoint = "chat" if "messages" in body else "completions"
+        try:
+            features = await state.featurizer(endpoint, body, request.headers)
+        except RequestRejected as exc:
+            return error_response(exc.status, exc.message, exc.param, exc.code)
+        match = self._router.match(features)
+        try:
+            choice = self._router.choose(state, features, match, explain=True)
+        except NoReplicaError:
+            decision: dict[str, Any] | None = None
+            snapshot = self._fleet.snapshot(
+                self._fleet.candidates(features.model), match.blocks, match.scores
+            )
+        else:
+            d = choice.decision
+            decision = {
+                "replica": d.replica,
+                "reason": d.reason,
+                "matched_blocks": d.matched_blocks,
+                "predicted_cached_tokens": choice.predicted_tokens,
+            }
+            snapshot = choice.snapshot
+        scores = choice.decision.scores if decision is not None else {}
+        return _json(
+            {
+                "model": features.model,
+                "policy": state.policy.name,
+                "prompt_tokens": features.prompt_tokens,
+                "block_size": features.block_size,
+                "blocks": len(features.block_keys),
+                "session_id": features.session_id,
+                "decision": decision,
+                "replicas": [
+                    {
+                        "id": r.id,
+                        "healthy": r.healthy,
+                        "matched_blocks": r.matched_blocks,
+                        "matched_tokens": r.matched_blocks * features.block_size,
+                        "match_score": r.match_score,
+                        "score": scores.get(r.id),
+                        "in_flight_requests": r.in_flight_requests,
+                        "pending_prefill_tokens": r.pending_prefill_tokens,
+                        "engine_running": r.engine_running,
+                        "engine_waiting": r.engine_waiting,
+                        "kv_usage": r.kv_usage,
+                    }
+                    for r in snapshot.replicas
+                ],
+            }
+        )
+
+    async def replicas(self, request: web.Request) -> web.StreamResponse:
+        return _json({"replicas": [rec.describe() for rec in self._fleet.records()]})
+
+    async def index(self, request: web.Request) -> web.StreamResponse:
+        replica = request.query.get("replica")
+        if replica is not None:
+            if replica not in self._index.replicas:
+                return error_response(404, f"unknown replica {replica!r}", param="replica")
+            return _json({"replica": replica, "keys": self._index.precise_keys(replica)})
+        cfg = self._index.config
+        return _json(
+            {
+                "keys": len(self._index),
+                "entries": self._index.entries,
+                "max_total_blocks": cfg.max_total_blocks,
+                "max_blocks_per_replica": cfg.max_blocks_per_replica,
+                "replicas": self._index.stats(),
+            }
+        )

@@ -1,0 +1,238 @@
+"""The composition root: the one place that builds the gateway's parts and owns their lifetimes.
+
+Build order: config -> prefix index -> fleet -> policy -> featurizer -> proxy -> inventory server
+-> health checker -> telemetry (metrics registry, tracing, access log).
+
+Start order: client session, inventory server, one health round (so /ready reflects the fleet
+before traffic arrives), background loops (health, index expiry), then the HTTP listener.
+
+Shutdown order (``stop``), the reverse: HTTP listener first (no new requests; in-flight ones get
+``shutdown_grace_s``), then the health loop, the index expiry loop, the inventory server (agents
+reconnect elsewhere or later), the upstream client session, and tracing last so the final spans
+are flushed. Every background task is created here and cancelled and awaited here.
+
+Reload (SIGHUP or ``POST /admin/reload``) rereads the file, validates it, builds the new policy
+and featurizer, then swaps ``self._state`` in one assignment and reconfigures the fleet's static
+replicas. An invalid file changes nothing. Fields that need a restart (listen addresses, index
+bounds, inventory, shared state, OTLP endpoint, auth variable names) are reported, not applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from gateway.access_log import AccessLog, configure_logging
+from gateway.admin import Admin
+from gateway.approximate_features import CharBlockFeaturizer
+from gateway.config import ConfigError, GatewayConfig, load_config
+from gateway.fleet import Fleet
+from gateway.health import HealthChecker
+from gateway.inventory_server import InventoryServer
+from gateway.metrics import GatewayMetrics
+from gateway.openai_errors import error_response
+from gateway.proxy import Proxy
+from gateway.routing import Featurizer, Router, RoutingState
+from gateway.tracing import Tracing
+from router_policies.prefix_index import PrefixIndex
+from router_policies.registry import PolicyConfigError, build_policy
+
+log = logging.getLogger("kvgate.app")
+
+_RESTART_ONLY = ("listen", "index", "inventory", "shared_state", "auth")
+EXPIRE_INTERVAL_S = 1.0
+
+
+def build_featurizer(config: GatewayConfig) -> Featurizer:
+    return CharBlockFeaturizer(
+        {m.name: m.char_block_size for m in config.models},
+        default_block=64,
+        session_header=config.proxy.session_header,
+    )
+
+
+def build_state(config: GatewayConfig) -> RoutingState:
+    policy = build_policy(config.policy.name, config.policy.params_for(), seed=config.policy.seed)
+    return RoutingState(
+        config=config,
+        policy=policy,
+        featurizer=build_featurizer(config),
+        models=frozenset(m.name for m in config.models),
+    )
+
+
+def _env_token(name: str | None, env: Mapping[str, str]) -> str | None:
+    return (env.get(name) or None) if name else None
+
+
+class GatewayApp:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        config_path: str | Path | None = None,
+        env: Mapping[str, str] | None = None,
+        shutdown_grace_s: float = 5.0,
+    ) -> None:
+        self._env = dict(os.environ if env is None else env)
+        self._config_path = Path(config_path) if config_path is not None else None
+        self._grace = shutdown_grace_s
+        self.index = PrefixIndex(config.index)
+        self.fleet = Fleet(config, self.index)
+        self._state = build_state(config)
+        self.router = Router(self.index, self.fleet)
+        self.registry = CollectorRegistry()
+        self.metrics = GatewayMetrics(self.registry, self.index, self.fleet)
+        self.tracing = Tracing(config.telemetry.otlp_endpoint)
+        self.access_log = AccessLog()
+        self.inventory = InventoryServer(
+            self.index,
+            self.fleet,
+            token=_env_token(config.auth.agent_token_env, self._env),
+            registry=self.registry,
+            block_bound_factor=config.inventory.block_bound_factor,
+            ack_every=config.inventory.ack_every,
+            tls_cert=config.inventory.tls_cert,
+            tls_key=config.inventory.tls_key,
+        )
+        self._admin_token = _env_token(config.auth.admin_token_env, self._env)
+        self._session: aiohttp.ClientSession | None = None
+        self._proxy: Proxy | None = None
+        self._health: HealthChecker | None = None
+        self._expire_task: asyncio.Task[None] | None = None
+        self._runner: web.AppRunner | None = None
+        self.http_port = 0
+        self.inventory_port = 0
+
+    # ------------------------------------------------------------------ state
+    @property
+    def state(self) -> RoutingState:
+        return self._state
+
+    @property
+    def config(self) -> GatewayConfig:
+        return self._state.config
+
+    def reload(self) -> str | None:
+        """Reread and apply the config file; returns None, or the error (nothing changed)."""
+        if self._config_path is None:
+            return "the gateway was started without a config file"
+        try:
+            new = load_config(self._config_path, self._env)
+            state = build_state(new)
+        except (ConfigError, PolicyConfigError) as exc:
+            self.metrics.reloads.labels("rejected").inc()
+            log.error("config reload rejected, the running config stays: %s", exc)
+            return str(exc)
+        old = self._state.config
+        pending = [k for k in _RESTART_ONLY if getattr(old, k) != getattr(new, k)]
+        if old.telemetry.otlp_endpoint != new.telemetry.otlp_endpoint:
+            pending.append("telemetry.otlp_endpoint")
+        self._state = state  # the atomic swap: requests read the state once at their start
+        self.fleet.reconfigure(new)
+        configure_logging(new.telemetry.log_level, new.telemetry.access_log)
+        self.metrics.reloads.labels("applied").inc()
+        if pending:
+            log.warning("config reloaded; changes to %s apply after a restart", ", ".join(pending))
+        else:
+            log.info("config reloaded (policy %s)", state.policy.name)
+        return None
+
+    # ------------------------------------------------------------------ HTTP
+    def _web_app(self) -> web.Application:
+        assert self._proxy is not None
+        p = self._proxy
+        admin = Admin(
+            lambda: self._state, lambda: self._admin_token, self, self.router, self.fleet, self.index
+        )
+        app = web.Application(client_max_size=1024 * 1024)  # only admin bodies use aiohttp's reader
+        app.add_routes(
+            [
+                web.post("/v1/completions", p.completions),
+                web.post("/v1/chat/completions", p.chat_completions),
+                web.get("/v1/models", p.models),
+                web.get("/health", self._health_endpoint),
+                web.get("/ready", self._ready),
+                web.get("/metrics", self._metrics_endpoint),
+                *admin.routes(),
+            ]
+        )
+        return app
+
+    async def _health_endpoint(self, request: web.Request) -> web.StreamResponse:
+        return web.json_response({"status": "ok"})
+
+    async def _ready(self, request: web.Request) -> web.StreamResponse:
+        if self.fleet.any_healthy():
+            return web.json_response({"status": "ready"})
+        return error_response(503, "no healthy replica", code="not_ready")
+
+    async def _metrics_endpoint(self, request: web.Request) -> web.StreamResponse:
+        if not self._state.config.telemetry.metrics:
+            return error_response(404, "metrics are disabled (telemetry.metrics)")
+        return web.Response(
+            body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(EXPIRE_INTERVAL_S)
+            self.index.expire(time.monotonic())
+
+    async def start(self, http: str | None = None, inventory: str | None = None) -> None:
+        cfg = self._state.config
+        configure_logging(cfg.telemetry.log_level, cfg.telemetry.access_log)
+        loop = asyncio.get_running_loop()
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=60),
+            auto_decompress=False,  # bytes pass through as the replica sent them
+            skip_auto_headers=("Accept-Encoding", "User-Agent"),
+        )
+        self._proxy = Proxy(
+            lambda: self._state,
+            self.router,
+            self.fleet,
+            self._session,
+            self.metrics,
+            self.tracing,
+            self.access_log,
+        )
+        self.inventory_port = await self.inventory.start(inventory or cfg.listen.inventory)
+        self._health = HealthChecker(self.fleet, self._session, lambda: self._state.config.health)
+        await self._health.start()
+        self._expire_task = loop.create_task(self._expire_loop(), name="kvgate-index-expiry")
+        self._runner = web.AppRunner(self._web_app(), handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        host, _, port = (http or cfg.listen.http).rpartition(":")
+        site = web.TCPSite(self._runner, host, int(port), shutdown_timeout=self._grace)
+        await site.start()
+        addrs = self._runner.addresses
+        self.http_port = int(addrs[0][1]) if addrs else int(port)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._health is not None:
+            await self._health.stop()
+            self._health = None
+        if self._expire_task is not None:
+            self._expire_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._expire_task
+            self._expire_task = None
+        await self.inventory.stop()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        self.tracing.shutdown()

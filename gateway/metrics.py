@@ -1,0 +1,126 @@
+"""Prometheus metrics on a registry the app owns (no global default registry).
+
+Counters and histograms are updated on the request path; gauges that mirror state (index size,
+fleet health and load, prediction-audit fractions) are read at scrape time by a collector, so the
+hot path never maintains them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gateway.fleet import Fleet
+from router_policies.prefix_index import PrefixIndex
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
+_TOKEN_BUCKETS = (0, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+_ERROR_BUCKETS = (-4096, -1024, -256, -64, -16, -1, 0, 1, 16, 64, 256, 1024, 4096)
+
+
+class _StateCollector(Collector):
+    """Index size and fleet state, read when Prometheus scrapes."""
+
+    def __init__(self, index: PrefixIndex, fleet: Fleet) -> None:
+        self._index = index
+        self._fleet = fleet
+
+    def collect(self) -> Iterator[Metric]:
+        keys = GaugeMetricFamily("kvgate_index_keys", "Distinct block keys in the prefix index.")
+        keys.add_metric([], len(self._index))
+        yield keys
+        entries = GaugeMetricFamily(
+            "kvgate_index_entries", "Index entries per replica and kind.", labels=["replica", "kind"]
+        )
+        for rid, st in self._index.stats().items():
+            entries.add_metric([rid, "precise"], st["precise"])
+            entries.add_metric([rid, "approximate"], st["approximate"])
+        yield entries
+        healthy = GaugeMetricFamily(
+            "kvgate_replica_healthy", "1 when the replica is routable.", labels=["replica"]
+        )
+        inflight = GaugeMetricFamily(
+            "kvgate_replica_in_flight_requests", "Requests routed and not finished.", labels=["replica"]
+        )
+        pending = GaugeMetricFamily(
+            "kvgate_replica_pending_prefill_tokens",
+            "Uncached prompt tokens routed and awaiting a first byte.",
+            labels=["replica"],
+        )
+        exact = GaugeMetricFamily(
+            "kvgate_prediction_exact_fraction",
+            "Share of audited requests whose predicted cached tokens equal the engine's report.",
+            labels=["replica"],
+        )
+        for rec in self._fleet.records():
+            healthy.add_metric([rec.id], 1.0 if rec.healthy else 0.0)
+            inflight.add_metric([rec.id], rec.in_flight_requests)
+            pending.add_metric([rec.id], rec.pending_prefill_tokens)
+            if rec.audit_total:
+                exact.add_metric([rec.id], rec.audit_exact / rec.audit_total)
+        yield healthy
+        yield inflight
+        yield pending
+        yield exact
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry, index: PrefixIndex, fleet: Fleet) -> None:
+        self.registry = registry
+        self.requests = Counter(
+            "kvgate_requests",
+            "Proxied requests by policy, replica (none when not routed) and HTTP status.",
+            ["policy", "replica", "status"],
+            registry=registry,
+        )
+        self.retries = Counter(
+            "kvgate_retries", "Attempts retried on another replica, by cause.", ["reason"], registry=registry
+        )
+        self.decision_seconds = Histogram(
+            "kvgate_decision_seconds",
+            "Features, index match and policy choice per request.",
+            buckets=_DECISION_BUCKETS,
+            registry=registry,
+        )
+        self.predicted_tokens = Histogram(
+            "kvgate_predicted_matched_tokens",
+            "Cached prompt tokens predicted on the chosen replica.",
+            ["policy"],
+            buckets=_TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.ttft_seconds = Histogram(
+            "kvgate_ttft_seconds",
+            "Time to the first upstream byte, seen through the proxy.",
+            ["replica"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.e2e_seconds = Histogram(
+            "kvgate_e2e_seconds",
+            "Request start to last byte, seen through the proxy.",
+            ["replica"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.audit = Counter(
+            "kvgate_prediction_audit",
+            "Requests whose engine reported cached tokens, by outcome (exact, over, under).",
+            ["replica", "outcome"],
+            registry=registry,
+        )
+        self.audit_error = Histogram(
+            "kvgate_prediction_error_tokens",
+            "Predicted minus engine-reported cached tokens.",
+            ["replica"],
+            buckets=_ERROR_BUCKETS,
+            registry=registry,
+        )
+        self.reloads = Counter(
+            "kvgate_config_reloads", "Config reloads by result.", ["result"], registry=registry
+        )
+        registry.register(_StateCollector(index, fleet))

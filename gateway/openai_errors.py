@@ -1,0 +1,72 @@
+"""OpenAI's error shape, for every error the gateway itself produces.
+
+Over HTTP: ``{"error": {"message", "type", "param", "code"}}`` with the matching status. Inside an
+SSE stream that already started (a replica died mid-stream) the same object goes out as one last
+``data:`` event, since the status line was already sent.
+"""
+
+from __future__ import annotations
+
+import orjson
+from aiohttp import web
+
+# status -> OpenAI error type, as the OpenAI API and vLLM use them
+_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    502: "upstream_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+
+class RequestRejected(Exception):
+    """A request the gateway answers itself with an OpenAI error (bad field, unknown model...)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> bytes:
+    return orjson.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": _TYPES.get(status, "api_error"),
+                "param": param,
+                "code": code,
+            }
+        }
+    )
+
+
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    return web.Response(
+        status=status,
+        body=error_body(status, message, param, code),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def sse_error_event(status: int, message: str, code: str | None = None) -> bytes:
+    """One SSE event carrying the error object, then the stream terminator clients wait for."""
+    return b"data: " + error_body(status, message, None, code) + b"\n\ndata: [DONE]\n\n"

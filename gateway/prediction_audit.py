@@ -1,0 +1,67 @@
+"""The prediction audit: compare the cached prompt tokens the gateway predicted for the replica it
+chose with what the engine reports in ``usage.prompt_tokens_details.cached_tokens``.
+
+The response bytes are only read, never changed: a non-streaming body is parsed after it was
+received in full; for a stream, a bounded tail of the bytes is kept and the last ``data:`` event
+carrying ``usage`` (sent when the client asked for ``stream_options.include_usage``) is parsed at
+the end.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from gateway.fleet import ReplicaRecord
+from gateway.metrics import GatewayMetrics
+
+SSE_TAIL_BYTES = 64 * 1024  # the usage event is the last or second-to-last event of a stream
+
+
+def cached_tokens_of(doc: Any) -> int | None:
+    if not isinstance(doc, dict):
+        return None
+    usage = doc.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details")
+    if not isinstance(details, dict):
+        return None
+    cached = details.get("cached_tokens")
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
+
+
+def cached_tokens_in_body(body: bytes) -> int | None:
+    try:
+        return cached_tokens_of(orjson.loads(body))
+    except orjson.JSONDecodeError:
+        return None
+
+
+def cached_tokens_in_sse_tail(tail: bytes) -> int | None:
+    """The cached tokens of the last event carrying usage in the tail of an SSE stream."""
+    for event in reversed(tail.replace(b"\r\n", b"\n").split(b"\n\n")):
+        if b'"usage"' not in event:
+            continue
+        for line in event.split(b"\n"):
+            if line.startswith(b"data:"):
+                try:
+                    found = cached_tokens_of(orjson.loads(line[5:].strip()))
+                except orjson.JSONDecodeError:
+                    continue
+                if found is not None:
+                    return found
+    return None
+
+
+def record_audit(metrics: GatewayMetrics, record: ReplicaRecord, predicted: int, reported: int) -> None:
+    record.audit_total += 1
+    diff = predicted - reported
+    if diff == 0:
+        record.audit_exact += 1
+        outcome = "exact"
+    else:
+        outcome = "over" if diff > 0 else "under"
+    metrics.audit.labels(record.id, outcome).inc()
+    metrics.audit_error.labels(record.id).observe(diff)

@@ -1,0 +1,100 @@
+"""The decision for one request: index match -> immutable fleet snapshot -> policy -> speculative
+index entry.
+
+``RoutingState`` is everything a reload can change (config, policy, featurizer); the app swaps
+the whole object in one assignment, and a request reads it once at its start, so a request never
+mixes two configs.
+
+Everything here is synchronous: the index and fleet are mutated without an await in between, so
+each decision is atomic on the event loop.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Awaitable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from gateway.config import GatewayConfig
+from gateway.fleet import Fleet, ReplicaRecord
+from router_policies.policy import Decision, FleetSnapshot, Policy, RequestFeatures
+from router_policies.prefix_index import MatchResult, PrefixIndex
+
+
+class Featurizer(Protocol):
+    """Turns a parsed OpenAI request body into routing features (tokens -> block keys)."""
+
+    def __call__(
+        self, endpoint: str, body: Mapping[str, Any], headers: Mapping[str, str]
+    ) -> Awaitable[RequestFeatures]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingState:
+    config: GatewayConfig
+    policy: Policy
+    featurizer: Featurizer
+    models: frozenset[str]  # configured model names
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    decision: Decision
+    record: ReplicaRecord
+    snapshot: FleetSnapshot
+    predicted_tokens: int  # cached prompt tokens the engine should report on this replica
+
+
+def predicted_cached_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
+    """What the engine will report as cached for ``matched_blocks`` leading blocks.
+
+    vLLM always computes at least the prompt's last token (its cache-hit length is capped at
+    ``prompt_tokens - 1``), so a fully cached prompt whose length is a multiple of the block size
+    reports one block less."""
+    if prompt_tokens <= 0:
+        return 0
+    return min(matched_blocks, (prompt_tokens - 1) // block_size) * block_size
+
+
+class Router:
+    def __init__(self, index: PrefixIndex, fleet: Fleet) -> None:
+        self._index = index
+        self._fleet = fleet
+
+    def match(self, features: RequestFeatures) -> MatchResult:
+        return self._index.match(features.block_keys)
+
+    def choose(
+        self,
+        state: RoutingState,
+        features: RequestFeatures,
+        match: MatchResult,
+        exclude: frozenset[str] = frozenset(),
+        explain: bool = False,
+    ) -> Choice:
+        """Pick a replica (raises ``NoReplicaError``). Unless ``explain``, records the speculative
+        index entry; ``explain`` runs a copy of the policy so the live one's state is untouched."""
+        candidates = self._fleet.candidates(features.model)
+        snap = self._fleet.snapshot(candidates, match.blocks, match.scores, exclude)
+        policy = copy.deepcopy(state.policy) if explain else state.policy
+        decision = policy.choose(features, snap)
+        record = self._fleet.get(decision.replica)
+        assert record is not None  # the snapshot only holds fleet records
+        matched = match.blocks.get(decision.replica, 0)
+        predicted = predicted_cached_tokens(matched, features.prompt_tokens, features.block_size)
+        if not explain and features.block_keys:
+            self._touch(state, decision.replica, features)
+        return Choice(decision, record, snap, predicted)
+
+    def _touch(self, state: RoutingState, replica: str, features: RequestFeatures) -> None:
+        now = time.monotonic()
+        idx_cfg = self._index.config
+        if self._fleet.has_agent(replica):
+            # The engine's own events will follow within moments; the entry only bridges that
+            # gap, so it is back-dated to expire after proxy.speculative_ttl_s instead of the
+            # index's approximate_ttl_s (one replica's entries keep a consistent age offset, so
+            # the index's oldest-first expiry order holds).
+            now -= max(0.0, idx_cfg.approximate_ttl_s - state.config.proxy.speculative_ttl_s)
+        self._index.touch_approximate(replica, features.block_keys, now)
