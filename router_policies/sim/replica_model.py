@@ -243,6 +243,22 @@ class ReplicaModel:
         self._pending_events.append(AllBlocksCleared())
         return True
 
+    def abort(self, request_id: RequestId) -> bool:
+        """vLLM's abort (the client went away): drop a waiting or running request between steps.
+        Its blocks are released like a finished request's (cached ones stay cached, no event).
+        False when the request is not in the engine."""
+        for i, r in enumerate(self._running):
+            if r.req.request_id == request_id:
+                del self._running[i]
+                self._release(r)
+                return True
+        for r in self._waiting:
+            if r.req.request_id == request_id:
+                self._waiting.remove(r)
+                self._release(r)  # no-op unless it holds blocks
+                return True
+        return False
+
     # ------------------------------------------------------------------ queries
     def next_step_time(self) -> float | None:
         if self._running:
