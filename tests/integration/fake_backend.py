@@ -6,10 +6,11 @@ It prints ``fake-backend port=N`` once listening. Its answers are deterministic 
 request body, so a test can compare the bytes received through the gateway with the bytes the
 backend sends directly. The prompt (or the last chat message) steers its behaviour:
 
-* ``die-before-first-byte``: the process exits at once (a replica killed during prefill);
-* ``die-mid-stream``: a stream sends two chunks, then the process exits;
-* ``hang``: the response never comes (the handler waits until the client goes away);
-* ``overloaded``: 503.
+* ``die-before-first-byte@ID``: replica ID exits at once (a replica killed during prefill);
+* ``die-mid-stream@ID``: a stream from replica ID sends two chunks, then the process exits;
+* ``overloaded@ID``: replica ID answers 503;
+* ``hang-forever``: the response never comes (the handler waits until the client goes away);
+* ``slow``: stream chunks 0.3 s apart instead of 0.02 s.
 
 ``fake_cached_tokens`` in the body sets ``usage.prompt_tokens_details.cached_tokens``.
 ``GET /stats`` returns ``{"active", "requests", "cancelled"}`` (handlers still running, requests
@@ -73,13 +74,14 @@ class Backend:
     async def _generate(
         self, request: web.Request, raw: bytes, body: dict[str, Any], text: str
     ) -> web.StreamResponse:
-        if "die-before-first-byte" in text:
+        me = f"@{self.replica}"
+        if "die-before-first-byte" + me in text:
             os._exit(3)
-        if "overloaded" in text:
+        if "overloaded" + me in text:
             return web.json_response(
                 {"error": {"message": "overloaded", "type": "x", "param": None, "code": 503}}, status=503
             )
-        if "hang" in text:
+        if "hang-forever" in text:
             await asyncio.Event().wait()
         digest = hashlib.sha256(raw).hexdigest()[:16]
         cached = int(body.get("fake_cached_tokens", 0))
@@ -110,8 +112,8 @@ class Backend:
         for i, w in enumerate(words):
             chunk = {"id": f"cmpl-{digest}", "choices": [{"index": 0, "text": w}], "usage": None}
             await resp.write(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode())
-            await asyncio.sleep(0.02)
-            if i == 1 and "die-mid-stream" in text:
+            await asyncio.sleep(0.3 if "slow" in text else 0.02)
+            if i == 1 and "die-mid-stream" + me in text:
                 os._exit(4)
         if (body.get("stream_options") or {}).get("include_usage"):
             final = {"id": f"cmpl-{digest}", "choices": [], "usage": usage}

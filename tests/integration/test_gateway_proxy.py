@@ -1,0 +1,226 @@
+"""The proxy on real processes: ``kvgate serve`` in front of fake backends on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+
+import aiohttp
+
+from tests.integration.gateway_harness import Procs, base_config, http, wait_until
+
+JSON = {"content-type": "application/json"}
+
+
+def _post(url: str, doc: object, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    return http("POST", url, json.dumps(doc).encode(), {**JSON, **(headers or {})})
+
+
+def test_non_streaming_and_streaming_bytes_identical(procs: Procs) -> None:
+    b = procs.backend("r0")
+    gw = procs.gateway(base_config(b))
+    bodies = [
+        {"model": "m", "prompt": "Say something ünicode ✓", "max_tokens": 3},
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        {"model": "m", "prompt": "stream me", "stream": True},
+        {"model": "m", "messages": [{"role": "user", "content": "s"}], "stream": True,
+         "stream_options": {"include_usage": True}},
+    ]  # fmt: skip
+    for body in bodies:
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        # odd whitespace: the gateway must forward these bytes, not a re-serialisation
+        raw = json.dumps(body, indent=3).encode()
+        s1, h1, direct = http("POST", b.url + path, raw, JSON)
+        s2, h2, proxied = http("POST", gw.url + path, raw, JSON)
+        assert (s1, s2) == (200, 200)
+        assert proxied == direct
+        assert h2["content-type"] == h1["content-type"]
+        assert h2["x-kvgate-replica"] == "r0"
+        assert "x-kvgate-matched-tokens" in h2
+    assert "transfer-encoding" not in h2 or h2["transfer-encoding"] == "chunked"
+
+
+def test_debug_headers_can_be_switched_off(procs: Procs) -> None:
+    b = procs.backend("r0")
+    gw = procs.gateway(base_config(b, proxy={"debug_headers": False}))
+    status, headers, _ = _post(gw.url + "/v1/completions", {"model": "m", "prompt": "x"})
+    assert status == 200
+    assert "x-kvgate-replica" not in headers and "x-kvgate-matched-tokens" not in headers
+
+
+def test_hop_by_hop_headers_are_not_forwarded(procs: Procs) -> None:
+    b = procs.backend("r0")
+    gw = procs.gateway(base_config(b))
+    status, headers, _ = _post(
+        gw.url + "/v1/completions",
+        {"model": "m", "prompt": "x"},
+        {"connection": "keep-alive, x-private", "x-private": "secret", "te": "trailers"},
+    )
+    assert status == 200
+    assert "x-private" not in {k.lower() for k in headers}
+
+
+async def test_client_disconnect_frees_the_upstream_slot(procs: Procs) -> None:
+    b = procs.backend("r0")
+    gw = procs.gateway(base_config(b))
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.ensure_future(
+            s.post(gw.url + "/v1/completions", json={"model": "m", "prompt": "hang-forever", "stream": True})
+        )
+        await asyncio.to_thread(wait_until, lambda: b.stats()["active"] == 1, what="backend busy")
+        assert gw.replicas()["r0"]["in_flight_requests"] == 1
+        task.cancel()  # the client goes away before any byte
+        await asyncio.gather(task, return_exceptions=True)
+    await asyncio.to_thread(wait_until, lambda: b.stats()["active"] == 0, what="backend slot freed")
+    assert b.stats()["cancelled"] == 1
+    await asyncio.to_thread(
+        wait_until, lambda: gw.replicas()["r0"]["in_flight_requests"] == 0, what="gateway in-flight released"
+    )
+    assert gw.replicas()["r0"]["pending_prefill_tokens"] == 0
+
+
+def test_replica_killed_before_first_byte_is_retried_elsewhere(procs: Procs) -> None:
+    r0, r1 = procs.backend("r0"), procs.backend("r1")
+    gw = procs.gateway(base_config(r0, r1))  # round_robin from seed 0: the first request goes to r0
+    status, headers, body = _post(
+        gw.url + "/v1/completions", {"model": "m", "prompt": "die-before-first-byte@r0"}
+    )
+    assert status == 200, body
+    assert headers["x-kvgate-replica"] == "r1"
+    assert json.loads(body)["served_by"] == "r1"
+    assert r0.proc.wait(5) == 3  # r0 really died on that request
+    reps = gw.replicas()
+    assert reps["r0"]["healthy"] is False and reps["r0"]["failures"] == 1
+    assert 'kvgate_retries_total{reason="disconnect"} 1.0' in gw.metrics()
+    # and the fleet carries on without r0
+    for _ in range(3):
+        s, h, _b = _post(gw.url + "/v1/completions", {"model": "m", "prompt": "after"})
+        assert (s, h["x-kvgate-replica"]) == (200, "r1")
+
+
+def test_503_before_first_byte_is_retried(procs: Procs) -> None:
+    r0, r1 = procs.backend("r0"), procs.backend("r1")
+    gw = procs.gateway(base_config(r0, r1))
+    status, headers, _ = _post(gw.url + "/v1/completions", {"model": "m", "prompt": "overloaded@r0"})
+    assert (status, headers["x-kvgate-replica"]) == (200, "r1")
+    assert 'kvgate_retries_total{reason="503"} 1.0' in gw.metrics()
+
+
+def test_503_is_passed_through_when_retries_are_spent(procs: Procs) -> None:
+    r0 = procs.backend("r0")
+    gw = procs.gateway(base_config(r0, proxy={"retries": 0}))
+    status, _, body = _post(gw.url + "/v1/completions", {"model": "m", "prompt": "overloaded@r0"})
+    assert status == 503
+    assert json.loads(body)["error"]["message"] == "overloaded"
+
+
+async def test_replica_killed_mid_stream_ends_that_stream_only(procs: Procs) -> None:
+    r0, r1 = procs.backend("r0"), procs.backend("r1")
+    gw = procs.gateway(base_config(r0, r1))
+    async with aiohttp.ClientSession() as s:
+
+        async def stream(prompt: str) -> tuple[str, bytes]:
+            body = {"model": "m", "prompt": prompt, "stream": True}
+            async with s.post(gw.url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                return resp.headers["x-kvgate-replica"], await resp.read()
+
+        # round robin: the first goes to r0 (which dies after two chunks), the second to r1
+        first = asyncio.ensure_future(stream("slow die-mid-stream@r0"))
+        await asyncio.sleep(0)  # let the first request be routed first
+        second = asyncio.ensure_future(stream("slow other stream"))
+        (rep0, dying), (rep1, healthy) = await asyncio.gather(first, second)
+    assert (rep0, rep1) == ("r0", "r1")
+    events = [e for e in dying.decode().split("\n\n") if e]
+    assert len(events) == 4  # two chunks, the error event, [DONE]
+    assert json.loads(events[0].removeprefix("data: "))["choices"][0]["text"] == "alpha"
+    err = json.loads(events[2].removeprefix("data: "))["error"]
+    assert err["code"] == "upstream_error" and "r0" in err["message"]
+    assert events[3] == "data: [DONE]"
+    # the other stream is whole, byte for byte what r1 sends
+    _, _, direct = http(
+        "POST",
+        r1.url + "/v1/completions",
+        json.dumps({"model": "m", "prompt": "slow other stream", "stream": True}).encode(),
+        JSON,
+    )
+    assert healthy == direct
+    assert r0.proc.wait(5) == 4
+
+
+def test_error_rows(procs: Procs) -> None:
+    b = procs.backend("r0")
+    gw = procs.gateway(base_config(b, proxy={"max_body_bytes": 2000}))
+    url = gw.url + "/v1/completions"
+
+    def err(status: int, raw: bytes) -> dict[str, object]:
+        s, h, body = http("POST", url, raw, JSON)
+        assert s == status, body
+        assert h["content-type"].startswith("application/json")
+        doc = json.loads(body)
+        assert set(doc["error"]) == {"message", "type", "param", "code"}
+        out: dict[str, object] = doc["error"]
+        return out
+
+    assert err(400, b'{"model": "m", "prompt": ')["code"] == "invalid_json"
+    assert err(400, b"[1, 2]")["type"] == "invalid_request_error"
+    assert err(400, b'{"prompt": "x"}')["param"] == "model"
+    e = err(404, b'{"model": "nope", "prompt": "x"}')
+    assert (e["param"], e["code"], e["type"]) == ("model", "model_not_found", "not_found_error")
+    assert err(413, json.dumps({"model": "m", "prompt": "x" * 3000}).encode())["code"] == "body_too_large"
+    # chunked upload over the limit (no Content-Length)
+    s, _, body = http("POST", url, iter([b'{"model": "m", "prompt": "', b"y" * 3000, b'"}']), JSON)  # type: ignore[arg-type]
+    assert s == 413, body
+
+
+def test_no_healthy_replica_is_503_and_not_ready(procs: Procs) -> None:
+    b = procs.backend("r0")
+    gw = procs.gateway(base_config(b))
+    assert http("GET", gw.url + "/ready")[0] == 200
+    b.proc.send_signal(signal.SIGKILL)
+    b.proc.wait()
+    wait_until(lambda: not gw.replicas()["r0"]["healthy"], what="r0 ejected by health checks")
+    status, _, body = _post(gw.url + "/v1/completions", {"model": "m", "prompt": "x"})
+    assert status == 503
+    assert json.loads(body)["error"]["code"] == "no_healthy_replica"
+    s, _, ready = http("GET", gw.url + "/ready")
+    assert s == 503 and json.loads(ready)["error"]["code"] == "not_ready"
+    assert http("GET", gw.url + "/health")[0] == 200  # the gateway itself is alive
+
+
+def test_upstream_failure_everywhere_is_502(procs: Procs) -> None:
+    r0, r1 = procs.backend("r0"), procs.backend("r1")
+    gw = procs.gateway(base_config(r0, r1, proxy={"retries": 1}))
+    status, _, body = _post(
+        gw.url + "/v1/completions",
+        {"model": "m", "prompt": "die-before-first-byte@r0 die-before-first-byte@r1"},
+    )
+    assert status == 502
+    err = json.loads(body)["error"]
+    assert err["code"] == "upstream_error" and err["type"] == "upstream_error"
+
+
+def test_per_request_timeout_is_504(procs: Procs) -> None:
+    b = procs.backend("r0")
+    gw = procs.gateway(base_config(b, proxy={"request_timeout_s": 0.5}))
+    status, _, body = _post(gw.url + "/v1/completions", {"model": "m", "prompt": "hang-forever"})
+    assert status == 504
+    assert json.loads(body)["error"]["code"] == "upstream_timeout"
+    wait_until(lambda: b.stats()["active"] == 0, what="the upstream request cancelled")
+
+
+def test_models_is_the_union_over_healthy_replicas(procs: Procs) -> None:
+    a, b, c = procs.backend("r0", "m1"), procs.backend("r1", "m2"), procs.backend("r2", "m3")
+    gw = procs.gateway(base_config(a, b, c))
+    c.proc.send_signal(signal.SIGKILL)
+    c.proc.wait()
+    wait_until(lambda: not gw.replicas()["r2"]["healthy"], what="r2 ejected")
+    status, _, body = http("GET", gw.url + "/v1/models")
+    assert status == 200
+    doc = json.loads(body)
+    assert doc["object"] == "list"
+    assert sorted(m["id"] for m in doc["data"]) == ["m1", "m2"]
+    # a model served only by an unhealthy replica exists but has nowhere to go
+    assert _post(gw.url + "/v1/completions", {"model": "m3", "prompt": "x"})[0] == 503
+    assert _post(gw.url + "/v1/completions", {"model": "m2", "prompt": "x"})[1]["x-kvgate-replica"] == "r1"
