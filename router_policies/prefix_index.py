@@ -10,9 +10,17 @@ Two kinds of entries per replica:
   ``approximate_ttl_s`` after their last touch and obey ``approximate_blocks_per_replica``,
   evicting leaf first, least recently used first.
 
+Storage: one ``BlockTable`` (``block_table.py``: numpy arrays of uint64 keys and replica bit
+masks, open addressing, numba-compiled kernels) holds, per block key, the mask of replica slots
+holding it precisely or approximately. About 17-40 bytes per distinct key at up to 64 replicas,
+instead of ~150 for Python dicts; a batch of keys is applied by one compiled loop. Per replica,
+Python keeps only what is small or rare: the precise count, the media of non-GPU precise entries,
+and the approximate entries' LRU order.
+
 Invariants
-* ``_holders[key]`` is the bit mask of replica slots holding ``key`` precisely or approximately;
-  a key with an empty mask is absent from the dict.
+* A replica's bit is set on ``key`` iff the replica holds ``key`` precisely or approximately; the
+  two are disjoint, so a set bit with ``key`` absent from ``approx`` means a precise entry.
+* ``precise_count`` equals the number of set bits minus ``len(approx)``.
 * In each replica's approximate ``OrderedDict`` (oldest first) every block stands *before* its
   parent: a touch walks the path from the leaf back to the root, moving each entry to the end.
   Hence the first entry never has a child in the dict, so ``popitem(last=False)`` always evicts
@@ -30,7 +38,10 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
+
+from router_policies.block_table import BlockTable, as_keys
 
 GPU = "GPU"
 
@@ -62,12 +73,11 @@ class IndexBoundError(Exception):
 @dataclass(slots=True)
 class _Replica:
     slot: int
-    bit: int
-    # key -> medium, for precise entries
-    precise: dict[int, str] = field(default_factory=dict)
+    precise_count: int = 0
+    # key -> medium, only for precise entries whose medium is not GPU (rare: offloaded blocks)
+    non_gpu: dict[int, str] = field(default_factory=dict)
     # key -> last touch time, oldest first, each block before its parent
     approx: OrderedDict[int, float] = field(default_factory=OrderedDict)
-    non_gpu: int = 0  # precise entries whose medium is not GPU; 0 lets match() skip weighting
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +91,7 @@ class MatchResult:
 class PrefixIndex:
     def __init__(self, config: IndexConfig | None = None) -> None:
         self.config = config or IndexConfig()
-        self._holders: dict[int, int] = {}
+        self._table = BlockTable()
         self._replicas: dict[str, _Replica] = {}
         self._by_slot: dict[int, str] = {}
         self._free_slots: list[int] = []
@@ -99,7 +109,7 @@ class PrefixIndex:
                 raise IndexBoundError(f"index already tracks max_replicas={self.config.max_replicas}")
             slot = self._next_slot
             self._next_slot += 1
-        self._replicas[replica] = _Replica(slot=slot, bit=1 << slot)
+        self._replicas[replica] = _Replica(slot=slot)
         self._by_slot[slot] = replica
 
     def remove_replica(self, replica: str) -> None:
@@ -127,52 +137,54 @@ class PrefixIndex:
     def store(self, replica: str, keys: Sequence[int], medium: str = GPU) -> int:
         """Record that ``replica`` holds ``keys``; idempotent. Returns the number of new entries."""
         rep = self._rep(replica)
-        precise = rep.precise
-        new = [k for k in dict.fromkeys(keys) if k not in precise]
-        if len(precise) + len(new) > self.config.max_blocks_per_replica:
+        batch = as_keys(keys)
+        if batch.size == 0:
+            return 0
+        approx = rep.approx
+        # keys held approximately become precise without a new entry (bits already set)
+        promoted = [k for k in dict.fromkeys(batch.tolist()) if k in approx] if approx else []
+        newly = self._table.set(batch, rep.slot)
+        added = len(newly)
+        new = added + len(promoted)
+        if rep.precise_count + new > self.config.max_blocks_per_replica:
+            self._table.unset_slots(newly, rep.slot)
             raise IndexBoundError(
-                f"replica {replica!r} would hold {len(precise) + len(new)} blocks, "
+                f"replica {replica!r} would hold {rep.precise_count + new} blocks, "
                 f"over max_blocks_per_replica={self.config.max_blocks_per_replica}"
             )
-        added = sum(1 for k in new if k not in rep.approx)
         if self._entries + added > self.config.max_total_blocks:
+            self._table.unset_slots(newly, rep.slot)
             raise IndexBoundError(f"index would exceed max_total_blocks={self.config.max_total_blocks}")
-        holders = self._holders
-        bit = rep.bit
-        approx = rep.approx
-        for k in new:
-            precise[k] = medium
-            if k in approx:
-                # a precise entry supersedes the approximate one
-                del approx[k]
-            else:
-                holders[k] = holders.get(k, 0) | bit
+        for k in promoted:
+            # a precise entry supersedes the approximate one
+            del approx[k]
         if medium != GPU:
-            rep.non_gpu += len(new)
+            non_gpu = rep.non_gpu
+            new_keys = self._table.keys[newly].tolist()
+            for k in new_keys + promoted:
+                non_gpu[k] = medium
+        rep.precise_count += new
         self._entries += added
-        return len(new)
+        return new
 
     def remove(self, replica: str, keys: Iterable[int]) -> int:
         """Forget precise entries; keys not held are ignored. Returns the number removed."""
         rep = self._replicas.get(replica)
         if rep is None:
             return 0
-        precise = rep.precise
-        holders = self._holders
-        mask = ~rep.bit
-        removed = 0
-        for k in keys:
-            medium = precise.pop(k, None)
-            if medium is None:
-                continue
-            removed += 1
-            if medium != GPU:
-                rep.non_gpu -= 1
-            rest = holders[k] & mask
-            if rest:
-                holders[k] = rest
-            else:
-                del holders[k]
+        if rep.approx:
+            # an approximate entry is not the agent's to remove
+            approx = rep.approx
+            keys = [k for k in (keys.tolist() if isinstance(keys, np.ndarray) else keys) if k not in approx]
+        batch = as_keys(keys if isinstance(keys, Sequence | np.ndarray) else list(keys))
+        if batch.size == 0:
+            return 0
+        removed = self._table.unset(batch, rep.slot)
+        if rep.non_gpu:
+            non_gpu = rep.non_gpu
+            for k in batch.tolist():
+                non_gpu.pop(k, None)
+        rep.precise_count -= removed
         self._entries -= removed
         return removed
 
@@ -181,7 +193,7 @@ class PrefixIndex:
         rep = self._replicas.get(replica)
         if rep is None:
             return 0
-        return self.remove(replica, list(rep.precise))
+        return self.remove(replica, self._table.keys_of(rep.slot))
 
     def replace_replica(self, replica: str, entries: Mapping[int, str]) -> None:
         """Atomically replace the precise inventory of ``replica`` (a snapshot): on a bound error
@@ -192,16 +204,19 @@ class PrefixIndex:
                 f"over max_blocks_per_replica={self.config.max_blocks_per_replica}"
             )
         rep = self._rep(replica)
-        grow = sum(1 for k in entries if k not in rep.precise and k not in rep.approx) - sum(
-            1 for k in rep.precise if k not in entries
+        current = set(self.precise_keys(replica))
+        approx = rep.approx
+        grow = sum(1 for k in entries if k not in current and k not in approx) - sum(
+            1 for k in current if k not in entries
         )
         if self._entries + grow > self.config.max_total_blocks:
             raise IndexBoundError(f"index would exceed max_total_blocks={self.config.max_total_blocks}")
-        self.remove(replica, [k for k in rep.precise if k not in entries])
+        self.remove(replica, [k for k in current if k not in entries])
         by_medium: dict[str, list[int]] = {}
+        non_gpu = rep.non_gpu
         for k, medium in entries.items():
-            if rep.precise.get(k) != medium:
-                if k in rep.precise:
+            if k not in current or non_gpu.get(k, GPU) != medium:
+                if k in current:
                     self.remove(replica, (k,))
                 by_medium.setdefault(medium, []).append(k)
         for medium, keys in by_medium.items():
@@ -209,11 +224,15 @@ class PrefixIndex:
 
     def precise_keys(self, replica: str) -> list[int]:
         rep = self._replicas.get(replica)
-        return list(rep.precise) if rep else []
+        if rep is None:
+            return []
+        held = self._table.keys_of(rep.slot).tolist()
+        approx = rep.approx
+        return [k for k in held if k not in approx] if approx else held
 
     def precise_count(self, replica: str) -> int:
         rep = self._replicas.get(replica)
-        return len(rep.precise) if rep else 0
+        return rep.precise_count if rep else 0
 
     # ---------------------------------------------------------------- approximate
     def touch_approximate(self, replica: str, keys: Sequence[int], now: float) -> None:
@@ -230,36 +249,34 @@ class PrefixIndex:
             # a prompt longer than the whole budget keeps its leading blocks: those are the ones
             # another request can share
             keys = keys[:cap]
-        precise = rep.precise
+        batch = as_keys(keys)
+        if batch.size == 0:
+            return
+        held = self._table.has(batch, rep.slot).tolist()
         approx = rep.approx
-        holders = self._holders
-        bit = rep.bit
-        added = 0
+        fresh: list[int] = []
         # leaf to root, so that every block ends up before its parent (see the module invariant)
-        for k in reversed(keys):
-            if k in precise:
-                continue
+        for k, h in zip(reversed(batch.tolist()), reversed(held), strict=True):
             if k in approx:
                 approx.move_to_end(k)
                 approx[k] = now
+            elif h:
+                continue  # held precisely
             else:
                 approx[k] = now
-                holders[k] = holders.get(k, 0) | bit
-                added += 1
-        self._entries += added
+                fresh.append(k)
+        if fresh:
+            self._table.set(as_keys(fresh), rep.slot)
+            self._entries += len(fresh)
         over_total = self._entries - self.config.max_total_blocks
-        overflow = max(len(approx) - cap, over_total, 0)
-        for _ in range(min(overflow, len(approx))):
-            k, _t = approx.popitem(last=False)
-            self._drop_holder_bit(k, rep)
+        overflow = min(max(len(approx) - cap, over_total, 0), len(approx))
+        if overflow:
+            self._drop_approximate(rep, [approx.popitem(last=False)[0] for _ in range(overflow)])
 
-    def _drop_holder_bit(self, key: int, rep: _Replica) -> None:
-        self._entries -= 1
-        rest = self._holders[key] & ~rep.bit
-        if rest:
-            self._holders[key] = rest
-        else:
-            del self._holders[key]
+    def _drop_approximate(self, rep: _Replica, keys: list[int]) -> None:
+        """Clear the bits of approximate entries already popped from ``rep.approx``."""
+        if keys:
+            self._entries -= self._table.unset(as_keys(keys), rep.slot)
 
     def expire(self, now: float, replica: str | None = None) -> int:
         """Drop approximate entries untouched for longer than the TTL."""
@@ -268,22 +285,24 @@ class PrefixIndex:
         dropped = 0
         for rep in reps:
             approx = rep.approx
+            gone: list[int] = []
             while approx:
                 k, t = next(iter(approx.items()))
                 if t >= deadline:
                     break
                 del approx[k]
-                self._drop_holder_bit(k, rep)
-                dropped += 1
+                gone.append(k)
+            self._drop_approximate(rep, gone)
+            dropped += len(gone)
         return dropped
 
     def clear_approximate(self, replica: str) -> None:
         rep = self._replicas.get(replica)
         if rep is None:
             return
-        while rep.approx:
-            k, _t = rep.approx.popitem(last=False)
-            self._drop_holder_bit(k, rep)
+        gone = list(rep.approx)
+        rep.approx.clear()
+        self._drop_approximate(rep, gone)
 
     def approximate_keys(self, replica: str) -> list[int]:
         """Approximate keys of ``replica``, eviction order first."""
@@ -294,56 +313,47 @@ class PrefixIndex:
     def match(self, keys: Sequence[int]) -> MatchResult:
         """Each replica's longest leading run of ``keys`` (replicas matching nothing are absent)."""
         blocks: dict[str, int] = {}
-        n = len(keys)
-        if n == 0:
+        if len(keys) == 0:
             return MatchResult(blocks=blocks, scores={})
-        holders = self._holders
+        runs = self._table.match(as_keys(keys))
         by_slot = self._by_slot
-        alive = holders.get(keys[0], 0)
-        i = 1
-        while alive and i < n:
-            nxt = alive & holders.get(keys[i], 0)
-            if nxt != alive:
-                self._record(alive & ~nxt, i, blocks, by_slot)
-            alive = nxt
-            i += 1
-        if alive:
-            self._record(alive, n, blocks, by_slot)
+        for slot in np.flatnonzero(runs).tolist():
+            blocks[by_slot[slot]] = int(runs[slot])
         scores: dict[str, float] = {}
         weights = self.config.medium_weights
+        gpu_weight = weights.get(GPU, 1.0)
         for name, run in blocks.items():
-            rep = self._replicas[name]
-            if rep.non_gpu == 0:
-                scores[name] = float(run) * weights.get(GPU, 1.0)
+            non_gpu = self._replicas[name].non_gpu
+            if not non_gpu:
+                scores[name] = float(run) * gpu_weight
             else:
-                precise = rep.precise
-                scores[name] = sum(weights.get(precise.get(k, GPU), 1.0) for k in keys[:run])
+                scores[name] = sum(weights.get(non_gpu.get(k, GPU), 1.0) for k in keys[:run])
         return MatchResult(blocks=blocks, scores=scores)
 
-    @staticmethod
-    def _record(mask: int, run: int, out: dict[str, int], by_slot: Mapping[int, str]) -> None:
+    def holders_of(self, key: int) -> list[str]:
+        mask = self._table.mask_of(key)
+        out: list[str] = []
         while mask:
             low = mask & -mask
-            out[by_slot[low.bit_length() - 1]] = run
+            out.append(self._by_slot[low.bit_length() - 1])
             mask ^= low
-
-    def holders_of(self, key: int) -> list[str]:
-        mask = self._holders.get(key, 0)
-        out: dict[str, int] = {}
-        self._record(mask, 0, out, self._by_slot)
         return sorted(out)
 
     def __len__(self) -> int:
         """Distinct keys held by any replica."""
-        return len(self._holders)
+        return self._table.live
 
     @property
     def entries(self) -> int:
         """Precise plus approximate entries over all replicas (the bounded quantity)."""
         return self._entries
 
+    def table_bytes(self) -> int:
+        """Bytes of the key table's arrays (the bulk of the index's memory)."""
+        return self._table.nbytes()
+
     def stats(self) -> dict[str, dict[str, int]]:
         return {
-            name: {"precise": len(rep.precise), "approximate": len(rep.approx)}
+            name: {"precise": rep.precise_count, "approximate": len(rep.approx)}
             for name, rep in self._replicas.items()
         }

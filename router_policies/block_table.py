@@ -1,0 +1,341 @@
+"""A compact hash table from 64-bit block key to a bit mask of replica slots (the prefix index's
+storage, ARCHITECTURE.md §6).
+
+Layout: open addressing with linear probing over three numpy arrays of ``capacity`` slots,
+``capacity`` a power of two:
+
+* ``keys``   uint64 — the block key of a used slot;
+* ``state``  uint8  — 0 empty, 1 used (a used slot may hold an all-zero mask: a *dead* key,
+  kept so that the probe chains through it stay intact and reused if the key comes back);
+* ``masks``  uint64[words, capacity] — bit ``s % 64`` of row ``s // 64`` is set iff replica slot
+  ``s`` holds the key. ``words`` grows with the highest replica slot in use.
+
+That is ``9 + 8 * words`` bytes per slot; the table is rebuilt (dead keys dropped) or doubled when
+used slots would exceed ``MAX_LOAD`` of the capacity, so a live key costs at most
+``(9 + 8 * words) / (MAX_LOAD / 2)`` bytes right after a doubling and less as it fills.
+
+The kernels are compiled with numba (``nopython``, cached on disk) because the per-call cost of
+a dozen numpy operations (~30 us) dominates event batches of a few keys; a compiled loop costs
+~1 us per call plus a few ns per key. Every kernel keeps integer arithmetic in uint64/int64 (numba
+would promote a uint64/int64 mix to float64).
+
+Invariants
+* A key occupies at most one used slot, found by probing from ``hash(key)`` up to the first
+  empty slot; no kernel ever empties a used slot (only ``rebuilt`` drops dead keys).
+* ``live`` counts used slots whose mask is non-zero; ``used`` counts used slots.
+* The caller guarantees room before an inserting kernel runs (``reserve``), so probing always
+  terminates on an empty slot.
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import numba
+import numpy as np
+import numpy.typing as npt
+
+U64 = npt.NDArray[np.uint64]
+I64 = npt.NDArray[np.int64]
+U8 = npt.NDArray[np.uint8]
+
+MAX_LOAD = 0.7
+MIN_BITS = 10
+_GOLD = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: spreads small or structured keys
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _compiled(fn: F) -> F:
+    return cast(F, numba.njit(cache=True, nogil=True)(fn))
+
+
+@_compiled
+def _probe(keys: U64, state: U8, shift: np.uint64, key: np.uint64) -> int:
+    """The slot of ``key``, or the empty slot where it would go."""
+    last = keys.shape[0] - 1
+    i = np.int64((key * _GOLD) >> shift)
+    while state[i] != 0 and keys[i] != key:
+        i = (i + 1) & last
+    return int(i)
+
+
+@_compiled
+def _alive(masks: U64, i: int) -> bool:
+    for w in range(masks.shape[0]):  # noqa: SIM110 (numba compiles loops, not generators)
+        if masks[w, i] != 0:
+            return True
+    return False
+
+
+@_compiled
+def k_set(
+    keys: U64, state: U8, masks: U64, shift: np.uint64, batch: U64, word: int, bit: np.uint64, newly: I64
+) -> tuple[int, int, int]:
+    """Set ``bit`` of ``word`` for every key of ``batch``, inserting absent keys. The slots whose
+    bit was newly set go to ``newly[:n]``. Returns (n, slots newly used, keys newly live)."""
+    n = 0
+    fresh = 0
+    live = 0
+    for j in range(batch.shape[0]):
+        key = batch[j]
+        i = _probe(keys, state, shift, key)
+        if state[i] == 0:
+            state[i] = 1
+            keys[i] = key
+            fresh += 1
+        m = masks[word, i]
+        if (m & bit) == 0:
+            if not _alive(masks, i):
+                live += 1
+            masks[word, i] = m | bit
+            newly[n] = i
+            n += 1
+    return n, fresh, live
+
+
+@_compiled
+def k_unset_slots(masks: U64, slots: I64, word: int, bit: np.uint64) -> int:
+    """Clear ``bit`` in the given slots (an undo of ``k_set``). Returns keys no longer live."""
+    dead = 0
+    inv = ~bit
+    for j in range(slots.shape[0]):
+        i = slots[j]
+        if (masks[word, i] & bit) != 0:
+            masks[word, i] &= inv
+            if not _alive(masks, i):
+                dead += 1
+    return dead
+
+
+@_compiled
+def k_unset(
+    keys: U64, state: U8, masks: U64, shift: np.uint64, batch: U64, word: int, bit: np.uint64
+) -> tuple[int, int]:
+    """Clear ``bit`` for every key of ``batch`` that has it. Returns (bits cleared, keys no
+    longer live)."""
+    cleared = 0
+    dead = 0
+    inv = ~bit
+    for j in range(batch.shape[0]):
+        i = _probe(keys, state, shift, batch[j])
+        if state[i] != 0 and (masks[word, i] & bit) != 0:
+            masks[word, i] &= inv
+            cleared += 1
+            if not _alive(masks, i):
+                dead += 1
+    return cleared, dead
+
+
+@_compiled
+def k_has(keys: U64, state: U8, masks: U64, shift: np.uint64, batch: U64, word: int, bit: np.uint64) -> U8:
+    """1 where the key of ``batch`` has ``bit`` set, else 0."""
+    out = np.zeros(batch.shape[0], dtype=np.uint8)
+    for j in range(batch.shape[0]):
+        i = _probe(keys, state, shift, batch[j])
+        if state[i] != 0 and (masks[word, i] & bit) != 0:
+            out[j] = 1
+    return out
+
+
+@_compiled
+def k_mask_of(keys: U64, state: U8, masks: U64, shift: np.uint64, key: np.uint64) -> U64:
+    out = np.zeros(masks.shape[0], dtype=np.uint64)
+    i = _probe(keys, state, shift, key)
+    if state[i] != 0:
+        for w in range(masks.shape[0]):
+            out[w] = masks[w, i]
+    return out
+
+
+@_compiled
+def k_match(keys: U64, state: U8, masks: U64, shift: np.uint64, batch: U64) -> I64:
+    """Per replica slot, the length of its leading run of ``batch`` (0: no match). The walk
+    stops as soon as no replica is still matching."""
+    words = masks.shape[0]
+    runs = np.zeros(words * 64, dtype=np.int64)
+    alive = np.zeros(words, dtype=np.uint64)
+    n = batch.shape[0]
+    any_alive = False
+    i0 = _probe(keys, state, shift, batch[0])
+    if state[i0] != 0:
+        for w in range(words):
+            alive[w] = masks[w, i0]
+            if alive[w] != 0:
+                any_alive = True
+    j = 1
+    while any_alive and j < n:
+        i = _probe(keys, state, shift, batch[j])
+        used = state[i] != 0
+        any_alive = False
+        for w in range(words):
+            a = alive[w]
+            if a == 0:
+                continue
+            nxt = a & masks[w, i] if used else np.uint64(0)
+            dropped = a & ~nxt
+            while dropped != 0:
+                low = dropped & (~dropped + np.uint64(1))
+                b = 0
+                while (low >> np.uint64(b)) != np.uint64(1):
+                    b += 1
+                runs[w * 64 + b] = j
+                dropped ^= low
+            alive[w] = nxt
+            if nxt != 0:
+                any_alive = True
+        j += 1
+    for w in range(words):
+        a = alive[w]
+        for b in range(64):
+            if (a >> np.uint64(b)) & np.uint64(1):
+                runs[w * 64 + b] = n
+    return runs
+
+
+@_compiled
+def k_keys_with(keys: U64, state: U8, masks: U64, word: int, bit: np.uint64) -> U64:
+    """Every key that has ``bit`` of ``word`` set, in slot order."""
+    n = 0
+    row = masks[word]
+    for i in range(keys.shape[0]):
+        if state[i] != 0 and (row[i] & bit) != 0:
+            n += 1
+    out = np.empty(n, dtype=np.uint64)
+    n = 0
+    for i in range(keys.shape[0]):
+        if state[i] != 0 and (row[i] & bit) != 0:
+            out[n] = keys[i]
+            n += 1
+    return out
+
+
+@_compiled
+def k_rehash(
+    keys: U64, state: U8, masks: U64, new_keys: U64, new_state: U8, new_masks: U64, shift: np.uint64
+) -> int:
+    """Insert the live keys of the old arrays into the new (empty) ones. Returns keys moved."""
+    moved = 0
+    words = masks.shape[0]
+    for i in range(keys.shape[0]):
+        if state[i] != 0 and _alive(masks, i):
+            j = _probe(new_keys, new_state, shift, keys[i])
+            new_state[j] = 1
+            new_keys[j] = keys[i]
+            for w in range(words):
+                new_masks[w, j] = masks[w, i]
+            moved += 1
+    return moved
+
+
+def as_keys(keys: Any) -> U64:
+    """Block keys (any sequence of ints in [0, 2**64), or a uint64 array) as a uint64 array."""
+    if isinstance(keys, np.ndarray) and keys.dtype == np.uint64:
+        return keys
+    # array.array converts a list of ints in one C loop, faster than np.array's generic path
+    return np.frombuffer(array.array("Q", keys), dtype=np.uint64)
+
+
+class BlockTable:
+    """The arrays and their counters; methods map one-to-one to kernels and keep the counters."""
+
+    __slots__ = ("_newly", "bits", "keys", "live", "masks", "shift", "state", "used")
+
+    def __init__(self, bits: int = MIN_BITS, words: int = 1) -> None:
+        self.bits = bits
+        self.shift = np.uint64(64 - bits)
+        self.keys: U64 = np.zeros(1 << bits, dtype=np.uint64)
+        self.state: U8 = np.zeros(1 << bits, dtype=np.uint8)
+        self.masks: U64 = np.zeros((words, 1 << bits), dtype=np.uint64)
+        self.used = 0
+        self.live = 0
+        self._newly: I64 = np.empty(64, dtype=np.int64)
+
+    @property
+    def capacity(self) -> int:
+        return 1 << self.bits
+
+    @property
+    def words(self) -> int:
+        return int(self.masks.shape[0])
+
+    def nbytes(self) -> int:
+        return int(self.keys.nbytes + self.state.nbytes + self.masks.nbytes)
+
+    def ensure_words(self, words: int) -> None:
+        """Make room for replica slots below ``64 * words``."""
+        if words > self.words:
+            grown = np.zeros((words, self.capacity), dtype=np.uint64)
+            grown[: self.words] = self.masks
+            self.masks = grown
+
+    def reserve(self, incoming: int) -> None:
+        """Guarantee that ``incoming`` more keys fit under ``MAX_LOAD``: drop dead keys, and
+        double the capacity while the live ones would still fill more than half of the limit."""
+        if self.used + incoming <= MAX_LOAD * self.capacity:
+            return
+        bits = self.bits
+        while self.live + incoming > MAX_LOAD * (1 << bits) / 2:
+            bits += 1
+        new_keys = np.zeros(1 << bits, dtype=np.uint64)
+        new_state = np.zeros(1 << bits, dtype=np.uint8)
+        new_masks = np.zeros((self.words, 1 << bits), dtype=np.uint64)
+        shift = np.uint64(64 - bits)
+        moved = k_rehash(self.keys, self.state, self.masks, new_keys, new_state, new_masks, shift)
+        self.keys, self.state, self.masks = new_keys, new_state, new_masks
+        self.bits, self.shift = bits, shift
+        self.used = self.live = moved
+
+    def set(self, batch: U64, slot: int) -> I64:
+        """Give replica ``slot`` every key of ``batch``; returns the table slots it newly got."""
+        self.ensure_words((slot >> 6) + 1)
+        self.reserve(len(batch))
+        if len(self._newly) < len(batch):
+            self._newly = np.empty(max(len(batch), 2 * len(self._newly)), dtype=np.int64)
+        n, fresh, live = k_set(
+            self.keys,
+            self.state,
+            self.masks,
+            self.shift,
+            batch,
+            slot >> 6,
+            np.uint64(1 << (slot & 63)),
+            self._newly,
+        )
+        self.used += fresh
+        self.live += live
+        return self._newly[:n]
+
+    def unset_slots(self, slots: I64, slot: int) -> None:
+        self.live -= k_unset_slots(self.masks, slots, slot >> 6, np.uint64(1 << (slot & 63)))
+
+    def unset(self, batch: U64, slot: int) -> int:
+        """Take every key of ``batch`` from replica ``slot``; returns how many it held."""
+        if slot >> 6 >= self.words:
+            return 0
+        cleared, dead = k_unset(
+            self.keys, self.state, self.masks, self.shift, batch, slot >> 6, np.uint64(1 << (slot & 63))
+        )
+        self.live -= dead
+        return int(cleared)
+
+    def has(self, batch: U64, slot: int) -> U8:
+        if slot >> 6 >= self.words:
+            return np.zeros(len(batch), dtype=np.uint8)
+        return k_has(
+            self.keys, self.state, self.masks, self.shift, batch, slot >> 6, np.uint64(1 << (slot & 63))
+        )
+
+    def mask_of(self, key: int) -> int:
+        words = k_mask_of(self.keys, self.state, self.masks, self.shift, np.uint64(key))
+        return sum(int(m) << (64 * w) for w, m in enumerate(words.tolist()))
+
+    def match(self, batch: U64) -> I64:
+        return k_match(self.keys, self.state, self.masks, self.shift, batch)
+
+    def keys_of(self, slot: int) -> U64:
+        if slot >> 6 >= self.words:
+            return np.empty(0, dtype=np.uint64)
+        return k_keys_with(self.keys, self.state, self.masks, slot >> 6, np.uint64(1 << (slot & 63)))
