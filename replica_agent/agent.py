@@ -1,0 +1,224 @@
+"""The replica agent: engine events and load in, the gateway's inventory stream out.
+
+Tasks and their owner (``Agent.run``), stopped in this order when ``stop`` is set: the gateway
+stream (so the gateway sees the stream end before anything else), the load probe, the event
+subscriber; then the ZMQ context and the HTTP session are closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import aiohttp
+import zmq.asyncio
+
+from proto.kvgate.v1 import inventory_pb2 as pb
+from replica_agent.gateway_client import GatewayClient, HelloInfo
+from replica_agent.inventory import AgentInventory
+from replica_agent.load_probe import EngineLoad, MetricsParseError, parse_engine_metrics
+from replica_agent.outbox import Outbox
+from replica_agent.subscriber import EventSubscriber
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class AgentConfig:
+    replica_id: str
+    engine_url: str
+    events: str
+    gateway: str
+    replay: str | None = None
+    token: str | None = None
+    tls_ca: bytes | None = None
+    model: str | None = None  # default: the engine's first model in /v1/models
+    block_size: int | None = None  # default: the engine's /metrics, else the first event
+    capacity_blocks: int | None = None  # default: the engine's /metrics, else unknown
+    advertise_url: str | None = None  # URL the gateway routes to (default engine_url)
+    topic: str = ""
+    max_blocks: int = 2_000_000  # engine hash -> key map bound
+    max_outbox_events: int = 100_000
+    load_interval_s: float = 1.0
+    replay_timeout_s: float = 1.0
+    seed: int = 0
+    backoff_max_s: float = 5.0
+    engine_kind: str = field(default="")
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig) -> None:
+        self.cfg = cfg
+        self.outbox = Outbox(cfg.max_outbox_events)
+        self.inventory: AgentInventory | None = None
+        self.subscriber: EventSubscriber | None = None
+        self.client: GatewayClient | None = None
+        self.models: list[str] = []
+        self.engine_version = ""
+        self.load: EngineLoad | None = None
+        self.probe_errors = 0
+        self.ready = asyncio.Event()  # subscribed to the engine's events
+
+    # ------------------------------------------------------------------ providers for the client
+    def _hello(self) -> HelloInfo | None:
+        inv = self.inventory
+        if inv is None or inv.block_size is None:
+            return None
+        load = self.load
+        capacity = self.cfg.capacity_blocks or (load.capacity_blocks if load else None) or 0
+        inv.capacity_blocks = capacity
+        engine = self.cfg.engine_kind or (load.engine if load and load.engine else "vllm")
+        return HelloInfo(
+            replica_id=self.cfg.replica_id,
+            url=self.cfg.advertise_url or self.cfg.engine_url,
+            models=self.models,
+            block_size=inv.block_size,
+            capacity_blocks=capacity,
+            engine=engine,
+            engine_version=self.engine_version,
+        )
+
+    def _state(self) -> pb.AgentState:
+        inv = self.inventory
+        sub = self.subscriber
+        assert inv is not None and sub is not None
+        return pb.AgentState(
+            degraded=inv.degraded,
+            reason=inv.degraded_reason,
+            engine_gaps=sub.stats.gaps,
+            unrecovered_gaps=sub.stats.unrecovered_gaps,
+            skipped_blocks=inv.stats.skipped_blocks,
+        )
+
+    def _load(self) -> pb.Load | None:
+        ld = self.load
+        if ld is None:
+            return None
+        return pb.Load(
+            running=ld.running,
+            waiting=ld.waiting,
+            kv_usage=ld.kv_usage,
+            prefix_queries=ld.prefix_queries,
+            prefix_hits=ld.prefix_hits,
+        )
+
+    # ------------------------------------------------------------------ engine HTTP
+    async def _discover(self, http: aiohttp.ClientSession, stop: asyncio.Event) -> str:
+        """The model name that roots block keys: the configured one, else the engine's first."""
+        base = self.cfg.engine_url.rstrip("/")
+        while True:
+            try:
+                async with http.get(f"{base}/v1/models") as resp:
+                    if resp.status == 200:
+                        data = await resp.json()
+                        self.models = [
+                            m["id"] for m in data.get("data", []) if isinstance(m, dict) and "id" in m
+                        ]
+                with contextlib.suppress(aiohttp.ClientError, ValueError, asyncio.TimeoutError):
+                    async with http.get(f"{base}/version") as resp:
+                        if resp.status == 200:
+                            self.engine_version = str((await resp.json()).get("version", ""))
+            except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+                log.info("engine %s not answering yet: %s", base, exc)
+            if self.cfg.model:
+                if self.cfg.model not in self.models:
+                    self.models = [self.cfg.model, *self.models]
+                return self.cfg.model
+            if self.models:
+                return self.models[0]
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
+            if stop.is_set():
+                raise asyncio.CancelledError
+
+    async def _probe(self, http: aiohttp.ClientSession) -> None:
+        url = f"{self.cfg.engine_url.rstrip('/')}/metrics"
+        while True:
+            try:
+                async with http.get(url) as resp:
+                    text = await resp.text()
+                    if resp.status == 200:
+                        self.load = parse_engine_metrics(text)
+                        inv = self.inventory
+                        if inv is not None and inv.block_size is None and self.load.block_size:
+                            inv.block_size = self.load.block_size
+                        self.outbox.wake.set()
+            except (TimeoutError, aiohttp.ClientError, MetricsParseError, UnicodeDecodeError) as exc:
+                self.probe_errors += 1
+                log.debug("load probe failed: %s", exc)
+            await asyncio.sleep(self.cfg.load_interval_s)
+
+    # ------------------------------------------------------------------ run
+    async def run(self, stop: asyncio.Event) -> None:
+        cfg = self.cfg
+        timeout = aiohttp.ClientTimeout(total=5.0, connect=2.0)
+        ctx = zmq.asyncio.Context()
+        tasks: list[asyncio.Task[None]] = []
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            try:
+                # the probe first: it may tell the block size before the engine has sent any event
+                tasks.append(asyncio.create_task(self._probe(http), name="agent-probe"))
+                try:
+                    model = await self._discover(http, stop)
+                except asyncio.CancelledError:
+                    if stop.is_set():
+                        return
+                    raise
+                self.inventory = AgentInventory(model, cfg.block_size, cfg.max_blocks, sink=self.outbox)
+                if self.load is not None and cfg.block_size is None and self.load.block_size:
+                    self.inventory.block_size = self.load.block_size
+
+                def on_applied(ts: float) -> None:
+                    self.outbox.engine_ts = ts
+
+                self.subscriber = EventSubscriber(
+                    ctx,
+                    cfg.events,
+                    cfg.replay,
+                    self.inventory,
+                    topic=cfg.topic.encode(),
+                    replay_timeout_s=cfg.replay_timeout_s,
+                    on_applied=on_applied,
+                )
+                self.client = GatewayClient(
+                    cfg.gateway,
+                    self.inventory,
+                    self.outbox,
+                    self._hello,
+                    token=cfg.token,
+                    tls_ca=cfg.tls_ca,
+                    state=self._state,
+                    load=self._load,
+                    seed=cfg.seed,
+                    backoff_max_s=cfg.backoff_max_s,
+                )
+                tasks.insert(0, asyncio.create_task(self.subscriber.run(), name="agent-subscriber"))
+                tasks.insert(0, asyncio.create_task(self.client.run(), name="agent-gateway"))
+                self.ready.set()
+                log.info(
+                    "agent %s: model %s, events %s, replay %s, gateway %s",
+                    cfg.replica_id,
+                    model,
+                    cfg.events,
+                    cfg.replay,
+                    cfg.gateway,
+                )
+                stopper = asyncio.create_task(stop.wait())
+                done, _ = await asyncio.wait({stopper, *tasks}, return_when=asyncio.FIRST_COMPLETED)
+                stopper.cancel()
+                for t in done:
+                    exc = None if t is stopper or t.cancelled() else t.exception()
+                    if exc is not None:
+                        raise exc
+            finally:
+                # order: gateway stream, probe, subscriber (tasks holds them in that order once started)
+                ordered = sorted(
+                    tasks, key=lambda t: {"agent-gateway": 0, "agent-probe": 1}.get(t.get_name(), 2)
+                )
+                for t in ordered:
+                    t.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await t
+                ctx.destroy(linger=0)

@@ -1,0 +1,108 @@
+"""``kvgate agent``: run a replica agent beside an engine (vLLM, SGLang or ``kvgate sim-engine``).
+
+    kvgate agent --replica-id r0 --engine-url http://127.0.0.1:8001 \\
+        --events tcp://127.0.0.1:5557 --replay tcp://127.0.0.1:5558 --gateway 127.0.0.1:50051
+
+Runs until SIGTERM or SIGINT, then closes its gateway stream and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+
+from replica_agent.agent import Agent, AgentConfig
+from router_policies.errors import UserInputError
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--replica-id", required=True, help="replica id, as the gateway knows it")
+    parser.add_argument("--engine-url", required=True, help="engine base URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument(
+        "--events", required=True, help="engine KV-event PUB endpoint, e.g. tcp://127.0.0.1:5557"
+    )
+    parser.add_argument(
+        "--replay", default=None, help="engine replay ROUTER endpoint, e.g. tcp://127.0.0.1:5558"
+    )
+    parser.add_argument("--gateway", required=True, help="gateway inventory HOST:PORT")
+    parser.add_argument(
+        "--token-env",
+        default="KVGATE_AGENT_TOKEN",
+        help="environment variable holding the gateway's agent token (default %(default)s; unset: none)",
+    )
+    parser.add_argument("--tls-ca", default=None, help="PEM CA bundle: connect to the gateway over TLS")
+    parser.add_argument(
+        "--model", default=None, help="model name rooting block keys (default: engine's first)"
+    )
+    parser.add_argument(
+        "--block-size", type=int, default=None, help="engine block size (default: from the engine)"
+    )
+    parser.add_argument("--capacity-blocks", type=int, default=None, help="engine KV capacity in blocks")
+    parser.add_argument(
+        "--advertise-url", default=None, help="URL the gateway should route to (default --engine-url)"
+    )
+    parser.add_argument("--topic", default="", help="ZMQ topic to subscribe to (default: all)")
+    parser.add_argument("--max-blocks", type=int, default=2_000_000, help="bound of the engine-hash map")
+    parser.add_argument("--load-interval", type=float, default=1.0, help="seconds between /metrics polls")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the reconnect jitter")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def _check(args: argparse.Namespace) -> AgentConfig:
+    for flag, value in (("--events", args.events), ("--replay", args.replay)):
+        if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+            raise UserInputError(f"{flag}: expected a ZMQ endpoint like tcp://HOST:PORT, got {value!r}")
+    host, sep, port = args.gateway.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise UserInputError(f"--gateway: expected HOST:PORT, got {args.gateway!r}")
+    if not args.engine_url.startswith(("http://", "https://")):
+        raise UserInputError(f"--engine-url: expected http(s)://..., got {args.engine_url!r}")
+    for flag, value in (("--block-size", args.block_size), ("--capacity-blocks", args.capacity_blocks)):
+        if value is not None and value <= 0:
+            raise UserInputError(f"{flag}: must be positive, got {value}")
+    if args.max_blocks <= 0:
+        raise UserInputError("--max-blocks: must be positive")
+    if args.load_interval <= 0:
+        raise UserInputError("--load-interval: must be positive")
+    tls_ca = None
+    if args.tls_ca:
+        try:
+            with open(args.tls_ca, "rb") as f:
+                tls_ca = f.read()
+        except OSError as exc:
+            raise UserInputError(f"--tls-ca: cannot read {args.tls_ca}: {exc.strerror}") from None
+    return AgentConfig(
+        replica_id=args.replica_id,
+        engine_url=args.engine_url,
+        events=args.events,
+        replay=args.replay,
+        gateway=args.gateway,
+        token=os.environ.get(args.token_env) or None if args.token_env else None,
+        tls_ca=tls_ca,
+        model=args.model,
+        block_size=args.block_size,
+        capacity_blocks=args.capacity_blocks,
+        advertise_url=args.advertise_url,
+        topic=args.topic,
+        max_blocks=args.max_blocks,
+        load_interval_s=args.load_interval,
+        seed=args.seed,
+    )
+
+
+async def _main(cfg: AgentConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await Agent(cfg).run(stop)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = _check(args)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_main(cfg))
+    return 0

@@ -1,0 +1,219 @@
+"""Decoding of the KV-cache events vLLM and SGLang publish over ZMQ (ARCHITECTURE.md §4).
+
+Wire format (checked against vllm/distributed/kv_events.py and SGLang's
+srt/disaggregation/kv_events.py, and against bytes recorded from a real vLLM):
+
+* frames ``[topic, seq, payload]``, ``seq`` an 8-byte big-endian counter per publisher;
+* ``payload`` is msgpack of an EventBatch: an array ``[ts, events]`` or ``[ts, events, dp_rank]``
+  (SGLang, older vLLM and vLLM 0.32 as observed), or a map ``{"ts", "events",
+  "data_parallel_rank"}`` (a msgspec Struct without ``array_like``);
+* each event is a map with a ``type`` key (current vLLM) or a tagged array whose first item is the
+  type name (older vLLM, SGLang), with fields in declaration order:
+  ``BlockStored``: block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+  lora_name, extra_keys, group_idx, ...; ``BlockRemoved``: block_hashes, medium, group_idx;
+  ``AllBlocksCleared``: nothing. Trailing fields with defaults may be omitted (``omit_defaults``).
+* block hashes are ints (vLLM: unsigned 64-bit; SGLang: signed 64-bit) or byte digests (vLLM with
+  ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``). They are only ever compared with each other, so both
+  are kept as the Python value msgpack gives (int or bytes).
+
+The cache salt travels in ``extra_keys`` of a request's first block (vLLM puts, per block,
+``lora_name`` first, then multimodal identifiers, then ``cache_salt`` on the first block only, then
+prompt-embedding hashes). A first block's salt is therefore its last ``str`` extra key that is not
+the LoRA name. Multimodal requests are not keyed faithfully (their placeholder tokens hide the
+image), which matches the gateway, which does not see the image either.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+EngineHash = int | bytes
+
+
+class MalformedEvent(ValueError):
+    """A payload or event that does not decode; the caller counts and skips it."""
+
+
+class BlockStored:
+    __slots__ = ("block_hashes", "block_size", "cache_salt", "lora_name", "medium", "parent", "token_ids")
+
+    def __init__(
+        self,
+        block_hashes: list[EngineHash],
+        parent: EngineHash | None,
+        token_ids: list[int],
+        block_size: int,
+        medium: str,
+        lora_name: str | None,
+        cache_salt: str | None,
+    ) -> None:
+        self.block_hashes = block_hashes
+        self.parent = parent
+        self.token_ids = token_ids
+        self.block_size = block_size
+        self.medium = medium
+        self.lora_name = lora_name
+        self.cache_salt = cache_salt
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockStored({len(self.block_hashes)} blocks, parent={self.parent!r}, "
+            f"block_size={self.block_size}, medium={self.medium!r}, lora={self.lora_name!r}, "
+            f"salt={self.cache_salt!r})"
+        )
+
+
+class BlockRemoved:
+    __slots__ = ("block_hashes", "medium")
+
+    def __init__(self, block_hashes: list[EngineHash], medium: str | None) -> None:
+        self.block_hashes = block_hashes
+        self.medium = medium
+
+    def __repr__(self) -> str:
+        return f"BlockRemoved({self.block_hashes!r}, medium={self.medium!r})"
+
+
+class AllBlocksCleared:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "AllBlocksCleared()"
+
+
+EngineEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+_STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+)
+_REMOVED_FIELDS = ("block_hashes", "medium")
+
+
+def _hashes(value: Any, what: str) -> list[EngineHash]:
+    if not isinstance(value, list):
+        raise MalformedEvent(f"{what}: block_hashes must be a list, got {type(value).__name__}")
+    for h in value:
+        if not isinstance(h, int | bytes) or isinstance(h, bool):
+            raise MalformedEvent(f"{what}: block hash of type {type(h).__name__}")
+    return value
+
+
+def _opt_str(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _salt(extra_keys: Any, lora_name: str | None) -> str | None:
+    """The cache salt of a request's first block, from that block's extra keys."""
+    if not isinstance(extra_keys, list) or not extra_keys:
+        return None
+    first = extra_keys[0]
+    if not isinstance(first, list | tuple):
+        return None
+    items = list(first)
+    if lora_name is not None and items and items[0] == lora_name:
+        items = items[1:]
+    for item in reversed(items):
+        if isinstance(item, str):
+            return item
+    return None
+
+
+def _stored(f: dict[str, Any]) -> BlockStored:
+    hashes = _hashes(f.get("block_hashes"), "BlockStored")
+    parent = f.get("parent_block_hash")
+    if parent is not None and (not isinstance(parent, int | bytes) or isinstance(parent, bool)):
+        raise MalformedEvent(f"BlockStored: parent_block_hash of type {type(parent).__name__}")
+    tokens = f.get("token_ids")
+    if not isinstance(tokens, list):
+        raise MalformedEvent("BlockStored: token_ids must be a list")
+    block_size = f.get("block_size")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+        raise MalformedEvent(f"BlockStored: bad block_size {block_size!r}")
+    medium = f.get("medium")
+    lora_name = _opt_str(f.get("lora_name"))
+    salt = _salt(f.get("extra_keys"), lora_name) if parent is None else None
+    return BlockStored(
+        hashes,
+        parent,
+        tokens,
+        block_size,
+        medium if isinstance(medium, str) and medium else "GPU",
+        lora_name,
+        salt,
+    )
+
+
+def _removed(f: dict[str, Any]) -> BlockRemoved:
+    medium = f.get("medium")
+    return BlockRemoved(
+        _hashes(f.get("block_hashes"), "BlockRemoved"), medium if isinstance(medium, str) else None
+    )
+
+
+def decode_event(raw: Any) -> EngineEvent:
+    """One event, map-encoded or tagged-array-encoded."""
+    if isinstance(raw, dict):
+        kind = raw.get("type")
+        fields = raw
+    elif isinstance(raw, list) and raw and isinstance(raw[0], str):
+        kind = raw[0]
+        if kind == "BlockStored":
+            fields = dict(zip(_STORED_FIELDS, raw[1:], strict=False))
+        elif kind == "BlockRemoved":
+            fields = dict(zip(_REMOVED_FIELDS, raw[1:], strict=False))
+        else:
+            fields = {}
+    else:
+        raise MalformedEvent(f"event is neither a map nor a tagged array: {type(raw).__name__}")
+    if kind == "BlockStored":
+        return _stored(fields)
+    if kind == "BlockRemoved":
+        return _removed(fields)
+    if kind == "AllBlocksCleared":
+        return AllBlocksCleared()
+    raise MalformedEvent(f"unknown event type {kind!r}")
+
+
+class EventBatch:
+    __slots__ = ("events", "malformed", "ts")
+
+    def __init__(self, ts: float, events: list[EngineEvent], malformed: int) -> None:
+        self.ts = ts
+        self.events = events
+        self.malformed = malformed  # events of the batch that did not decode (skipped)
+
+
+def decode_payload(payload: bytes) -> EventBatch:
+    """A batch of events. A payload that is not an EventBatch raises ``MalformedEvent``; single
+    events that do not decode are skipped and counted in ``EventBatch.malformed``."""
+    try:
+        obj = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types on bad input
+        raise MalformedEvent(f"payload is not msgpack: {exc}") from None
+    if isinstance(obj, list) and len(obj) >= 2:
+        ts, raw_events = obj[0], obj[1]
+    elif isinstance(obj, dict):
+        ts, raw_events = obj.get("ts", 0.0), obj.get("events")
+    else:
+        raise MalformedEvent("payload is not an event batch")
+    if not isinstance(raw_events, list):
+        raise MalformedEvent("payload events is not a list")
+    if not isinstance(ts, int | float) or isinstance(ts, bool):
+        ts = 0.0
+    events: list[EngineEvent] = []
+    malformed = 0
+    for raw in raw_events:
+        try:
+            events.append(decode_event(raw))
+        except MalformedEvent:
+            malformed += 1
+    return EventBatch(float(ts), events, malformed)

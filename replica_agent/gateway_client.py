@@ -1,0 +1,249 @@
+"""The agent's end of ``Inventory.Sync``: one stream at a time, reconnecting with jittered backoff.
+
+Each stream sends Hello, then a full snapshot of the agent's inventory, then deltas from the outbox
+in batches, the latest engine load, and the agent's state when it changes. On Resync it sends a
+fresh snapshot. When the stream fails (gateway down, restarted, refused) the agent keeps
+following its engine; the next stream begins with a snapshot, so the gateway catches up.
+
+Shutdown order (``run`` cancelled): the stream's reader task is cancelled, the call is cancelled,
+the channel closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+import grpc.aio
+
+from proto.kvgate.v1 import inventory_pb2 as pb
+from proto.kvgate.v1 import inventory_pb2_grpc as pbg
+from replica_agent.inventory import AgentInventory
+from replica_agent.outbox import Outbox
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+AGENT_VERSION = "0.1.0"
+SNAPSHOT_CHUNK = 16_384  # keys per SnapshotChunk (8 bytes each: ~128 KiB)
+
+
+@dataclass(slots=True)
+class HelloInfo:
+    replica_id: str
+    url: str
+    models: list[str]
+    block_size: int
+    capacity_blocks: int
+    engine: str
+    engine_version: str
+
+
+@dataclass(slots=True)
+class ClientStats:
+    connects: int = 0
+    failures: int = 0
+    snapshots_sent: int = 0
+    resyncs_received: int = 0
+    messages_sent: int = 0
+    acked_seq: int = 0
+    last_error: str = ""
+
+
+class GatewayClient:
+    def __init__(
+        self,
+        target: str,
+        inventory: AgentInventory,
+        outbox: Outbox,
+        hello: Callable[[], HelloInfo | None],
+        *,
+        token: str | None = None,
+        tls_ca: bytes | None = None,
+        state: Callable[[], pb.AgentState] | None = None,
+        load: Callable[[], pb.Load | None] | None = None,
+        seed: int = 0,
+        backoff_initial_s: float = 0.1,
+        backoff_max_s: float = 5.0,
+        flush_interval_s: float = 0.005,
+    ) -> None:
+        self.target = target
+        self.inventory = inventory
+        self.outbox = outbox
+        self._hello = hello
+        self._token = token
+        self._tls_ca = tls_ca
+        self._state = state
+        self._load = load
+        self._rng = random.Random(seed)
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self.flush_interval_s = flush_interval_s
+        self.stats = ClientStats()
+        self.connected = asyncio.Event()
+        self._snapshot_id = 0
+        self._last_state: bytes | None = None
+        self._last_load: bytes | None = None
+
+    def backoff(self, attempt: int) -> float:
+        """Delay before reconnect attempt ``attempt`` (0-based): exponential, capped, with jitter in
+        [50%, 100%] from the seeded generator so that agents restarted together spread out."""
+        base = min(self.backoff_max_s, self.backoff_initial_s * float(1 << min(attempt, 30)))
+        return base * (0.5 + 0.5 * self._rng.random())
+
+    async def run(self) -> None:
+        attempt = 0
+        while True:
+            hello = self._hello()
+            if hello is None:  # block size not known yet: wait for the engine to tell
+                await asyncio.sleep(0.05)
+                continue
+            established = False
+            try:
+                established = await self._session(hello)
+            except grpc.aio.AioRpcError as exc:
+                self.stats.failures += 1
+                self.stats.last_error = f"{exc.code().name}: {exc.details()}"
+                log.warning("gateway stream to %s ended: %s", self.target, self.stats.last_error)
+            finally:
+                self.outbox.close()
+                self.connected.clear()
+            if established:
+                attempt = 0
+            await asyncio.sleep(self.backoff(attempt))
+            attempt += 1
+
+    def _channel(self) -> grpc.aio.Channel:
+        options = [("grpc.max_send_message_length", 16 * 1024 * 1024)]
+        if self._tls_ca is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=self._tls_ca)
+            return grpc.aio.secure_channel(self.target, creds, options=options)
+        return grpc.aio.insecure_channel(self.target, options=options)
+
+    async def _session(self, hello: HelloInfo) -> bool:
+        """One stream, until it fails. Returns whether the gateway accepted the Hello."""
+        metadata = (("authorization", f"Bearer {self._token}"),) if self._token else None
+        async with self._channel() as channel:
+            stub = pbg.InventoryStub(channel)
+            call = stub.Sync(metadata=metadata)
+            seq = 0
+
+            async def send(**body: object) -> None:
+                nonlocal seq
+                seq += 1
+                await call.write(pb.AgentMessage(seq=seq, **body))  # type: ignore[arg-type]
+                self.stats.messages_sent += 1
+
+            reader = asyncio.create_task(self._read(call), name="agent-gateway-reader")
+            try:
+                await send(
+                    hello=pb.Hello(
+                        replica_id=hello.replica_id,
+                        url=hello.url,
+                        models=hello.models,
+                        block_size=hello.block_size,
+                        capacity_blocks=hello.capacity_blocks,
+                        engine=hello.engine,
+                        engine_version=hello.engine_version,
+                        agent_version=AGENT_VERSION,
+                        protocol_version=PROTOCOL_VERSION,
+                    )
+                )
+                self._last_state = self._last_load = None
+                await self._send_snapshot(send)
+                self.stats.connects += 1
+                self.connected.set()
+                log.info("streaming inventory to %s as %s", self.target, hello.replica_id)
+                while True:
+                    if reader.done():
+                        reader.result()  # raises the stream's error
+                        return True  # the gateway closed the stream cleanly
+                    await self._flush(send)
+                    wake = asyncio.ensure_future(self.outbox.wake.wait())
+                    done, _ = await asyncio.wait({wake, reader}, return_when=asyncio.FIRST_COMPLETED)
+                    if wake not in done:
+                        wake.cancel()
+                    self.outbox.wake.clear()
+                    if self.flush_interval_s > 0:
+                        await asyncio.sleep(self.flush_interval_s)  # let a batch gather
+            finally:
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                    await reader
+                call.cancel()
+
+    async def _read(self, call: grpc.aio.StreamStreamCall[pb.AgentMessage, pb.GatewayMessage]) -> None:
+        while True:
+            msg = await call.read()
+            if msg is grpc.aio.EOF:
+                # the gateway ended the stream: surface its status
+                code = await call.code()
+                if code != grpc.StatusCode.OK:
+                    raise grpc.aio.AioRpcError(
+                        code,
+                        await call.initial_metadata(),
+                        await call.trailing_metadata(),
+                        await call.details(),
+                    )
+                return
+            assert isinstance(msg, pb.GatewayMessage)
+            kind = msg.WhichOneof("body")
+            if kind == "ack":
+                self.stats.acked_seq = msg.ack.seq
+            elif kind == "resync":
+                self.stats.resyncs_received += 1
+                log.info("gateway asked for a snapshot: %s", msg.resync.reason)
+                self.outbox.need_snapshot = True
+                self.outbox.wake.set()
+
+    async def _flush(self, send: Callable[..., Awaitable[None]]) -> None:
+        outbox = self.outbox
+        if outbox.need_snapshot:
+            await self._send_snapshot(send)
+        events = outbox.take()
+        if events:
+            await send(events=pb.Events(events=events, engine_ts=outbox.engine_ts))
+        if self._state is not None:
+            st = self._state()
+            raw = st.SerializeToString()
+            if raw != self._last_state:
+                self._last_state = raw
+                await send(state=st)
+        if self._load is not None:
+            ld = self._load()
+            if ld is not None:
+                raw = ld.SerializeToString()
+                if raw != self._last_load:
+                    self._last_load = raw
+                    await send(load=ld)
+
+    async def _send_snapshot(self, send: Callable[..., Awaitable[None]]) -> None:
+        # taking the copy and reopening the outbox happen in one synchronous step: every delta
+        # queued from here on comes after the snapshot
+        entries = self.inventory.snapshot()
+        self.outbox.reopen()
+        self._snapshot_id += 1
+        by_medium: dict[str, list[int]] = {}
+        for k, medium in entries.items():
+            by_medium.setdefault(medium, []).append(k)
+        chunks: list[tuple[str, list[int]]] = []
+        for medium, keys in by_medium.items():
+            for i in range(0, len(keys), SNAPSHOT_CHUNK):
+                chunks.append((medium, keys[i : i + SNAPSHOT_CHUNK]))
+        if not chunks:
+            chunks.append(("GPU", []))
+        for i, (medium, keys) in enumerate(chunks):
+            await send(
+                snapshot=pb.SnapshotChunk(
+                    snapshot_id=self._snapshot_id,
+                    keys=keys,
+                    medium="" if medium == "GPU" else medium,
+                    last=i == len(chunks) - 1,
+                )
+            )
+        self.stats.snapshots_sent += 1

@@ -1,0 +1,237 @@
+"""The agent's copy of its replica's KV inventory, in kvgate block keys (ARCHITECTURE.md §3).
+
+Re-keying: a stored block's key is ``chain_keys(parent_key, token_ids, block_size)``, where the
+parent key is the key already mapped to the event's ``parent_block_hash``, or the root key of the
+event's namespace (model, LoRA name, cache salt) for a first block. A bounded map from the engine's
+block hash to our key finds parents and translates removals, so the engine's hash function and its
+seed never matter.
+
+Invariants
+* ``_map`` (engine hash -> key, oldest first) never holds more than ``max_blocks`` entries; beyond
+  it the oldest mapping is dropped as if the engine had evicted that block (it must have: the
+  engine cannot hold more blocks than that, so a removal event was lost).
+* ``_refs[k]`` is the number of mappings pointing to key ``k``; ``k`` is in ``_medium`` (the
+  inventory) exactly when ``_refs[k] > 0``. Two engine hashes can share a key when the engine hashes
+  something we do not key (multimodal inputs, KV-cache groups); a key leaves the inventory only when
+  its last engine block does.
+* A block stored in a medium other than GPU is mapped under ``(hash, medium)``, so that a CPU copy
+  and a GPU copy of one block are removed independently. ``_medium[k]`` is the medium of the most
+  recent copy stored.
+* Every change is reported to the sink in the order it happens, so the sink's view (the gateway's
+  index) equals ``snapshot()`` whenever the sink has seen every report since the last snapshot.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+from replica_agent.engine_events import AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent, EngineHash
+from router_policies.block_keys import chain_keys, root_key
+
+GPU = "GPU"
+_MAX_ROOTS = 4096  # distinct (lora, salt) namespaces whose root key is cached
+
+
+class InventorySink(Protocol):
+    """Receives the inventory's changes (the gateway stream's outbox, or an index in benchmarks)."""
+
+    def stored(self, keys: list[int], parent: int | None, medium: str) -> None: ...
+
+    def removed(self, keys: list[int], medium: str) -> None: ...
+
+    def cleared(self) -> None: ...
+
+
+@dataclass(slots=True)
+class InventoryStats:
+    stored_blocks: int = 0  # blocks of BlockStored events keyed
+    removed_blocks: int = 0  # blocks of BlockRemoved events translated
+    skipped_blocks: int = 0  # blocks whose parent could not be mapped
+    unknown_removals: int = 0  # removals of engine hashes we never mapped
+    overflow_evictions: int = 0  # mappings dropped by the max_blocks bound
+    block_size_mismatches: int = 0  # stored events whose block_size differs from the replica's
+    clears: int = 0
+
+
+class AgentInventory:
+    def __init__(
+        self, model: str, block_size: int | None, max_blocks: int, sink: InventorySink | None = None
+    ) -> None:
+        if max_blocks <= 0:
+            raise ValueError("max_blocks must be positive")
+        self.model = model
+        self.block_size = block_size  # None until the engine or the first event tells
+        self.max_blocks = max_blocks
+        self.sink = sink
+        self.stats = InventoryStats()
+        self._map: OrderedDict[EngineHash | tuple[EngineHash, str], int] = OrderedDict()
+        self._refs: dict[int, int] = {}
+        self._medium: dict[int, str] = {}
+        self._roots: dict[tuple[str | None, str | None], int] = {}
+        # Degraded: the inventory may miss blocks the engine holds (an unrecoverable event gap, or
+        # the agent joined after the engine had cached blocks). Cleared once the engine has evicted
+        # ``capacity`` blocks since then with no store skipped for want of a parent, or the engine's
+        # cache was emptied (AllBlocksCleared, restart).
+        self.degraded = False
+        self.degraded_reason = ""
+        self._rebuild_left = 0
+        self.capacity_blocks = 0
+
+    # ------------------------------------------------------------------ views
+    def __len__(self) -> int:
+        return len(self._medium)
+
+    def snapshot(self) -> dict[int, str]:
+        """A copy of the inventory: key -> medium."""
+        return dict(self._medium)
+
+    def keys(self) -> list[int]:
+        return list(self._medium)
+
+    # ------------------------------------------------------------------ state changes
+    def clear(self) -> None:
+        """The engine's cache is (to be treated as) empty."""
+        self._map.clear()
+        self._refs.clear()
+        self._medium.clear()
+        self.stats.clears += 1
+        if self.sink is not None:
+            self.sink.cleared()
+
+    def mark_degraded(self, reason: str) -> None:
+        self.degraded = True
+        self.degraded_reason = reason
+        self._rebuild_left = self.capacity_blocks or self.max_blocks
+
+    def mark_complete(self) -> None:
+        self.degraded = False
+        self.degraded_reason = ""
+
+    def apply(self, events: Iterable[EngineEvent]) -> None:
+        for ev in events:
+            if type(ev) is BlockStored:
+                self._store(ev)
+            elif type(ev) is BlockRemoved:
+                self._remove(ev)
+            elif type(ev) is AllBlocksCleared:
+                self.clear()
+                self.mark_complete()
+
+    # ------------------------------------------------------------------ internals
+    def _root(self, lora: str | None, salt: str | None) -> int:
+        ns = (lora, salt)
+        key = self._roots.get(ns)
+        if key is None:
+            if len(self._roots) >= _MAX_ROOTS:
+                self._roots.clear()
+            key = self._roots[ns] = root_key(self.model, lora, salt)
+        return key
+
+    def _store(self, ev: BlockStored) -> None:
+        bs = self.block_size
+        if bs is None:
+            bs = self.block_size = ev.block_size
+        elif ev.block_size != bs:
+            self.stats.block_size_mismatches += 1
+            return
+        hashes = ev.block_hashes
+        mapping = self._map
+        if ev.parent is None:
+            parent_key = self._root(ev.lora_name, ev.cache_salt)
+        else:
+            found = mapping.get(ev.parent)
+            if found is None and ev.medium != GPU:
+                found = mapping.get((ev.parent, ev.medium))
+            if found is None:
+                self.stats.skipped_blocks += len(hashes)
+                if self.degraded:
+                    self._rebuild_left = self.capacity_blocks or self.max_blocks
+                return
+            parent_key = found
+        tokens = ev.token_ids
+        n = min(len(hashes), len(tokens) // bs)
+        if n == 0:
+            return
+        if len(tokens) != n * bs:
+            tokens = tokens[: n * bs]  # SGLang's last page can be partial: it is not keyed
+        keys = chain_keys(parent_key, tokens, bs)
+        medium = ev.medium
+        refs = self._refs
+        held = self._medium
+        changed = False
+        gpu = medium == GPU
+        for i in range(n):
+            h = hashes[i]
+            mk: EngineHash | tuple[EngineHash, str] = h if gpu else (h, medium)
+            k = keys[i]
+            old = mapping.get(mk)
+            if old == k:
+                continue
+            changed = True
+            if old is not None:
+                self._unref(old, medium)
+            mapping[mk] = k
+            r = refs.get(k, 0)
+            refs[k] = r + 1
+            held[k] = medium
+        self.stats.stored_blocks += n
+        if changed and self.sink is not None:
+            self.sink.stored(keys, parent_key, medium)
+        if len(mapping) > self.max_blocks:
+            self._overflow()
+
+    def _overflow(self) -> None:
+        mapping = self._map
+        dropped: list[int] = []
+        while len(mapping) > self.max_blocks:
+            _h, k = mapping.popitem(last=False)
+            self.stats.overflow_evictions += 1
+            r = self._refs[k] - 1
+            if r:
+                self._refs[k] = r
+            else:
+                del self._refs[k]
+                del self._medium[k]
+                dropped.append(k)
+        if dropped and self.sink is not None:
+            self.sink.removed(dropped, GPU)
+
+    def _unref(self, k: int, medium: str) -> None:
+        r = self._refs[k] - 1
+        if r:
+            self._refs[k] = r
+            return
+        del self._refs[k]
+        del self._medium[k]
+        if self.sink is not None:
+            self.sink.removed([k], medium)
+
+    def _remove(self, ev: BlockRemoved) -> None:
+        medium = ev.medium or GPU
+        gpu = medium == GPU
+        mapping = self._map
+        refs = self._refs
+        held = self._medium
+        gone: list[int] = []
+        for h in ev.block_hashes:
+            k = mapping.pop(h if gpu else (h, medium), None)
+            if k is None:
+                self.stats.unknown_removals += 1
+                continue
+            r = refs[k] - 1
+            if r:
+                refs[k] = r
+            else:
+                del refs[k]
+                del held[k]
+                gone.append(k)
+        self.stats.removed_blocks += len(gone)
+        if self.degraded:
+            self._rebuild_left -= len(gone)
+            if self._rebuild_left <= 0:
+                self.mark_complete()
+        if gone and self.sink is not None:
+            self.sink.removed(gone, medium)

@@ -1,0 +1,217 @@
+"""The engine event subscriber: ZMQ SUB on the engine's KV-event endpoint, in order, gap-free.
+
+Sequence rules (``seq`` is the engine publisher's per-batch counter, restarting at 0 with it):
+
+* ``seq == expected``: apply.
+* ``seq > expected``: a gap. Ask the replay endpoint (a DEALER sends ``["", start_seq]``; the engine
+  answers one ``["", (topic,) seq, payload]`` per buffered batch, then a seq of -1) for
+  ``[expected, seq)``. If it returns them all, apply them, then this batch. If not (no replay
+  endpoint, a timeout, or the buffer no longer reaches back), the gap is unrecoverable: the
+  inventory is cleared and marked degraded until fresh events have rebuilt it.
+* ``seq < expected``: either a stale copy (a duplicate, or a batch that arrived after its
+  successor and was already recovered through replay), whose engine timestamp is not newer than
+  the newest batch applied, and which is dropped; or the engine restarted (its seq went back and its
+  timestamp moved forward): its cache is empty, so the inventory is cleared and the batches the
+  restarted engine sent before this one are recovered from replay as for a gap from 0.
+* The first batch after the agent starts is a gap from 0 unless its seq is 0.
+
+A payload that does not decode is counted and skipped, like a single bad event inside a batch;
+nothing a publisher sends can stop the subscriber.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from replica_agent.engine_events import EventBatch, MalformedEvent, decode_payload
+from replica_agent.inventory import AgentInventory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SubscriberStats:
+    frames: int = 0
+    batches_applied: int = 0
+    malformed_frames: int = 0  # wrong frame count, bad seq, undecodable payload
+    malformed_events: int = 0  # single events of a batch that did not decode
+    stale: int = 0  # duplicates and late batches already applied
+    gaps: int = 0
+    recovered_gaps: int = 0
+    unrecovered_gaps: int = 0
+    engine_restarts: int = 0
+    replayed_batches: int = 0
+
+
+def parse_seq(raw: bytes) -> int:
+    if len(raw) != 8:
+        raise MalformedEvent(f"seq frame of {len(raw)} bytes, expected 8")
+    return int.from_bytes(raw, "big", signed=True)
+
+
+class EventSubscriber:
+    """Feeds the engine's events to ``inventory`` in order; ``on_applied(ts)`` after each batch."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        events_endpoint: str,
+        replay_endpoint: str | None,
+        inventory: AgentInventory,
+        *,
+        topic: bytes = b"",
+        replay_timeout_s: float = 1.0,
+        max_replay_batches: int = 100_000,
+        on_applied: Callable[[float], None] | None = None,
+    ) -> None:
+        self._ctx = ctx
+        self.events_endpoint = events_endpoint
+        self.replay_endpoint = replay_endpoint
+        self.inventory = inventory
+        self.topic = topic
+        self.replay_timeout_s = replay_timeout_s
+        self.max_replay_batches = max_replay_batches
+        self.stats = SubscriberStats()
+        self.expected: int | None = None  # next seq; None until the first batch
+        self.last_ts = float("-inf")  # engine timestamp of the newest batch applied
+        self._on_applied = on_applied
+
+    async def run(self) -> None:
+        """Subscribe and apply until cancelled."""
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 1_000_000)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub.connect(self.events_endpoint)
+        try:
+            while True:
+                frames = await sub.recv_multipart()
+                await self.handle_frames(frames)
+        finally:
+            sub.close(linger=0)
+
+    async def handle_frames(self, frames: list[bytes]) -> None:
+        self.stats.frames += 1
+        if len(frames) != 3:
+            self.stats.malformed_frames += 1
+            return
+        try:
+            seq = parse_seq(frames[1])
+        except MalformedEvent:
+            self.stats.malformed_frames += 1
+            return
+        batch = self._decode(frames[2])
+        if batch is None:
+            # undecodable: counted; its seq still counts as received so that it is not replayed
+            if self.expected is not None and seq == self.expected:
+                self.expected = seq + 1
+            return
+        expected = self.expected
+        if expected is None:
+            expected = 0
+            self.expected = 0
+            if seq > 0:
+                # joined late: whatever the engine cached before may be missing unless replay has it
+                await self._recover(0, seq, joined=True)
+        elif seq > expected:
+            await self._recover(expected, seq)
+        elif seq < expected:
+            if batch.ts <= self.last_ts:
+                self.stats.stale += 1
+                return
+            self.stats.engine_restarts += 1
+            log.info("engine restarted (seq %d after %d): clearing the inventory", seq, expected - 1)
+            self.inventory.clear()
+            self.inventory.mark_complete()
+            self.expected = 0
+            self.last_ts = float("-inf")
+            if seq > 0:
+                await self._recover(0, seq)
+        self._apply(seq, batch)
+
+    def _decode(self, payload: bytes) -> EventBatch | None:
+        try:
+            batch = decode_payload(payload)
+        except MalformedEvent as exc:
+            self.stats.malformed_frames += 1
+            log.warning("skipping an undecodable event payload: %s", exc)
+            return None
+        if batch.malformed:
+            self.stats.malformed_events += batch.malformed
+        return batch
+
+    def _apply(self, seq: int, batch: EventBatch) -> None:
+        self.inventory.apply(batch.events)
+        self.stats.batches_applied += 1
+        self.expected = seq + 1
+        if batch.ts > self.last_ts:
+            self.last_ts = batch.ts
+        if self._on_applied is not None:
+            self._on_applied(batch.ts)
+
+    async def _recover(self, start: int, upto: int, *, joined: bool = False) -> None:
+        """Apply batches ``[start, upto)`` from replay, or clear and degrade."""
+        if not joined:
+            self.stats.gaps += 1
+        replayed = await self.replay(start) if self.replay_endpoint else None
+        wanted = [(s, p) for s, p in (replayed or []) if start <= s < upto]
+        if [s for s, _ in wanted] == list(range(start, upto)):
+            for s, payload in wanted:
+                batch = self._decode(payload)
+                if batch is not None:
+                    self._apply(s, batch)
+                self.stats.replayed_batches += 1
+            self.expected = upto
+            if not joined:
+                self.stats.recovered_gaps += 1
+            return
+        if joined:
+            log.info("joined the engine at seq %d with no replay of the start: inventory incomplete", upto)
+            self.inventory.mark_degraded(f"joined at engine seq {upto} without replay from 0")
+        else:
+            self.stats.unrecovered_gaps += 1
+            log.warning("event gap [%d, %d) not covered by replay: clearing the inventory", start, upto)
+            self.inventory.clear()
+            self.inventory.mark_degraded(f"unrecoverable event gap [{start}, {upto})")
+        self.expected = upto
+
+    async def replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        """The engine's buffered batches from ``start`` on; None when replay did not answer."""
+        assert self.replay_endpoint is not None
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self.replay_endpoint)
+        out: list[tuple[int, bytes]] = []
+        try:
+            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            while len(out) <= self.max_replay_batches:
+                if not await dealer.poll(int(self.replay_timeout_s * 1000)):
+                    log.warning("replay from seq %d timed out after %d batches", start, len(out))
+                    return None
+                frames: list[Any] = await dealer.recv_multipart()
+                if frames and frames[0] == b"":
+                    frames = frames[1:]
+                if len(frames) == 3:  # topic, seq, payload
+                    frames = frames[1:]
+                if len(frames) != 2:
+                    self.stats.malformed_frames += 1
+                    continue
+                try:
+                    seq = parse_seq(frames[0])
+                except MalformedEvent:
+                    self.stats.malformed_frames += 1
+                    continue
+                if seq == -1:
+                    return out
+                out.append((seq, frames[1]))
+            return None
+        finally:
+            with contextlib.suppress(zmq.ZMQError):
+                dealer.close(linger=0)

@@ -1,0 +1,268 @@
+"""The event subscriber against a real ZMQ publisher (PUB + replay ROUTER, vLLM's protocol) run by
+the test: in-order apply, gaps recovered by replay, unrecoverable gaps, engine restarts,
+duplicates and reordering, malformed payloads, joining late."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from replica_agent.inventory import AgentInventory
+from replica_agent.subscriber import EventSubscriber
+from router_policies.block_keys import block_keys
+
+BS = 2
+
+
+class Publisher:
+    """vLLM's ZmqEventPublisher behaviour: PUB frames [topic, seq, payload], a ROUTER that replays
+    buffered batches from a start seq then sends seq -1."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, buffer: int = 100) -> None:
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub_port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer)
+        self.seq = 0
+        self.ts = 1000.0
+        self._task = asyncio.create_task(self._serve_replay())
+
+    async def _serve_replay(self) -> None:
+        while True:
+            ident, _empty, start = await self.router.recv_multipart()
+            start_seq = int.from_bytes(start, "big")
+            for seq, payload in list(self.buffer):
+                if seq >= start_seq:
+                    await self.router.send_multipart([ident, b"", b"kv", seq.to_bytes(8, "big"), payload])
+            await self.router.send_multipart([ident, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    def batch(self, events: list[Any]) -> tuple[int, bytes]:
+        self.ts += 1.0
+        payload = msgpack.packb([self.ts, events, 0])
+        seq = self.seq
+        self.seq += 1
+        self.buffer.append((seq, payload))
+        return seq, payload
+
+    async def send(self, seq: int, payload: bytes) -> None:
+        await self.pub.send_multipart([b"kv", seq.to_bytes(8, "big"), payload])
+
+    async def publish(self, events: list[Any]) -> tuple[int, bytes]:
+        seq, payload = self.batch(events)
+        await self.send(seq, payload)
+        return seq, payload
+
+    def restart(self) -> None:
+        """The engine restarted: seq from 0, empty buffer (the clock goes on)."""
+        self.seq = 0
+        self.buffer.clear()
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+
+
+def stored(h: int, parent: int | None, tokens: list[int]) -> dict[str, Any]:
+    return {
+        "type": "BlockStored",
+        "block_hashes": [h],
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": BS,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+
+
+def removed(h: int) -> dict[str, Any]:
+    return {"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU"}
+
+
+def key(*tokens: int) -> int:
+    return block_keys(list(tokens), BS, "m")[-1]
+
+
+async def wait_for(cond: Callable[[], bool]) -> None:
+    for _ in range(500):  # a deadline against hanging, not a timing assertion
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+class Rig:
+    def __init__(self, pub: Publisher, sub: EventSubscriber, inv: AgentInventory) -> None:
+        self.pub, self.sub, self.inv = pub, sub, inv
+
+    async def synced(self) -> None:
+        """Wait until the subscriber has applied everything published."""
+        await wait_for(lambda: self.sub.expected == self.pub.seq)
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[Rig]:
+    ctx = zmq.asyncio.Context()
+    pub = Publisher(ctx)
+    inv = AgentInventory("m", BS, max_blocks=1000)
+    sub = EventSubscriber(
+        ctx,
+        f"tcp://127.0.0.1:{pub.pub_port}",
+        f"tcp://127.0.0.1:{pub.replay_port}",
+        inv,
+        replay_timeout_s=2.0,
+    )
+    task = asyncio.create_task(sub.run())
+    await asyncio.sleep(0.2)  # let the SUB connect (a missed first batch would be replayed anyway)
+    try:
+        yield Rig(pub, sub, inv)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await pub.close()
+        ctx.destroy(linger=0)
+
+
+async def test_in_order(rig: Rig) -> None:
+    await rig.pub.publish([stored(1, None, [1, 2])])
+    await rig.pub.publish([stored(2, 1, [3, 4]), stored(3, None, [9, 9])])
+    await rig.pub.publish([removed(3)])
+    await rig.synced()
+    assert sorted(rig.inv.keys()) == sorted([key(1, 2), key(1, 2, 3, 4)])
+    assert rig.sub.stats.gaps == 0 and not rig.inv.degraded
+
+
+async def test_gap_recovered_by_replay(rig: Rig) -> None:
+    await rig.pub.publish([stored(1, None, [1, 2])])
+    rig.pub.batch([stored(2, 1, [3, 4])])  # published but lost on the way
+    rig.pub.batch([stored(3, 2, [5, 6])])
+    await rig.pub.publish([stored(4, 3, [7, 8])])
+    await rig.synced()
+    assert sorted(rig.inv.keys()) == sorted(block_keys([1, 2, 3, 4, 5, 6, 7, 8], BS, "m"))
+    assert rig.sub.stats.gaps == 1 and rig.sub.stats.recovered_gaps == 1
+    assert rig.sub.stats.replayed_batches == 2
+    assert not rig.inv.degraded
+
+
+async def test_unrecoverable_gap_clears_and_degrades(rig: Rig) -> None:
+    await rig.pub.publish([stored(1, None, [1, 2])])
+    await rig.synced()
+    for _ in range(3):
+        rig.pub.batch([stored(50, None, [7, 7])])
+    rig.pub.buffer.clear()  # the replay buffer no longer reaches back
+    await rig.pub.publish([stored(2, 1, [3, 4]), stored(5, None, [5, 5])])
+    await rig.synced()
+    assert rig.sub.stats.unrecovered_gaps == 1
+    assert rig.inv.degraded
+    assert rig.inv.keys() == [key(5, 5)]  # the child of an unknown parent is skipped
+    assert rig.inv.stats.skipped_blocks == 1
+
+
+async def test_engine_restart_clears(rig: Rig) -> None:
+    for i in range(5):
+        await rig.pub.publish([stored(10 + i, None, [i, i])])
+    await rig.synced()
+    assert len(rig.inv) == 5
+    rig.pub.restart()
+    await rig.pub.publish([stored(1, None, [1, 2])])
+    await wait_for(lambda: rig.sub.stats.engine_restarts == 1)
+    await rig.synced()
+    assert rig.inv.keys() == [key(1, 2)]
+    assert not rig.inv.degraded
+
+
+async def test_engine_restart_with_missed_first_batches_recovers_from_replay(rig: Rig) -> None:
+    for i in range(5):
+        await rig.pub.publish([stored(10 + i, None, [i, i])])
+    await rig.synced()
+    rig.pub.restart()
+    rig.pub.batch([stored(1, None, [1, 2])])  # missed while the SUB reconnected
+    await rig.pub.publish([stored(2, 1, [3, 4])])
+    await rig.synced()
+    assert sorted(rig.inv.keys()) == sorted(block_keys([1, 2, 3, 4], BS, "m"))
+    assert rig.sub.stats.engine_restarts == 1
+
+
+async def test_duplicates_and_reordering(rig: Rig) -> None:
+    seq0, p0 = await rig.pub.publish([stored(1, None, [1, 2])])
+    await rig.pub.send(seq0, p0)  # duplicate
+    s1, p1 = rig.pub.batch([stored(2, 1, [3, 4])])
+    s2, p2 = rig.pub.batch([removed(2)])
+    await rig.pub.send(s2, p2)  # arrives before its predecessor: recovered through replay
+    await rig.pub.send(s1, p1)  # the late one is stale
+    s3, _p3 = await rig.pub.publish([stored(3, 1, [5, 6])])
+    await wait_for(lambda: rig.sub.expected == s3 + 1)
+    assert sorted(rig.inv.keys()) == sorted([key(1, 2), key(1, 2, 5, 6)])
+    assert rig.sub.stats.stale == 2
+    assert rig.sub.stats.recovered_gaps == 1
+
+
+async def test_malformed_payloads_are_skipped(rig: Rig) -> None:
+    await rig.pub.publish([stored(1, None, [1, 2])])
+    await rig.pub.pub.send_multipart([b"kv", rig.pub.seq.to_bytes(8, "big"), b"\xc1garbage"])
+    rig.pub.seq += 1
+    await rig.pub.pub.send_multipart([b"kv", b"short"])
+    await rig.pub.pub.send_multipart([b"kv", b"\x00\x01", b""])
+    await rig.pub.publish([stored(2, 1, [3, 4]), {"type": "BlockStored"}])
+    await rig.synced()
+    assert sorted(rig.inv.keys()) == sorted(block_keys([1, 2, 3, 4], BS, "m"))
+    assert rig.sub.stats.malformed_frames == 3
+    assert rig.sub.stats.malformed_events == 1
+
+
+async def test_joining_late_replays_from_zero() -> None:
+    ctx = zmq.asyncio.Context()
+    pub = Publisher(ctx)
+    try:
+        for i in range(3):
+            pub.batch([stored(10 + i, None, [i, i])])  # before the agent subscribed
+        inv = AgentInventory("m", BS, max_blocks=100)
+        sub = EventSubscriber(
+            ctx, f"tcp://127.0.0.1:{pub.pub_port}", f"tcp://127.0.0.1:{pub.replay_port}", inv
+        )
+        task = asyncio.create_task(sub.run())
+        await asyncio.sleep(0.2)
+        await pub.publish([stored(20, None, [9, 9])])
+        await wait_for(lambda: sub.expected == pub.seq)
+        assert len(inv) == 4 and not inv.degraded
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    finally:
+        await pub.close()
+        ctx.destroy(linger=0)
+
+
+async def test_joining_late_without_replay_is_degraded() -> None:
+    ctx = zmq.asyncio.Context()
+    pub = Publisher(ctx)
+    try:
+        pub.batch([stored(10, None, [1, 1])])
+        inv = AgentInventory("m", BS, max_blocks=100)
+        sub = EventSubscriber(ctx, f"tcp://127.0.0.1:{pub.pub_port}", None, inv)
+        task = asyncio.create_task(sub.run())
+        await asyncio.sleep(0.2)
+        await pub.publish([stored(20, None, [9, 9])])
+        await wait_for(lambda: sub.expected == pub.seq)
+        assert inv.keys() == [key(9, 9)] and inv.degraded
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    finally:
+        await pub.close()
+        ctx.destroy(linger=0)
