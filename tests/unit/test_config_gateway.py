@@ -1,0 +1,86 @@
+"""The gateway config tree: defaults, field-path errors, KVGATE_ overrides, file loading."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.config import ConfigError, GatewayConfig, apply_env, load_config, parse_config
+
+
+def test_defaults_are_a_valid_config() -> None:
+    cfg = parse_config({})
+    assert isinstance(cfg, GatewayConfig)
+    assert cfg.policy.name == "kv_aware"
+    assert cfg.proxy.retries == 2 and cfg.proxy.debug_headers is True
+    assert cfg.telemetry.log_prompts is False
+
+
+@pytest.mark.parametrize(
+    ("tree", "path"),
+    [
+        ({"policy": {"name": "kv_aware", "kv_aware": {"balance_abs": -1}}}, "policy.kv_aware.balance_abs"),
+        ({"proxy": {"retries": -1}}, "proxy.retries"),
+        ({"proxy": {"retrys": 1}}, "proxy.retrys"),
+        ({"replicas": [{"id": "a", "url": "ftp://h"}]}, "replicas.0.url"),
+        ({"listen": {"http": "nowhere"}}, "listen.http"),
+        ({"health": {"unhealthy_after": 0}}, "health.unhealthy_after"),
+        ({"index": {"max_blocks_per_replica": 0}}, "index.max_blocks_per_replica"),
+        ({"telemetry": {"log_level": "LOUD"}}, "telemetry.log_level"),
+    ],
+)
+def test_errors_name_the_field_path(tree: dict[str, object], path: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(tree)
+    assert path in str(err.value)
+
+
+def test_cross_checks() -> None:
+    with pytest.raises(ConfigError, match="duplicate id 'a'"):
+        parse_config({"replicas": [{"id": "a", "url": "http://x"}, {"id": "a", "url": "http://y"}]})
+    with pytest.raises(ConfigError, match=r"replicas\.0\.models: unknown model 'zz'"):
+        parse_config(
+            {"models": [{"name": "m"}], "replicas": [{"id": "a", "url": "http://x", "models": ["zz"]}]}
+        )
+    with pytest.raises(ConfigError, match="unknown policy"):
+        parse_config({"policy": {"name": "nope"}})
+
+
+def test_env_overrides_by_path_with_yaml_scalars() -> None:
+    env = {
+        "KVGATE_POLICY__NAME": "round_robin",
+        "KVGATE_INDEX__APPROXIMATE_TTL_S": "30",
+        "KVGATE_PROXY__DEBUG_HEADERS": "false",
+        "KVGATE_ADMIN_TOKEN": "secret",  # a token, not a config field
+        "KVGATE_NOT_A_SECTION": "1",
+        "OTHER": "x",
+    }
+    cfg = parse_config(apply_env({"policy": {"name": "kv_aware"}}, env))
+    assert cfg.policy.name == "round_robin"
+    assert cfg.index.approximate_ttl_s == 30.0
+    assert cfg.proxy.debug_headers is False
+
+
+def test_env_override_errors_name_the_field(tmp_path: Path) -> None:
+    p = tmp_path / "gw.yaml"
+    p.write_text("proxy: {retries: 1}\n")
+    with pytest.raises(ConfigError, match=r"proxy\.retries"):
+        load_config(p, env={"KVGATE_PROXY__RETRIES": "many"})
+    assert load_config(p, env={"KVGATE_PROXY__RETRIES": "4"}).proxy.retries == 4
+
+
+def test_load_config_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml", env={})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("listen: [unclosed\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(bad, env={})
+    top = tmp_path / "top.yaml"
+    top.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(top, env={})
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert load_config(empty, env={}) == parse_config({})

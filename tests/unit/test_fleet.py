@@ -1,0 +1,216 @@
+"""Fleet state: health transitions, in-flight bookkeeping, agents, reconfiguration; and the
+routing step's prediction and speculative index entries."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from gateway.config import GatewayConfig, parse_config
+from gateway.fleet import Fleet
+from gateway.inventory_sink import AgentHello, AgentLoad
+from gateway.routing import Router, RoutingState, predicted_cached_tokens
+from router_policies.policy import NoReplicaError, RequestFeatures
+from router_policies.prefix_index import PrefixIndex
+from router_policies.registry import build_policy
+
+
+def _config(**extra: Any) -> GatewayConfig:
+    tree: dict[str, Any] = {
+        "models": [{"name": "m", "block_size": 16}, {"name": "n", "block_size": 32}],
+        "replicas": [
+            {"id": "a", "url": "http://a:1", "models": ["m"]},
+            {"id": "b", "url": "http://b:1"},
+        ],
+        "health": {"unhealthy_after": 2, "healthy_after": 2},
+    }
+    tree.update(extra)
+    return parse_config(tree)
+
+
+def _hello(rid: str, block_size: int = 16, models: tuple[str, ...] = ("m",)) -> AgentHello:
+    return AgentHello(rid, f"http://{rid}:8000/", models, block_size, 100, "vllm", "0.32", "1")
+
+
+def test_static_replicas_start_unknown_and_the_first_check_decides() -> None:
+    fleet = Fleet(_config(), PrefixIndex())
+    assert [r.id for r in fleet.records()] == ["a", "b"]
+    assert not fleet.any_healthy()
+    fleet.check_result("a", True)
+    fleet.check_result("b", False, "refused")
+    assert fleet.get("a").healthy and not fleet.get("b").healthy  # type: ignore[union-attr]
+    assert fleet.any_healthy()
+
+
+def test_ejection_and_recovery_follow_the_thresholds() -> None:
+    fleet = Fleet(_config(), PrefixIndex())
+    fleet.check_result("a", True)
+    a = fleet.get("a")
+    assert a is not None
+    fleet.proxy_failure(a, "502")
+    assert a.healthy  # one failure of two
+    fleet.proxy_success(a)
+    fleet.proxy_failure(a, "502")
+    assert a.healthy  # a success in between resets the streak
+    fleet.proxy_failure(a, "502")
+    assert not a.healthy and a.last_error == "502"
+    fleet.check_result("a", True)
+    assert not a.healthy  # one success of two
+    fleet.check_result("a", True)
+    assert a.healthy and a.failures == 3
+
+
+def test_connect_error_ejects_at_once() -> None:
+    fleet = Fleet(_config(), PrefixIndex())
+    fleet.check_result("a", True)
+    a = fleet.get("a")
+    assert a is not None
+    fleet.proxy_failure(a, "connection refused", connect=True)
+    assert not a.healthy
+
+
+def test_flights_release_exactly_what_they_added() -> None:
+    fleet = Fleet(_config(), PrefixIndex())
+    a = fleet.get("a")
+    assert a is not None
+    f1 = Fleet.begin(a, tokens=150, prefill=100)
+    f2 = Fleet.begin(a, tokens=20, prefill=10)
+    assert (a.in_flight_requests, a.in_flight_tokens, a.pending_prefill_tokens) == (2, 170, 110)
+    f1.first_byte()
+    f1.first_byte()
+    assert (a.in_flight_requests, a.pending_prefill_tokens) == (2, 10)
+    f1.end()
+    f1.end()
+    f2.end()  # ends without a first byte (a failed attempt): releases its prefill too
+    assert (a.in_flight_requests, a.in_flight_tokens, a.pending_prefill_tokens) == (0, 0, 0)
+    assert a.requests == 2
+
+
+def test_snapshot_is_immutable_and_honours_exclusions() -> None:
+    fleet = Fleet(_config(), PrefixIndex())
+    for rid in ("a", "b"):
+        fleet.check_result(rid, True)
+    cands = fleet.candidates("m")
+    assert [r.id for r in cands] == ["a", "b"]
+    assert [r.id for r in fleet.candidates("n")] == ["b"]  # a serves m only; b serves all
+    snap = fleet.snapshot(cands, {"a": 3}, {"a": 2.5}, exclude=frozenset({"b"}))
+    a, b = snap.replicas
+    assert (a.matched_blocks, a.match_score, a.healthy) == (3, 2.5, True)
+    assert (b.matched_blocks, b.healthy) == (0, False)
+    with pytest.raises(AttributeError):
+        a.healthy = False  # type: ignore[misc]
+
+
+def test_agent_registers_its_replica_and_reports_load() -> None:
+    index = PrefixIndex()
+    fleet = Fleet(_config(), index)
+    assert fleet.agent_hello(_hello("c")) is None
+    c = fleet.get("c")
+    assert c is not None and not c.static and c.url == "http://c:8000" and c.healthy
+    assert "c" in index.replicas
+    fleet.agent_state("c", connected=True, degraded=True)
+    assert fleet.has_agent("c") and c.index_degraded
+    fleet.agent_load("c", AgentLoad(running=3, waiting=2, kv_usage=0.5, prefix_queries=0, prefix_hits=0))
+    assert (c.engine_running, c.engine_waiting, c.kv_usage) == (3, 2, 0.5)
+    fleet.agent_state("c", connected=False, degraded=False)
+    assert not fleet.has_agent("c") and (c.engine_running, c.kv_usage) == (0, 0.0)
+    # an agent of a static replica attaches to it without changing its configured URL
+    assert fleet.agent_hello(_hello("a")) is None
+    assert fleet.get("a").url == "http://a:1"  # type: ignore[union-attr]
+
+
+def test_agent_hello_refusals() -> None:
+    fleet = Fleet(_config(), PrefixIndex())
+    msg = fleet.agent_hello(_hello("c", block_size=32))  # m has block_size 16
+    assert msg is not None and "block size 32" in msg and "models[m].block_size=16" in msg
+    assert fleet.agent_hello(_hello("d", block_size=16, models=("n",))) is None  # 32 % 16 == 0
+    closed = Fleet(_config(inventory={"allow_registration": False}), PrefixIndex())
+    msg = closed.agent_hello(_hello("c"))
+    assert msg is not None and "allow_registration" in msg
+    assert closed.agent_hello(_hello("a")) is None  # listed replicas are always accepted
+
+
+def test_registered_replicas_are_bounded_by_the_index() -> None:
+    cfg = _config(index={"max_replicas": 3})
+    fleet = Fleet(cfg, PrefixIndex(cfg.index))
+    assert fleet.agent_hello(_hello("c")) is None
+    msg = fleet.agent_hello(_hello("d"))
+    assert msg is not None and "max_replicas=3" in msg
+    assert fleet.get("d") is None
+
+
+def test_reconfigure_adds_updates_and_removes_static_replicas() -> None:
+    index = PrefixIndex()
+    fleet = Fleet(_config(), index)
+    fleet.check_result("a", True)
+    fleet.agent_hello(_hello("b"))
+    fleet.agent_state("b", connected=True, degraded=False)
+    new = _config(replicas=[{"id": "a", "url": "http://a:2"}, {"id": "z", "url": "http://z:1"}])
+    assert fleet.reconfigure(new) == []  # b keeps its agent, so it stays (as agent-registered)
+    a, b, z = fleet.get("a"), fleet.get("b"), fleet.get("z")
+    assert a is not None and b is not None and z is not None
+    assert a.url == "http://a:2" and not a.healthy  # a new address is unknown until checked
+    assert not b.static and z.static
+    fleet.agent_state("b", connected=False, degraded=False)
+    assert fleet.reconfigure(_config(replicas=[{"id": "z", "url": "http://z:1"}])) == ["a"]
+    assert "a" not in index.replicas and fleet.get("a") is None
+
+
+@pytest.mark.parametrize(
+    ("matched", "prompt", "bs", "want"),
+    [(0, 100, 16, 0), (3, 100, 16, 48), (6, 100, 16, 96), (4, 64, 16, 48), (4, 65, 16, 64), (1, 0, 16, 0)],
+)
+def test_predicted_cached_tokens_follows_vllm(matched: int, prompt: int, bs: int, want: int) -> None:
+    # a fully cached prompt that is a whole number of blocks still computes its last block
+    assert predicted_cached_tokens(matched, prompt, bs) == want
+
+
+def _state(cfg: GatewayConfig) -> RoutingState:
+    async def featurize(*_: Any) -> RequestFeatures:
+        raise AssertionError("not used")
+
+    return RoutingState(cfg, build_policy("kv_aware", {}, seed=0), featurize, frozenset({"m"}))  # type: ignore[arg-type]
+
+
+def test_router_choice_records_a_speculative_entry_with_the_right_ttl() -> None:
+    cfg = _config(index={"approximate_ttl_s": 100.0}, proxy={"speculative_ttl_s": 5.0})
+    index = PrefixIndex(cfg.index)
+    fleet = Fleet(cfg, index)
+    for rid in ("a", "b"):
+        fleet.check_result(rid, True)
+    router = Router(index, fleet)
+    state = _state(cfg)
+    feats = RequestFeatures(model="m", block_keys=[11, 12, 13], prompt_tokens=60, block_size=16)
+    choice = router.choose(state, feats, router.match(feats))
+    first = choice.record.id
+    assert choice.predicted_tokens == 0
+    assert index.approximate_keys(first) == [13, 12, 11]
+    again = router.choose(state, feats, router.match(feats))
+    assert again.record.id == first and again.decision.matched_blocks == 3
+    assert again.predicted_tokens == 48
+    # explain never touches the index nor the live policy
+    before = index.entries
+    router.choose(state, feats, router.match(feats), explain=True)
+    assert index.entries == before
+    # a replica with an agent gets entries that expire after speculative_ttl_s, not the index TTL
+    other = "b" if first == "a" else "a"
+    fleet.agent_hello(_hello(other))
+    fleet.agent_state(other, connected=True, degraded=False)
+    feats2 = RequestFeatures(model="m", block_keys=[21, 22], prompt_tokens=40, block_size=16)
+    c2 = router.choose(state, feats2, router.match(feats2), exclude=frozenset({first}))
+    assert c2.record.id == other and index.approximate_keys(other) == [22, 21]
+    now = time.monotonic()
+    index.expire(now + 6.0)
+    assert index.approximate_keys(other) == []
+    assert index.approximate_keys(first) == [13, 12, 11]
+
+
+def test_router_raises_when_nothing_is_healthy() -> None:
+    cfg = _config()
+    index = PrefixIndex(cfg.index)
+    router = Router(index, Fleet(cfg, index))
+    feats = RequestFeatures(model="m", block_keys=[], prompt_tokens=1, block_size=16)
+    with pytest.raises(NoReplicaError):
+        router.choose(_state(cfg), feats, router.match(feats))
