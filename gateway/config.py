@@ -92,6 +92,15 @@ class ModelConfig(_Strict):
     )
     block_size: int = Field(16, gt=0, description="Engine KV block size in tokens (or a multiple of it).")
     char_block_size: int = Field(64, gt=0, description="Characters per block when there is no tokenizer.")
+    lora_adapters: list[str] = Field(
+        default_factory=list,
+        description="LoRA adapter names the replicas serve on this model; a request naming one routes "
+        "in that adapter's key namespace.",
+    )
+    chat_template: str | None = Field(
+        None, description="Path of a Jinja chat template overriding the tokenizer folder's (as vLLM's --chat-template)."
+    )
+    tokenize_timeout_s: float = Field(2.0, gt=0, description="Timeout of a remote /tokenize call.")
 
 
 class ReplicaConfig(_Strict):
@@ -118,6 +127,10 @@ class ProxyConfig(_Strict):
         10.0, gt=0, description="TTL of the index entry each routed request adds."
     )
     tokenize_cache_entries: int = Field(4096, ge=0, description="Bound of the cache of tokenized messages.")
+    tokenize_threads: int = Field(2, ge=1, description="Worker threads for long tokenizations.")
+    tokenize_offload_chars: int = Field(
+        16384, ge=0, description="Uncached prompt characters above which encoding leaves the event loop."
+    )
 
 
 class HealthConfig(_Strict):

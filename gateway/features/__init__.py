@@ -1,0 +1,6 @@
+"""Request features: model resolution, exact tokens (tokenizer + chat template), block keys."""
+
+from gateway.features.featurizer import FeatureInfo, Featurizer
+from gateway.features.tokenizer_files import FeatureConfigError
+
+__all__ = ["FeatureConfigError", "FeatureInfo", "Featurizer"]

@@ -1,0 +1,444 @@
+"""From a parsed request body to the policy's ``RequestFeatures`` (ARCHITECTURE.md §3, §10).
+
+One ``Featurizer`` is built per config by the composition root and passed to the proxy; it holds
+every model's tokenizer, compiled chat templates, the one bounded segment cache
+(``proxy.tokenize_cache_entries``), the worker threads for long encodes and the remote-tokenize
+client. Nothing here is module state. ``close()`` shuts the threads and the HTTP session; call it
+after the HTTP server stopped taking requests.
+
+Per model, ``tokenizer`` chooses the mode:
+- a folder: exact tokens, rendered and encoded as vLLM + transformers do (``mode="local"``);
+- ``remote``: the ids from a replica's ``/tokenize`` (``mode="remote"``), falling back to
+  character blocks when that fails;
+- null: approximate keys on character blocks (``mode="chars"``, ``approximate=True``).
+A completions prompt given as token ids is exact in every mode (the ids are the tokens).
+
+Key namespace: the ``model`` field may name a configured model or one of its ``lora_adapters``;
+keys are then ``block_keys(tokens, block_size, base_model, lora=adapter, cache_salt=body's
+cache_salt)``. ``RequestFeatures.model`` is the base model (replicas are listed by base model).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from gateway.config import GatewayConfig, ModelConfig
+from gateway.features.char_blocks import CHARS_PER_TOKEN, char_block_keys, estimated_tokens
+from gateway.features.chat_request import (
+    Unrepresentable,
+    chat_prompt_of,
+    completion_prompt_of,
+    conversation_of,
+    plain_text_of_chat,
+    tools_of,
+    truncation_of,
+)
+from gateway.features.chat_template import ChatTemplate, TemplateRenderError, make_environment
+from gateway.features.remote_tokenizer import RemoteTokenizeError, RemoteTokenizer, UrlChooser
+from gateway.features.segment_encoder import BoundedLRU, EncodePlan, SegmentEncoder, TokenArray
+from gateway.features.tokenizer_files import FeatureConfigError, TokenizerFiles, load_tokenizer_files
+from gateway.request_errors import InvalidRequestError, UnknownModelError
+from router_policies.block_keys import block_keys
+from router_policies.policy import RequestFeatures
+
+Kind = Literal["completions", "chat"]
+Mode = Literal["local", "remote", "token_ids", "chars"]
+
+
+@dataclass(frozen=True, slots=True)
+class FeatureInfo:
+    """What the proxy logs and exports about how the features were made."""
+
+    model: str  # as the request named it
+    base_model: str
+    lora: str | None
+    mode: Mode  # how the tokens were obtained: encoded here, by a replica, given as ids, or chars
+    approximate: bool  # keys are character blocks, not engine tokens
+    fallback_reason: str | None  # why an exact mode fell back to characters
+    prompt_tokens: int
+    segments: int  # segments the prompt was encoded in (0: not encoded here)
+    segments_cached: int
+    encoded_chars: int  # characters actually encoded for this request
+    offloaded: bool  # the encode ran on a worker thread
+    token_ids: TokenArray | None  # the prompt's tokens (None when approximate)
+
+    @property
+    def cache_hit(self) -> bool:
+        """Every segment came from the cache (nothing was encoded)."""
+        return self.segments > 0 and self.segments_cached == self.segments
+
+
+@dataclass
+class _Local:
+    files: TokenizerFiles
+    encoder: SegmentEncoder
+    templates: dict[str, ChatTemplate]
+    vocab_size: int
+
+    def template(self, has_tools: bool) -> ChatTemplate:
+        source = self.files.template_for(has_tools)
+        if source is None:
+            raise InvalidRequestError(
+                "this model has no chat template; use /v1/completions",
+                param="messages",
+                code="no_chat_template",
+            )
+        return self.templates[source]
+
+
+@dataclass
+class _Model:
+    config: ModelConfig
+    local: _Local | None  # set in local mode
+
+
+@dataclass
+class _Prepared:
+    """A request read and rendered, waiting for its text to be encoded."""
+
+    model: _Model
+    lora: str | None
+    salt: str | None
+    requested: str
+    text: str | None = None  # text to encode locally
+    add_special_tokens: bool = False
+    tokens: TokenArray | None = None  # tokens known without encoding
+    chars: str | None = None  # approximate text (chars mode or fallback)
+    fallback_reason: str | None = None
+    remote: bool = False  # ask /tokenize
+    source: Mode = "chars"  # where ``tokens`` came from
+    truncate: int | None = None
+    truncation_side: str = "left"
+
+
+class Featurizer:
+    def __init__(
+        self,
+        models: Sequence[ModelConfig],
+        *,
+        cache_entries: int,
+        threads: int = 2,
+        offload_chars: int = 16384,
+        remote: UrlChooser | None = None,
+        base_dir: Path | None = None,
+    ) -> None:
+        self._cache = BoundedLRU(cache_entries)
+        self._offload_chars = offload_chars
+        self._threads = threads
+        self._executor: ThreadPoolExecutor | None = None
+        # at most 4 encodes queued per thread: beyond that requests wait their turn here
+        self._slots = asyncio.Semaphore(threads * 4) if threads > 0 else None
+        self._remote = RemoteTokenizer(remote) if remote is not None else None
+        env = make_environment()
+        loaded: dict[Path, _Local] = {}
+        self._models: dict[str, tuple[_Model, str | None]] = {}
+        for i, mc in enumerate(models):
+            where = f"models[{i}]"
+            local: _Local | None = None
+            if mc.tokenizer == "remote":
+                if remote is None:
+                    raise FeatureConfigError(
+                        f"{where}.tokenizer: 'remote' needs a replica to ask (none given)"
+                    )
+            elif mc.tokenizer is not None:
+                folder = Path(mc.tokenizer)
+                if not folder.is_absolute() and base_dir is not None:
+                    folder = base_dir / folder
+                override = None
+                if mc.chat_template is not None:
+                    tpath = Path(mc.chat_template)
+                    if not tpath.is_absolute() and base_dir is not None:
+                        tpath = base_dir / tpath
+                    try:
+                        override = tpath.read_text(encoding="utf-8")
+                    except OSError as exc:
+                        raise FeatureConfigError(
+                            f"{where}.chat_template: cannot read {tpath}: {exc.strerror}"
+                        ) from None
+                key = folder.resolve()
+                if override is None and key in loaded:
+                    local = loaded[key]
+                else:
+                    files = load_tokenizer_files(
+                        folder, where=f"{where}.tokenizer", chat_template_override=override
+                    )
+                    templates: dict[str, ChatTemplate] = {}
+                    for source in {files.chat_template, *files.named_templates.values()}:
+                        if source is None:
+                            continue
+                        try:
+                            templates[source] = ChatTemplate(source, files.special_tokens, env)
+                        except ValueError as exc:
+                            raise FeatureConfigError(f"{where}.tokenizer: {exc}") from None
+                    local = _Local(
+                        files=files,
+                        encoder=SegmentEncoder(files.tokenizer, self._cache, f"{key}#{len(loaded)}"),
+                        templates=templates,
+                        vocab_size=files.tokenizer.get_vocab_size(with_added_tokens=True),
+                    )
+                    if override is None:
+                        loaded[key] = local
+            model = _Model(config=mc, local=local)
+            for name, lora in [(mc.name, None), *((a, a) for a in mc.lora_adapters)]:
+                if name in self._models:
+                    raise FeatureConfigError(
+                        f"{where}.lora_adapters: name {name!r} is already a model or adapter"
+                    )
+                self._models[name] = (model, lora)
+
+    @classmethod
+    def from_config(
+        cls, config: GatewayConfig, *, remote: UrlChooser | None = None, base_dir: Path | None = None
+    ) -> Featurizer:
+        return cls(
+            config.models,
+            cache_entries=config.proxy.tokenize_cache_entries,
+            threads=config.proxy.tokenize_threads,
+            offload_chars=config.proxy.tokenize_offload_chars,
+            remote=remote,
+            base_dir=base_dir,
+        )
+
+    # -- public ----------------------------------------------------------------------------------
+
+    def model_names(self) -> list[str]:
+        return list(self._models)
+
+    def cache_stats(self) -> dict[str, int]:
+        c = self._cache
+        return {
+            "entries": len(c),
+            "capacity": c.capacity,
+            "hits": c.hits,
+            "misses": c.misses,
+            "evictions": c.evictions,
+        }
+
+    def features_sync(
+        self, kind: Kind, body: Mapping[str, Any], session_id: str | None = None
+    ) -> tuple[RequestFeatures, FeatureInfo]:
+        """Everything on the calling thread. A ``remote`` model routes on characters here (no
+        network from a synchronous call); use ``features`` for its exact tokens."""
+        prep = self._prepare(kind, body)
+        if prep.remote:
+            prep.chars, prep.fallback_reason = self._chars_of(kind, body), "synchronous call"
+        if prep.text is not None and prep.model.local is not None:
+            enc = prep.model.local.encoder
+            plan = enc.plan(prep.text, add_special_tokens=prep.add_special_tokens)
+            done = enc.encode_missing(plan, add_special_tokens=prep.add_special_tokens)
+            return self._finish(prep, plan, done, False, session_id)
+        return self._finish(prep, None, None, False, session_id)
+
+    async def features(
+        self, kind: Kind, body: Mapping[str, Any], session_id: str | None = None
+    ) -> tuple[RequestFeatures, FeatureInfo]:
+        prep = self._prepare(kind, body)
+        if prep.remote:
+            assert self._remote is not None
+            try:
+                ids = await self._remote.tokenize(
+                    kind, prep.requested, body, prep.model.config.tokenize_timeout_s
+                )
+                prep.tokens, prep.source = np.asarray(ids, dtype=np.uint32), "remote"
+            except RemoteTokenizeError as exc:
+                prep.chars, prep.fallback_reason = self._chars_of(kind, body), str(exc)
+        if prep.text is not None and prep.model.local is not None:
+            enc = prep.model.local.encoder
+            plan = enc.plan(prep.text, add_special_tokens=prep.add_special_tokens)
+            offload = plan.missing_chars >= self._offload_chars and self._slots is not None
+            if offload:
+                assert self._slots is not None
+                async with self._slots:
+                    if self._executor is None:
+                        self._executor = ThreadPoolExecutor(
+                            self._threads, thread_name_prefix="kvgate-tokenize"
+                        )
+                    done = await asyncio.get_running_loop().run_in_executor(
+                        self._executor,
+                        lambda: enc.encode_missing(plan, add_special_tokens=prep.add_special_tokens),
+                    )
+            else:
+                done = enc.encode_missing(plan, add_special_tokens=prep.add_special_tokens)
+            return self._finish(prep, plan, done, offload, session_id)
+        return self._finish(prep, None, None, False, session_id)
+
+    async def close(self) -> None:
+        """Stop the worker threads (waiting for running encodes) and close the HTTP session."""
+        if self._remote is not None:
+            await self._remote.close()
+        if self._executor is not None:
+            executor, self._executor = self._executor, None
+            await asyncio.get_running_loop().run_in_executor(None, executor.shutdown)
+
+    # -- steps -----------------------------------------------------------------------------------
+
+    def _resolve(self, body: Mapping[str, Any]) -> tuple[_Model, str | None, str]:
+        name = body.get("model")
+        if not isinstance(name, str) or not name:
+            raise InvalidRequestError("'model' must be a non-empty string", param="model")
+        found = self._models.get(name)
+        if found is None:
+            raise UnknownModelError(name)
+        return found[0], found[1], name
+
+    @staticmethod
+    def _salt(body: Mapping[str, Any]) -> str | None:
+        salt = body.get("cache_salt")
+        if salt is None:
+            return None
+        if not isinstance(salt, str) or not 1 <= len(salt) <= 1024:
+            raise InvalidRequestError(
+                "'cache_salt' must be a string of 1 to 1024 characters", param="cache_salt"
+            )
+        return salt
+
+    def _chars_of(self, kind: Kind, body: Mapping[str, Any]) -> str:
+        if kind == "chat":
+            return plain_text_of_chat(
+                conversation_of(body.get("messages"), "string"), tools_of(body.get("tools"))
+            )
+        prompt = completion_prompt_of(body)
+        return prompt if isinstance(prompt, str) else ""
+
+    def _prepare(self, kind: Kind, body: Mapping[str, Any]) -> _Prepared:
+        if not isinstance(body, Mapping):
+            raise InvalidRequestError("the request body must be a JSON object")
+        model, lora, requested = self._resolve(body)
+        prep = _Prepared(model=model, lora=lora, salt=self._salt(body), requested=requested)
+        prep.truncate, prep.truncation_side = truncation_of(body)
+        try:
+            if kind == "completions":
+                self._prepare_completion(prep, body)
+            else:
+                self._prepare_chat(prep, body)
+        except Unrepresentable as exc:
+            prep.text, prep.tokens, prep.remote = None, None, False
+            prep.chars, prep.fallback_reason = self._chars_of(kind, body), f"unrepresentable input: {exc}"
+        return prep
+
+    def _prepare_completion(self, prep: _Prepared, body: Mapping[str, Any]) -> None:
+        prompt = completion_prompt_of(body)
+        add_special = body.get("add_special_tokens", True)
+        if not isinstance(add_special, bool):
+            raise InvalidRequestError("'add_special_tokens' must be a boolean", param="add_special_tokens")
+        local = prep.model.local
+        if isinstance(prompt, list):
+            if local is not None and max(prompt) >= local.vocab_size:
+                raise InvalidRequestError(
+                    f"token id {max(prompt)} is out of vocabulary (size {local.vocab_size})", param="prompt"
+                )
+            prep.tokens, prep.source = np.asarray(prompt, dtype=np.uint32), "token_ids"
+        elif local is not None:
+            prep.text, prep.add_special_tokens = prompt, add_special
+        elif prep.model.config.tokenizer == "remote":
+            prep.remote = True
+        else:
+            prep.chars = prompt
+
+    def _prepare_chat(self, prep: _Prepared, body: Mapping[str, Any]) -> None:
+        local = prep.model.local
+        if local is None:
+            conversation = conversation_of(body.get("messages"), "string")  # validates the messages
+            tools = tools_of(body.get("tools"))
+            if prep.model.config.tokenizer == "remote":
+                prep.remote = True
+            else:
+                prep.chars = plain_text_of_chat(conversation, tools)
+            return
+        template = local.template(body.get("tools") is not None)
+        chat = chat_prompt_of(body, template.content_format, template.variables)
+        try:
+            prep.text = template.render(
+                chat.conversation,
+                tools=chat.tools,
+                documents=chat.documents,
+                add_generation_prompt=chat.add_generation_prompt,
+                continue_final_message=chat.continue_final_message,
+                kwargs=chat.template_kwargs,
+            )
+        except TemplateRenderError as exc:
+            raise InvalidRequestError(
+                f"chat template error: {exc}", param="messages", code="template_error"
+            ) from None
+        prep.add_special_tokens = chat.add_special_tokens
+
+    def _finish(
+        self,
+        prep: _Prepared,
+        plan: EncodePlan | None,
+        encoded: list[TokenArray] | None,
+        offloaded: bool,
+        session_id: str | None,
+    ) -> tuple[RequestFeatures, FeatureInfo]:
+        mc = prep.model.config
+        base = mc.name
+        segments = cached = encoded_chars = 0
+        tokens = prep.tokens
+        if plan is not None and encoded is not None and prep.model.local is not None:
+            segments, cached, encoded_chars = plan.segments, plan.cached_segments, plan.missing_chars
+            tokens = prep.model.local.encoder.finish(
+                plan, encoded, add_special_tokens=prep.add_special_tokens
+            )
+            prep.source = "local"
+        if tokens is not None:
+            if prep.truncate is not None and prep.truncate < len(tokens):
+                tokens = (
+                    tokens[len(tokens) - prep.truncate :]
+                    if prep.truncation_side == "left"
+                    else tokens[: prep.truncate]
+                )
+            keys = block_keys(tokens, mc.block_size, base, prep.lora, prep.salt)
+            features = RequestFeatures(
+                model=base,
+                block_keys=keys,
+                prompt_tokens=len(tokens),
+                block_size=mc.block_size,
+                session_id=session_id,
+            )
+            info = FeatureInfo(
+                model=prep.requested,
+                base_model=base,
+                lora=prep.lora,
+                mode=prep.source,
+                approximate=False,
+                fallback_reason=None,
+                prompt_tokens=len(tokens),
+                segments=segments,
+                segments_cached=cached,
+                encoded_chars=encoded_chars,
+                offloaded=offloaded,
+                token_ids=tokens,
+            )
+            return features, info
+        text = prep.chars or ""
+        keys = char_block_keys(text, mc.char_block_size, base, prep.lora, prep.salt)
+        n = estimated_tokens(text)
+        features = RequestFeatures(
+            model=base,
+            block_keys=keys,
+            prompt_tokens=n,
+            block_size=max(1, round(mc.char_block_size / CHARS_PER_TOKEN)),
+            session_id=session_id,
+        )
+        info = FeatureInfo(
+            model=prep.requested,
+            base_model=base,
+            lora=prep.lora,
+            mode="chars",
+            approximate=True,
+            fallback_reason=prep.fallback_reason,
+            prompt_tokens=n,
+            segments=0,
+            segments_cached=0,
+            encoded_chars=0,
+            offloaded=False,
+            token_ids=None,
+        )
+        return features, info

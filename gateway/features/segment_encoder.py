@@ -1,0 +1,235 @@
+"""Exact, cached encoding of text in segments between added tokens.
+
+Why this is exact. ``tokenizers`` first cuts the text at added tokens that match on the raw text
+(``normalized=False``), then normalizes, pre-tokenizes and BPE-encodes each remaining piece on its
+own; merges never cross an added token. So the ids of a text are the ids of its pieces with the
+added tokens' ids between them. Two things let a piece depend on its surroundings: an added
+token's ``lstrip``/``rstrip`` swallows whitespace at the edge of its neighbours, and some
+pre-tokenizers treat the piece at offset 0 differently (Metaspace ``prepend_scheme="first"``).
+Both are kept intact by encoding each segment *with* the added token before and after it
+(``prev + segment + next``) and dropping those two ids: the segment then sits at the same
+offset, between the same tokens, as in the whole text. The cache key is that triple.
+
+We cut only where ``tokenizers`` cuts: at matches of the non-normalized added tokens, found
+leftmost-longest like its matcher (a regex alternation ordered longest first). Tokens with
+``single_word`` make matching depend on neighbouring characters in ways we do not model, so a
+tokenizer that has one is never split (every text is encoded whole; still exact, only slower).
+With ``encode_special_tokens`` on, special tokens are text, not cut points.
+
+``add_special_tokens=True`` adds the post-processor's tokens (BOS/EOS...). We learn them once as a
+fixed prefix and suffix by probing, and check the probe is consistent; if it is not, such
+encodes are done whole.
+
+Threading: ``plan`` and ``finish`` touch the cache and run on the event loop thread only;
+``encode_missing`` is pure (the tokenizer is read-only) and may run in a worker thread.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+from tokenizers import Tokenizer
+
+TokenArray = npt.NDArray[np.uint32]
+SegmentKey = tuple[str, str, str, str]  # (tokenizer, token before or "", segment text, token after or "")
+
+_EMPTY: TokenArray = np.zeros(0, dtype=np.uint32)
+
+
+class BoundedLRU:
+    """Least-recently-used map holding at most ``capacity`` entries (0 disables it)."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError("capacity must be >= 0")
+        self.capacity = capacity
+        self._data: OrderedDict[SegmentKey, TokenArray] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def get(self, key: SegmentKey) -> TokenArray | None:
+        value = self._data.get(key)
+        if value is None:
+            self.misses += 1
+            return None
+        self._data.move_to_end(key)
+        self.hits += 1
+        return value
+
+    def put(self, key: SegmentKey, value: TokenArray) -> None:
+        if self.capacity == 0:
+            return
+        self._data[key] = value
+        self._data.move_to_end(key)
+        while len(self._data) > self.capacity:
+            self._data.popitem(last=False)
+            self.evictions += 1
+
+    def clear(self) -> None:
+        self._data.clear()
+
+
+@dataclass
+class EncodePlan:
+    """One text cut into segments; ``parts`` alternates cached arrays and slots to fill."""
+
+    keys: list[SegmentKey]
+    found: list[TokenArray | None]  # per segment: cached ids, or None to encode
+    separators: list[str]  # the added tokens between segments (len(keys) - 1)
+    missing: list[int] = field(default_factory=list)  # indexes into keys
+    empty: int = 0  # segments with no text (two added tokens side by side)
+    whole: str | None = None  # set when the text is encoded in one piece
+
+    @property
+    def missing_chars(self) -> int:
+        if self.whole is not None:
+            return len(self.whole)
+        return sum(len(self.keys[i][2]) for i in self.missing)
+
+    @property
+    def segments(self) -> int:
+        """Non-empty segments (the whole text counts as one)."""
+        return 1 if self.whole is not None else len(self.keys) - self.empty
+
+    @property
+    def cached_segments(self) -> int:
+        return 0 if self.whole is not None else len(self.keys) - self.empty - len(self.missing)
+
+
+class SegmentEncoder:
+    def __init__(self, tokenizer: Tokenizer, cache: BoundedLRU, namespace: str) -> None:
+        """``cache`` may be shared by several encoders; ``namespace`` (the tokenizer's identity)
+        keeps their entries apart."""
+        self.tokenizer = tokenizer
+        self.cache = cache
+        self.namespace = namespace
+        added = tokenizer.get_added_tokens_decoder()
+        raw_tokens = [
+            t
+            for t in added.values()
+            if not t.normalized and not (tokenizer.encode_special_tokens and t.special)
+        ]
+        self.splittable = bool(raw_tokens) and not any(t.single_word for t in raw_tokens)
+        self._ids: dict[str, int] = {t.content: i for i, t in added.items()}
+        self._id_arrays = {c: np.asarray([i], dtype=np.uint32) for c, i in self._ids.items()}
+        contents = sorted({t.content for t in raw_tokens}, key=lambda c: (-len(c), c))
+        self._pattern: re.Pattern[str] | None = (
+            re.compile("|".join(re.escape(c) for c in contents)) if self.splittable else None
+        )
+        self._affixes = self._probe_affixes()
+
+    def _probe_affixes(self) -> tuple[list[int], list[int]] | None:
+        """(prefix, suffix) the post-processor adds with ``add_special_tokens=True``, or None
+        when it is not a fixed prefix/suffix."""
+        found: tuple[list[int], list[int]] | None = None
+        for probe in ("", "a", "Hello world. 123", " x\n y"):
+            plain = self.tokenizer.encode(probe, add_special_tokens=False).ids
+            full = self.tokenizer.encode(probe, add_special_tokens=True).ids
+            n = len(plain)
+            candidates = [
+                (full[:i], full[i + n :]) for i in range(len(full) - n + 1) if full[i : i + n] == plain
+            ]
+            if not candidates:
+                return None
+            if found is None:
+                found = candidates[0]
+            elif found not in candidates:
+                return None
+        return found
+
+    # -- planning (event loop thread) --------------------------------------------------------
+
+    def plan(self, text: str, *, add_special_tokens: bool) -> EncodePlan:
+        if self._pattern is None or (add_special_tokens and self._affixes is None):
+            return EncodePlan(keys=[], found=[], separators=[], whole=text)
+        ns = self.namespace
+        keys: list[SegmentKey] = []
+        separators: list[str] = []
+        prev = ""
+        start = 0
+        for m in self._pattern.finditer(text):
+            token = m.group(0)
+            keys.append((ns, prev, text[start : m.start()], token))
+            separators.append(token)
+            prev = token
+            start = m.end()
+        keys.append((ns, prev, text[start:], ""))
+        found: list[TokenArray | None] = []
+        missing: list[int] = []
+        empty = 0
+        for i, key in enumerate(keys):
+            if not key[2]:
+                found.append(_EMPTY)
+                empty += 1
+                continue
+            hit = self.cache.get(key)
+            found.append(hit)
+            if hit is None:
+                missing.append(i)
+        return EncodePlan(keys=keys, found=found, separators=separators, missing=missing, empty=empty)
+
+    # -- encoding (any thread) -----------------------------------------------------------------
+
+    def encode_missing(self, plan: EncodePlan, *, add_special_tokens: bool) -> list[TokenArray]:
+        if plan.whole is not None:
+            ids = self.tokenizer.encode(plan.whole, add_special_tokens=add_special_tokens).ids
+            return [np.asarray(ids, dtype=np.uint32)]
+        if not plan.missing:
+            return []
+        texts = [plan.keys[i][1] + plan.keys[i][2] + plan.keys[i][3] for i in plan.missing]
+        out: list[TokenArray] = []
+        for i, enc in zip(
+            plan.missing, self.tokenizer.encode_batch(texts, add_special_tokens=False), strict=True
+        ):
+            _, prev, _, nxt = plan.keys[i]
+            ids = enc.ids
+            lo = 1 if prev else 0
+            hi = len(ids) - (1 if nxt else 0)
+            # the context tokens must come back as themselves, or the cut was not where
+            # tokenizers cuts; that would be a bug, never silently wrong ids
+            if (prev and (not ids or ids[0] != self._ids[prev])) or (
+                nxt and (not ids or ids[-1] != self._ids[nxt])
+            ):
+                raise AssertionError(f"segment context tokens changed while encoding {plan.keys[i]!r}")
+            out.append(np.asarray(ids[lo:hi], dtype=np.uint32))
+        return out
+
+    # -- assembling (event loop thread) --------------------------------------------------------
+
+    def finish(
+        self, plan: EncodePlan, encoded: Sequence[TokenArray], *, add_special_tokens: bool
+    ) -> TokenArray:
+        if plan.whole is not None:
+            return encoded[0]
+        for i, ids in zip(plan.missing, encoded, strict=True):
+            plan.found[i] = ids
+            self.cache.put(plan.keys[i], ids)
+        parts: list[TokenArray] = []
+        if add_special_tokens and self._affixes and self._affixes[0]:
+            parts.append(np.asarray(self._affixes[0], dtype=np.uint32))
+        for i, seg in enumerate(plan.found):
+            assert seg is not None
+            parts.append(seg)
+            if i < len(plan.separators):
+                parts.append(self._id_arrays[plan.separators[i]])
+        if add_special_tokens and self._affixes and self._affixes[1]:
+            parts.append(np.asarray(self._affixes[1], dtype=np.uint32))
+        return np.concatenate(parts) if parts else _EMPTY
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> TokenArray:
+        """Plan, encode and assemble on the calling thread."""
+        plan = self.plan(text, add_special_tokens=add_special_tokens)
+        return self.finish(
+            plan,
+            self.encode_missing(plan, add_special_tokens=add_special_tokens),
+            add_special_tokens=add_special_tokens,
+        )
