@@ -1,0 +1,263 @@
+"""The harness's own view of an engine's KV events: a ZMQ SUB tap that records raw frames, a
+replay client, a decoder for both event encodings, and an independent reconstruction of the set
+of blocks the engine holds, keyed with kvgate's block-key contract.
+
+This deliberately shares no code with ``replica_agent``: it exists to check the agent and the
+gateway against the engine, so it re-derives everything from the frames and from
+``router_policies.block_keys`` (the contract both sides must follow), nothing else.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import zmq
+
+from router_policies.block_keys import chain_keys, root_key
+
+EngineHash = int | bytes
+
+
+@dataclass(frozen=True)
+class Frame:
+    topic: bytes
+    seq: int  # signed: the replay end marker carries -1
+    payload: bytes
+    received_at: float  # time.monotonic() when the tap read it (0.0 for replayed frames)
+
+
+def _seq(raw: bytes) -> int:
+    return int.from_bytes(raw, "big", signed=True)
+
+
+class EventTap:
+    """A SUB socket on one engine's event endpoint, read by a daemon thread it owns.
+
+    ``close`` stops the thread (it polls with a short timeout) and then closes the socket in the
+    thread that created it; frames read so far stay in ``frames``. The frame list is bounded by
+    ``max_frames``: reaching the bound stops recording and sets ``overflowed`` so that a check
+    built on a truncated stream fails loudly instead of passing on partial data.
+    """
+
+    def __init__(self, endpoint: str, max_frames: int = 200_000) -> None:
+        self.endpoint = endpoint
+        self.max_frames = max_frames
+        self.frames: list[Frame] = []
+        self.overflowed = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ctx: Any = zmq.Context.instance()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"tap {endpoint}", daemon=True)
+        self._thread.start()
+        self._ready.wait(5.0)
+
+    def _run(self) -> None:
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)  # never drop: a lost frame would make the check lie
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(self.endpoint)
+        self._ready.set()
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(100):
+                    continue
+                parts = sock.recv_multipart()
+                if len(parts) != 3:
+                    continue
+                frame = Frame(parts[0], _seq(parts[1]), parts[2], time.monotonic())
+                with self._lock:
+                    if len(self.frames) >= self.max_frames:
+                        self.overflowed = True
+                        continue
+                    self.frames.append(frame)
+        finally:
+            sock.close(0)
+
+    def snapshot(self) -> list[Frame]:
+        with self._lock:
+            return list(self.frames)
+
+    def wait_quiet(self, quiet_s: float = 0.5, deadline_s: float = 10.0) -> None:
+        """Return once no frame arrived for ``quiet_s`` (the engine has published its last step)."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < deadline_s:
+            with self._lock:
+                last = self.frames[-1].received_at if self.frames else 0.0
+            if time.monotonic() - max(last, t0) >= quiet_s:
+                return
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+
+
+def replay(endpoint: str, start_seq: int, timeout_s: float = 5.0, max_frames: int = 100_000) -> list[Frame]:
+    """Ask the engine's replay endpoint for every buffered batch from ``start_seq``.
+
+    DEALER socket: send ``["", start_seq]``; the engine answers ``["", topic, seq, payload]`` per
+    batch and ends with a frame whose seq is -1 (included in the result so callers can see it).
+    """
+    ctx: Any = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    out: list[Frame] = []
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart([b"", start_seq.to_bytes(8, "big", signed=True)])
+        while len(out) < max_frames:
+            if not sock.poll(int(timeout_s * 1000)):
+                raise TimeoutError(f"replay from {endpoint}: no answer within {timeout_s} s")
+            parts = sock.recv_multipart()
+            # ["", topic, seq, payload]; the end marker may carry an empty payload.
+            body = parts[1:] if parts and parts[0] == b"" else parts
+            if len(body) < 2:
+                continue
+            topic = body[0] if len(body) >= 3 else b""
+            seq = _seq(body[-2]) if len(body) >= 3 else _seq(body[0])
+            payload = body[-1] if len(body) >= 3 else body[1]
+            out.append(Frame(topic, seq, payload, 0.0))
+            if seq == -1:
+                break
+    finally:
+        sock.close(0)
+    return out
+
+
+# ---- decoding -------------------------------------------------------------------------------
+
+ARRAY_FIELDS = {
+    # The older tagged-array encoding: ["BlockStored", block_hashes, parent, token_ids, block_size,
+    # lora_id, medium, ...]. Field order follows vLLM's msgspec struct declaration order.
+    "BlockStored": ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"],
+    "BlockRemoved": ["block_hashes", "medium"],
+    "AllBlocksCleared": [],
+}
+
+
+def _normalize_hash(h: Any) -> EngineHash:
+    if isinstance(h, bytes):
+        return h
+    if isinstance(h, int):
+        # Unsigned 64-bit by contract; a signed encoder (SGLang) yields negatives: fold them.
+        return h & 0xFFFFFFFFFFFFFFFF
+    raise ValueError(f"unexpected block hash type {type(h).__name__}")
+
+
+def decode_event(raw: Any) -> dict[str, Any]:
+    """One event as a dict with a ``type`` key, from either encoding."""
+    if isinstance(raw, dict):
+        ev = {(k.decode() if isinstance(k, bytes) else k): v for k, v in raw.items()}
+        if "type" not in ev:
+            raise ValueError(f"event map without a type key: {sorted(ev)}")
+        if isinstance(ev["type"], bytes):
+            ev["type"] = ev["type"].decode()
+    elif isinstance(raw, list | tuple) and raw and isinstance(raw[0], str | bytes):
+        tag = raw[0].decode() if isinstance(raw[0], bytes) else raw[0]
+        names = ARRAY_FIELDS.get(tag)
+        if names is None:
+            raise ValueError(f"unknown event tag {tag!r}")
+        ev = {"type": tag}
+        ev.update(dict(zip(names, raw[1:], strict=False)))
+    else:
+        raise ValueError(f"cannot decode event {raw!r:.80}")
+    if "block_hashes" in ev:
+        ev["block_hashes"] = [_normalize_hash(h) for h in ev["block_hashes"]]
+    if ev.get("parent_block_hash") is not None:
+        ev["parent_block_hash"] = _normalize_hash(ev["parent_block_hash"])
+    return ev
+
+
+def decode_payload(payload: bytes) -> tuple[float, list[dict[str, Any]], int | None]:
+    """``[ts, events, dp_rank]`` (dp_rank absent in older releases)."""
+    obj = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    if not isinstance(obj, list | tuple) or len(obj) < 2:
+        raise ValueError("event batch is not [ts, events, ...]")
+    dp_rank = obj[2] if len(obj) > 2 else None
+    return float(obj[0]), [decode_event(e) for e in obj[1]], dp_rank
+
+
+# ---- independent reconstruction -------------------------------------------------------------
+
+
+@dataclass
+class HeldBlocks:
+    """The set of blocks one engine holds, rebuilt from its event stream in seq order.
+
+    ``engine`` maps the engine's block hash to kvgate's key for every block currently held (or
+    ``None`` when the parent was never seen, so the key cannot be computed). Applying events is
+    idempotent: a block stored twice stays one entry; removing an unknown block is a no-op.
+    """
+
+    model: str
+    block_size: int
+    engine: dict[EngineHash, int | None] = field(default_factory=dict)
+    # Keys survive removal here: vLLM can remove a parent and later store a child of it.
+    key_of: dict[EngineHash, int] = field(default_factory=dict)
+    last_seq: int = -1
+    gaps: int = 0
+    unkeyed: int = 0
+    cleared: int = 0
+    stored_events: int = 0
+    removed_events: int = 0
+
+    def apply_frames(self, frames: Iterable[Frame]) -> None:
+        for f in frames:
+            if f.seq < 0:
+                continue
+            if f.seq <= self.last_seq:
+                if f.seq == 0 and self.last_seq > 0:
+                    raise ValueError("seq went back to 0: engine restarted; rebuild from scratch")
+                continue  # duplicate (replayed) batch
+            if self.last_seq >= 0 and f.seq != self.last_seq + 1:
+                self.gaps += 1
+            self.last_seq = f.seq
+            _, events, _ = decode_payload(f.payload)
+            for ev in events:
+                self.apply(ev)
+
+    def apply(self, ev: dict[str, Any]) -> None:
+        kind = ev["type"]
+        if kind == "BlockStored":
+            self.stored_events += 1
+            bs = int(ev.get("block_size") or self.block_size)
+            if bs != self.block_size:
+                raise ValueError(f"engine block_size {bs} != expected {self.block_size}")
+            hashes: list[EngineHash] = ev["block_hashes"]
+            tokens: list[int] = ev["token_ids"]
+            parent = ev.get("parent_block_hash")
+            if parent is None:
+                parent_key: int | None = root_key(self.model, ev.get("lora_name"))
+            else:
+                parent_key = self.key_of.get(parent)
+            keys: list[int | None]
+            if parent_key is None:
+                keys = [None] * len(hashes)
+                self.unkeyed += len(hashes)
+            else:
+                keys = list(chain_keys(parent_key, tokens, bs))
+                if len(keys) != len(hashes):
+                    raise ValueError(f"BlockStored: {len(hashes)} hashes but {len(tokens)} tokens")
+            for h, k in zip(hashes, keys, strict=True):
+                self.engine[h] = k
+                if k is not None:
+                    self.key_of[h] = k
+        elif kind == "BlockRemoved":
+            self.removed_events += 1
+            for h in ev["block_hashes"]:
+                self.engine.pop(h, None)
+        elif kind == "AllBlocksCleared":
+            self.cleared += 1
+            self.engine.clear()
+        else:
+            raise ValueError(f"unknown event type {kind!r}")
+
+    def keys(self) -> set[int]:
+        return {k for k in self.engine.values() if k is not None}

