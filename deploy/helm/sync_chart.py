@@ -78,7 +78,9 @@ def _walk(node: yaml.MappingNode, lines: list[str], prefix: str) -> Iterator[Val
         if doc is None:
             raise ChartDocError(f"values.yaml:{key_node.start_mark.line + 1}: {path} has no `# --` comment")
         if not doc:
-            raise ChartDocError(f"values.yaml:{key_node.start_mark.line + 1}: {path} has an empty `# --` comment")
+            raise ChartDocError(
+                f"values.yaml:{key_node.start_mark.line + 1}: {path} has an empty `# --` comment"
+            )
         if is_group:
             assert isinstance(value_node, yaml.MappingNode)
             inner = _documented_inside(value_node, lines)
@@ -231,7 +233,9 @@ def expected_files(chart: Path = CHART) -> dict[Path, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--check", action="store_true", help="report stale files instead of writing them")
     args = parser.parse_args(argv)
     try:

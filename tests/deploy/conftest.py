@@ -24,7 +24,8 @@ NAMESPACE = "llm"
 # Every values file the chart is rendered with: the chart's ci/ files and the quick-start values.
 VALUES_FILES = sorted(CHART.glob("ci/*-values.yaml")) + sorted(EXAMPLES.glob("chart-values-*.yaml"))
 # (case id, values) for the default values and each file.
-CASES: list[tuple[str, dict[str, Any]]] = [("defaults", {})] + [
+DEFAULT_CASE: tuple[str, dict[str, Any]] = ("defaults", {})
+CASES: list[tuple[str, dict[str, Any]]] = [DEFAULT_CASE] + [
     (p.stem, yaml.safe_load(p.read_text(encoding="utf-8"))) for p in VALUES_FILES
 ]
 

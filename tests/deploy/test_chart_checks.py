@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 import helm_python as helm
-import jsonschema
+import jsonschema  # type: ignore[import-untyped]
 import pytest
 import yaml
 
@@ -95,13 +95,19 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"gateway": {"replicas": 3}}, "3 gateway pods need shared state"),
     ({"autoscaling": {"enabled": True, "maxReplicas": 4}}, "4 gateway pods need shared state"),
     (
-        {"redis": {"enabled": True}, "gateway": {"config": {"shared_state": {"redis_url": "redis://r:6379/0"}}}},
+        {
+            "redis": {"enabled": True},
+            "gateway": {"config": {"shared_state": {"redis_url": "redis://r:6379/0"}}},
+        },
         "not both",
     ),
     ({"gateway": {"config": {"listen": {"http": "0.0.0.0:9000"}}}}, "set those instead"),
     ({"tls": {"enabled": True}}, "tls.enabled=true needs tls.secretName"),
     (
-        {"tls": {"enabled": True, "secretName": "t"}, "gateway": {"config": {"inventory": {"tls_cert": "/x"}}}},
+        {
+            "tls": {"enabled": True, "secretName": "t"},
+            "gateway": {"config": {"inventory": {"tls_cert": "/x"}}},
+        },
         "do not set them too",
     ),
     (
@@ -109,7 +115,10 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
         "autoscaling.minReplicas (5) is above autoscaling.maxReplicas (3)",
     ),
     (
-        {"metrics": {"serviceMonitor": {"enabled": True}}, "gateway": {"config": {"telemetry": {"metrics": False}}}},
+        {
+            "metrics": {"serviceMonitor": {"enabled": True}},
+            "gateway": {"config": {"telemetry": {"metrics": False}}},
+        },
         "no /metrics to scrape",
     ),
 ]

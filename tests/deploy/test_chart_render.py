@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-import jsonschema
+import jsonschema  # type: ignore[import-untyped]
 import kubernetes_validate
 import pytest
 import yaml
@@ -87,7 +87,9 @@ def _secret_values(r: Rendered) -> dict[tuple[str, str], str]:
     return out
 
 
-def container_env(r: Rendered, container: dict[str, Any], existing: dict[tuple[str, str], str]) -> dict[str, str]:
+def container_env(
+    r: Rendered, container: dict[str, Any], existing: dict[tuple[str, str], str]
+) -> dict[str, str]:
     """The container's environment as Kubernetes would set it: literal values with ``$(VAR)``
     expanded from earlier variables, Secret references resolved from the rendered Secrets (or
     ``existing`` for Secrets the user provides), field references as placeholders."""
@@ -95,10 +97,14 @@ def container_env(r: Rendered, container: dict[str, Any], existing: dict[tuple[s
     env: dict[str, str] = {}
     for e in container.get("env", []):
         if "value" in e:
-            env[e["name"]] = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), e["value"])
+            env[e["name"]] = re.sub(
+                r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), e["value"]
+            )
         elif "secretKeyRef" in e["valueFrom"]:
             ref = e["valueFrom"]["secretKeyRef"]
-            assert (ref["name"], ref["key"]) in secrets, f"{e['name']}: no Secret {ref['name']} key {ref['key']}"
+            assert (ref["name"], ref["key"]) in secrets, (
+                f"{e['name']}: no Secret {ref['name']} key {ref['key']}"
+            )
             env[e["name"]] = secrets[(ref["name"], ref["key"])]
         else:
             env[e["name"]] = f"<{e['name']}>"
@@ -216,7 +222,11 @@ def test_gateway_pod(case: str, rendered_cases: dict[str, Rendered]) -> None:
     for pdb in r.of_kind("PodDisruptionBudget"):
         assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
     for hpa in r.of_kind("HorizontalPodAutoscaler"):
-        assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": RELEASE}
+        assert hpa["spec"]["scaleTargetRef"] == {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "name": RELEASE,
+        }
         assert "replicas" not in deploy["spec"], "the autoscaler owns the replica count"
     for sm in r.of_kind("ServiceMonitor"):
         assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
@@ -274,7 +284,11 @@ def test_agent_sidecars(case: str, rendered_cases: dict[str, Rendered]) -> None:
         replay_port = args.replay.rsplit(":", 1)[1]
         if engine["args"][0] == "sim-engine":
             sim = _parse(sim_engine_cli.configure, engine["args"][1:])
-            assert (str(sim.port), str(sim.events_port), str(sim.replay_port)) == ("8000", events_port, replay_port)
+            assert (str(sim.port), str(sim.events_port), str(sim.replay_port)) == (
+                "8000",
+                events_port,
+                replay_port,
+            )
             assert sim.host == "0.0.0.0"
             assert str(sim.tokenizer) == "/opt/kvgate/assets/tokenizers/kvgate-tiny"
         else:
