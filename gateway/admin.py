@@ -149,7 +149,7 @@ class Admin:
         if replica is not None:
             if replica not in self._index.replicas:
                 return error_response(404, f"unknown replica {replica!r}", param="replica")
-            return _json({"replica": replica, "keys": self._index.precise_keys(replica)})
+            return _json({"replica": replica, "keys": sorted(self._index.precise_keys(replica))})
         cfg = self._index.config
         return _json(
             {

@@ -44,9 +44,10 @@ class HealthChecker:
         self._fleet.check_result(replica, ok, error)
         after = self._fleet.get(replica)
         if after is not None and was is not None and after.healthy != was:
-            log.warning(
-                "replica %s is now %s %s", replica, "healthy" if after.healthy else "unhealthy", error
-            )
+            if after.healthy:
+                log.info("replica %s is healthy", replica)
+            else:
+                log.warning("replica %s is unhealthy: %s", replica, error)
 
     async def run_round(self) -> None:
         cfg = self._config()

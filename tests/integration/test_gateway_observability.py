@@ -1,0 +1,227 @@
+"""Observability on a real gateway process: agents' inventory through /admin, the prediction
+audit, metrics, access logs, and OTLP spans received by a collector in the test."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as otlp
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as otlp_grpc
+
+from gateway.app import build_state
+from gateway.config import parse_config
+from proto.kvgate.v1 import inventory_pb2 as pb
+from tests.integration.gateway_harness import AGENT_TOKEN, Gateway, Procs, base_config, http, wait_until
+
+JSON = {"content-type": "application/json"}
+
+
+def _post(gw: Gateway, doc: dict[str, Any]) -> tuple[int, dict[str, str], bytes]:
+    return http("POST", gw.url + "/v1/completions", json.dumps(doc).encode(), JSON)
+
+
+class _Agent:
+    """A minimal agent speaking the inventory stream, so the test decides exactly what the index
+    holds."""
+
+    def __init__(self, port: int) -> None:
+        self._channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self._queue: list[pb.AgentMessage] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        call = self._channel.stream_stream(
+            "/kvgate.v1.Inventory/Sync",
+            request_serializer=pb.AgentMessage.SerializeToString,
+            response_deserializer=pb.GatewayMessage.FromString,
+        )
+        self._responses = call(self._requests(), metadata=(("authorization", f"Bearer {AGENT_TOKEN}"),))
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
+        self._seq = 0
+
+    def _requests(self) -> Iterator[pb.AgentMessage]:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed and not self._queue:
+                    return
+                msg = self._queue.pop(0)
+            yield msg
+
+    def _drain(self) -> None:
+        try:
+            for _ in self._responses:
+                pass
+        except grpc.RpcError:
+            pass
+
+    def send(self, **body: Any) -> None:
+        self._seq += 1
+        with self._cond:
+            self._queue.append(pb.AgentMessage(seq=self._seq, **body))
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._channel.close()
+
+
+def _keys_for(cfg: dict[str, Any], body: dict[str, Any]) -> tuple[list[int], int]:
+    """The block keys the gateway computes for ``body`` (same featurizer as the app)."""
+    state = build_state(parse_config(cfg))
+    kind = "chat" if "messages" in body else "completions"
+    feats = asyncio.run(state.featurizer(kind, body, {}))
+    return list(feats.block_keys), feats.block_size
+
+
+def test_agent_inventory_drives_routing_and_admin_views(procs: Procs) -> None:
+    r0, r1 = procs.backend("r0"), procs.backend("r1")
+    cfg = base_config(r0, policy={"name": "kv_aware"})
+    gw = procs.gateway(cfg)
+    body = {"model": "m", "prompt": "The quick brown fox jumps over the lazy dog. " * 8, "max_tokens": 4}
+    keys, block_size = _keys_for(cfg, body)
+    engine_block = cfg["models"][0].get("block_size", 16)
+    assert len(keys) >= 3
+    agent = _Agent(gw.inventory_port)
+    try:
+        agent.send(hello=pb.Hello(replica_id="r1", url=r1.url, models=["m"], block_size=engine_block,
+                                  engine="fake", protocol_version=1))  # fmt: skip
+        agent.send(snapshot=pb.SnapshotChunk(snapshot_id=1, keys=keys[:3], medium="GPU", last=True))
+        agent.send(load=pb.Load(running=1, waiting=0, kv_usage=0.25))
+        wait_until(lambda: gw.replicas().get("r1", {}).get("engine_running") == 1, what="agent registered")
+        reps = gw.replicas()
+        assert reps["r1"]["agent_connected"] is True and reps["r1"]["source"] == "agent"
+        assert reps["r1"]["kv_usage"] == 0.25 and reps["r0"]["source"] == "static"
+
+        status, doc = gw.admin("GET", "/admin/index?replica=r1")
+        assert status == 200 and doc == {"replica": "r1", "keys": sorted(keys[:3])}
+        status, doc = gw.admin("GET", "/admin/index")
+        assert doc["replicas"]["r1"] == {"precise": 3, "approximate": 0}
+        assert gw.admin("GET", "/admin/index?replica=nope")[0] == 404
+
+        status, doc = gw.admin("POST", "/admin/explain", json.dumps(body).encode())
+        assert status == 200
+        by_id = {r["id"]: r for r in doc["replicas"]}
+        assert by_id["r1"]["matched_blocks"] == 3 and by_id["r0"]["matched_blocks"] == 0
+        assert by_id["r1"]["matched_tokens"] == 3 * block_size
+        assert doc["decision"]["replica"] == "r1" and doc["decision"]["reason"] == "kv_aware:cache"
+        assert set(by_id["r0"]) >= {"score", "healthy", "in_flight_requests"}
+        # explain forwarded nothing
+        assert r0.stats()["requests"] == 0 and r1.stats()["requests"] == 0
+
+        status, headers, _ = _post(gw, {**body, "fake_cached_tokens": 3 * block_size})
+        assert status == 200
+        assert headers["x-kvgate-replica"] == "r1"
+        assert headers["x-kvgate-matched-tokens"] == str(3 * block_size)
+        metrics = gw.metrics()
+        assert 'kvgate_prediction_audit_total{outcome="exact",replica="r1"} 1.0' in metrics
+        assert "kvgate_inventory_snapshots_applied_total 1.0" in metrics
+    finally:
+        agent.close()
+    wait_until(lambda: gw.replicas()["r1"]["agent_connected"] is False, what="agent gone")
+
+
+def test_prediction_audit_streaming_and_not(procs: Procs) -> None:
+    b = procs.backend("r0")
+    gw = procs.gateway(base_config(b))
+    # cold: the gateway predicts 0 cached tokens
+    assert _post(gw, {"model": "m", "prompt": "a", "fake_cached_tokens": 0})[0] == 200
+    assert _post(gw, {"model": "m", "prompt": "b", "fake_cached_tokens": 32})[0] == 200
+    stream = {"model": "m", "prompt": "c", "stream": True, "stream_options": {"include_usage": True}}
+    assert _post(gw, {**stream, "fake_cached_tokens": 0})[0] == 200
+    # without include_usage the stream carries no usage: nothing to audit
+    assert _post(gw, {"model": "m", "prompt": "d", "stream": True, "fake_cached_tokens": 16})[0] == 200
+    m = gw.metrics()
+    assert 'kvgate_prediction_audit_total{outcome="exact",replica="r0"} 2.0' in m
+    assert 'kvgate_prediction_audit_total{outcome="under",replica="r0"} 1.0' in m
+    assert 'kvgate_prediction_exact_fraction{replica="r0"} 0.6666666666666666' in m
+    assert 'kvgate_prediction_error_tokens_count{replica="r0"} 3.0' in m
+    audit = gw.replicas()["r0"]["prediction_audit"]
+    assert (audit["total"], audit["exact"]) == (3, 2)
+
+
+def test_metrics_cover_requests_decisions_latency_and_index(procs: Procs) -> None:
+    b = procs.backend("r0")
+    gw = procs.gateway(base_config(b))
+    assert _post(gw, {"model": "m", "prompt": "x" * 300})[0] == 200
+    assert _post(gw, {"model": "zz", "prompt": "x"})[0] == 404
+    m = gw.metrics()
+    for needle in [
+        'kvgate_requests_total{policy="round_robin",replica="r0",status="200"} 1.0',
+        'kvgate_requests_total{policy="round_robin",replica="none",status="404"} 1.0',
+        "kvgate_decision_seconds_count 1.0",
+        'kvgate_predicted_matched_tokens_count{policy="round_robin"} 1.0',
+        'kvgate_ttft_seconds_count{replica="r0"} 1.0',
+        'kvgate_e2e_seconds_count{replica="r0"} 1.0',
+        'kvgate_index_entries{kind="approximate",replica="r0"}',
+        "kvgate_index_keys ",
+        'kvgate_replica_healthy{replica="r0"} 1.0',
+        "kvgate_inventory_events_applied_total",
+    ]:
+        assert needle in m, needle
+
+
+def _access_lines(gw: Gateway) -> list[dict[str, Any]]:
+    out = []
+    for line in gw.stderr().splitlines():
+        if line.startswith("{"):
+            out.append(json.loads(line))
+    return out
+
+
+@pytest.mark.parametrize("log_prompts", [False, True])
+def test_access_log_is_json_and_keeps_prompts_out_unless_asked(procs: Procs, log_prompts: bool) -> None:
+    b = procs.backend("r0")
+    gw = procs.gateway(base_config(b, telemetry={"log_prompts": log_prompts}))
+    assert _post(gw, {"model": "m", "prompt": "my secret prompt"})[0] == 200
+    lines = wait_until(lambda: _access_lines(gw), what="an access log line")
+    entry = lines[-1]
+    assert entry["status"] == 200 and entry["replica"] == "r0" and entry["model"] == "m"
+    assert {"duration_ms", "ttft_ms", "policy", "reason", "prompt_tokens", "ts"} <= set(entry)
+    assert ("my secret prompt" in gw.stderr()) is log_prompts
+
+
+class _Collector(otlp_grpc.TraceServiceServicer):  # type: ignore[misc]
+    def __init__(self) -> None:
+        self.spans: list[Any] = []
+
+    def Export(self, request: Any, context: Any) -> Any:
+        for rs in request.resource_spans:
+            for ss in rs.scope_spans:
+                self.spans.extend(ss.spans)
+        return otlp.ExportTraceServiceResponse()
+
+
+def test_spans_are_exported_over_otlp(procs: Procs) -> None:
+    collector = _Collector()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    otlp_grpc.add_TraceServiceServicer_to_server(collector, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        b = procs.backend("r0")
+        gw = procs.gateway(base_config(b, telemetry={"otlp_endpoint": f"127.0.0.1:{port}"}))
+        assert _post(gw, {"model": "m", "prompt": "trace me " * 20})[0] == 200
+        gw.proc.send_signal(signal.SIGTERM)  # shutdown flushes the last spans
+        assert gw.proc.wait(30) == 0
+        spans = [s for s in collector.spans if s.name == "kvgate.request"]
+        assert len(spans) == 1
+        attrs = {a.key: a.value for a in spans[0].attributes}
+        assert attrs["kvgate.replica"].string_value == "r0"
+        assert attrs["kvgate.reason"].string_value == "round_robin"
+        assert attrs["http.status_code"].int_value == 200
+        assert attrs["kvgate.prompt_tokens"].int_value > 0
+        assert "kvgate.predicted_cached_tokens" in attrs
+    finally:
+        server.stop(None)
