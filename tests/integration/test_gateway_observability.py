@@ -19,6 +19,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as otl
 from gateway.app import build_state
 from gateway.config import parse_config
 from proto.kvgate.v1 import inventory_pb2 as pb
+from router_policies.policy import RequestFeatures
 from tests.integration.gateway_harness import AGENT_TOKEN, Gateway, Procs, base_config, http, wait_until
 
 JSON = {"content-type": "application/json"}
@@ -81,7 +82,11 @@ def _keys_for(cfg: dict[str, Any], body: dict[str, Any]) -> tuple[list[int], int
     """The block keys the gateway computes for ``body`` (same featurizer as the app)."""
     state = build_state(parse_config(cfg))
     kind = "chat" if "messages" in body else "completions"
-    feats = asyncio.run(state.featurizer(kind, body, {}))
+
+    async def features() -> RequestFeatures:
+        return await state.featurizer(kind, body, {})
+
+    feats = asyncio.run(features())
     return list(feats.block_keys), feats.block_size
 
 
@@ -192,7 +197,7 @@ def test_access_log_is_json_and_keeps_prompts_out_unless_asked(procs: Procs, log
     assert ("my secret prompt" in gw.stderr()) is log_prompts
 
 
-class _Collector(otlp_grpc.TraceServiceServicer):  # type: ignore[misc]
+class _Collector(otlp_grpc.TraceServiceServicer):
     def __init__(self) -> None:
         self.spans: list[Any] = []
 
@@ -206,7 +211,7 @@ class _Collector(otlp_grpc.TraceServiceServicer):  # type: ignore[misc]
 def test_spans_are_exported_over_otlp(procs: Procs) -> None:
     collector = _Collector()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    otlp_grpc.add_TraceServiceServicer_to_server(collector, server)
+    otlp_grpc.add_TraceServiceServicer_to_server(collector, server)  # type: ignore[no-untyped-call]
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
