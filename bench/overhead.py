@@ -1,0 +1,198 @@
+"""Gateway overhead: the same seeded chat requests straight to fast fake backends and through
+each router, in one run, interleaved per scenario.
+
+Routers: kvgate (``kvgate serve``, kv_aware, the 32k benchmark tokenizer, so tokenization and
+block keys are included), and, when ``.venv-bench`` holds them, sglang-router (cache_aware and
+round_robin) and vllm-router (cache_aware: its best policy without engine KV events, which fake
+backends do not publish). Scenarios: non-streaming and streaming, 2 KB and 8 KB prompts,
+concurrency 32 and 128 (closed loop), plus concurrency 1 (the unloaded added latency).
+
+Per router and scenario: requests/s, latency p50/p99, added latency (router minus direct at the
+same percentile), CPU seconds per 1,000 requests of the router's process tree (from /proc), and
+requests/s per router CPU core (= requests / router CPU seconds). The machine's cores are shared
+by the load generator, the backends and the router, so requests/s and latency are only compared
+side by side within one run; CPU per request is the robust figure.
+
+    .venv/bin/python -m bench.overhead [--requests 2000] [--out bench/results/overhead.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import uvloop
+import yaml
+
+from bench import loadgen
+from bench.procs import Procs, free_port, tree_cpu_s
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH_VENV = ROOT / ".venv-bench"
+TOKENIZER = ROOT / "assets/tokenizers/kvgate-bench-32k"
+MODEL = "bench-model"
+PATH = "/v1/chat/completions"
+
+
+def kvgate_config(backends: list[int], tokenizer: Path, policy: str = "kv_aware") -> dict[str, Any]:
+    return {
+        "listen": {"http": "127.0.0.1:0", "inventory": "127.0.0.1:0"},
+        "policy": {"name": policy},
+        "models": [{"name": MODEL, "tokenizer": str(tokenizer), "block_size": 16}],
+        "replicas": [
+            {"id": f"b{i}", "url": f"http://127.0.0.1:{p}", "models": [MODEL]} for i, p in enumerate(backends)
+        ],
+        "telemetry": {"access_log": False, "log_level": "WARNING"},
+    }
+
+
+def start_routers(
+    procs: Procs, backends: list[int], tmp: Path, peers: bool, only: list[str] | None = None
+) -> dict[str, tuple[int, int]]:
+    """Start every router; returns name -> (port, pid)."""
+    routers: dict[str, tuple[int, int]] = {}
+    urls = [f"http://127.0.0.1:{p}" for p in backends]
+    want = set(only) if only else None
+    if want is None or "kvgate" in want:
+        cfg = tmp / "kvgate.yaml"
+        cfg.write_text(yaml.safe_dump(kvgate_config(backends, TOKENIZER)))
+        proc, m = procs.start(
+            "kvgate",
+            [str(ROOT / ".venv/bin/kvgate"), "serve", "--config", str(cfg)],
+            ready_pattern=r"kvgate serve: http=[\d.]+:(\d+)",
+        )
+        assert m is not None
+        routers["kvgate"] = (int(m.group(1)), proc.pid)
+    if not peers:
+        return routers
+    py = BENCH_VENV / "bin/python"
+    if not py.exists():
+        print("overhead: .venv-bench missing, peers skipped (make bench creates it)", file=sys.stderr)
+        return routers
+    for policy in ("cache_aware", "round_robin"):
+        name = f"sglang_{policy}"
+        if want is not None and name not in want:
+            continue
+        port = free_port()
+        proc, _ = procs.start(
+            name,
+            [
+                str(py), "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--policy", policy,
+                "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port()),
+                "--log-level", "warn", "--model-path", str(TOKENIZER),
+            ],
+            ready_url=f"http://127.0.0.1:{port}/v1/models",
+            env={"HF_HUB_OFFLINE": "1"},
+        )  # fmt: skip
+        routers[name] = (port, proc.pid)
+    if want is None or "vllm_router_cache_aware" in want:
+        port = free_port()
+        proc, _ = procs.start(
+            "vllm_router_cache_aware",
+            [
+                str(BENCH_VENV / "bin/vllm-router"), "--worker-urls", *urls, "--policy", "cache_aware",
+                "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port()),
+                "--log-level", "warning",
+            ],
+            ready_url=f"http://127.0.0.1:{port}/v1/models",
+            env={"HF_HUB_OFFLINE": "1"},
+        )  # fmt: skip
+        routers["vllm_router_cache_aware"] = (port, proc.pid)
+    return routers
+
+
+def measure(
+    port: int, pid: int | None, bodies: list[bytes], count: int, concurrency: int, max_s: float
+) -> dict[str, float]:
+    warmup = min(count // 10 + concurrency, 200)
+    cpu0 = tree_cpu_s(pid) if pid else 0.0
+    res = uvloop.run(loadgen.run("127.0.0.1", port, PATH, bodies, count, concurrency, max_s, warmup=warmup))
+    cpu = (tree_cpu_s(pid) - cpu0) if pid else 0.0
+    out = res.summary()
+    n = out["requests"] + warmup
+    out["cpu_s"] = cpu
+    out["cpu_s_per_1000"] = 1000 * cpu / n if pid else 0.0
+    out["rps_per_core"] = n / cpu if cpu > 0 else 0.0
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    scenarios = [
+        (stream, size, conc) for stream in (False, True) for size in args.sizes for conc in args.concurrency
+    ]
+    rows: list[dict[str, Any]] = []
+    tmp = args.out.parent / "tmp" / "overhead"
+    with Procs(tmp) as procs:
+        _, m = procs.start(
+            "fake_backend",
+            [sys.executable, "-m", "bench.fake_backend", "--ports", *["0"] * args.backends, "--model", MODEL],
+            ready_pattern=r"fake_backend: ports=([\d,]+)",
+        )
+        assert m is not None
+        backends = [int(p) for p in m.group(1).split(",")]
+        routers = start_routers(procs, backends, tmp, peers=not args.no_peers, only=args.routers)
+        time.sleep(1.0)  # first health rounds
+        for stream, size, conc in scenarios:
+            bodies = loadgen.chat_bodies(256, size, stream, seed=args.seed, model=MODEL)
+            count = args.requests if conc > 1 else max(args.requests // 4, 50)
+            direct = measure(backends[0], None, bodies, count, conc, args.max_seconds)
+            row: dict[str, Any] = {
+                "stream": stream,
+                "prompt_bytes": size,
+                "concurrency": conc,
+                "direct": direct,
+            }
+            for name, (port, pid) in routers.items():
+                r = measure(port, pid, bodies, count, conc, args.max_seconds)
+                r["added_p50_ms"] = r["p50_ms"] - direct["p50_ms"]
+                r["added_p99_ms"] = r["p99_ms"] - direct["p99_ms"]
+                row[name] = r
+            rows.append(row)
+            print(format_row(row), flush=True)
+    return {
+        "requests_per_point": args.requests,
+        "backends": args.backends,
+        "tokenizer": str(TOKENIZER.relative_to(ROOT)),
+        "rows": rows,
+    }
+
+
+def format_row(row: dict[str, Any]) -> str:
+    head = (
+        f"{'stream' if row['stream'] else 'json  '} {row['prompt_bytes'] // 1024}KB c={row['concurrency']:<3} "
+        f"direct {row['direct']['rps']:7.0f} rps p50 {row['direct']['p50_ms']:6.2f}ms"
+    )
+    parts = [head]
+    for name, r in row.items():
+        if isinstance(r, dict) and name != "direct":
+            parts.append(
+                f"  {name}: {r['rps']:6.0f} rps +p50 {r['added_p50_ms']:6.2f} +p99 {r['added_p99_ms']:6.2f}ms "
+                f"cpu/1k {r['cpu_s_per_1000']:5.2f}s rps/core {r['rps_per_core']:6.0f} err {r['errors']:.0f}"
+            )
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=2000, help="measured requests per point")
+    ap.add_argument("--sizes", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 128])
+    ap.add_argument("--backends", type=int, default=4)
+    ap.add_argument("--max-seconds", type=float, default=60.0, help="time bound of one point")
+    ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--no-peers", action="store_true", help="kvgate only")
+    ap.add_argument("--routers", nargs="+", default=None, help="subset of routers to run")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/overhead.json")
+    args = ap.parse_args(argv)
+    result = run(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

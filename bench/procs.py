@@ -1,0 +1,131 @@
+"""Processes the benchmarks start: each is owned by a ``Procs`` group that stops them all, in the
+reverse order of starting (clients of a process stop before it), on exit or error.
+
+Also reads a process tree's CPU time from /proc (utime + stime of the process, its threads, and
+its live descendants), which is how the benchmarks charge CPU seconds to a gateway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(parent pid, CPU seconds) of ``pid``, or None if it is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # the command name (field 2) may hold spaces and parentheses: split after its last ')'
+    rest = raw[raw.rindex(")") + 2 :].split()
+    return int(rest[1]), (int(rest[11]) + int(rest[12])) / _TICK
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds used so far by ``root`` and its live descendants."""
+    parents: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = _stat(int(entry))
+            if st is not None:
+                parents[int(entry)], cpu[int(entry)] = st
+    total = 0.0
+    for pid, c in cpu.items():
+        p = pid
+        while p and p != root:
+            p = parents.get(p, 0)
+        if p == root:
+            total += c
+    return total
+
+
+class Procs:
+    """A group of child processes; ``with Procs() as procs: ...`` stops every one on exit."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.started: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def __enter__(self) -> Procs:
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop_all()
+
+    def start(
+        self,
+        name: str,
+        cmd: Sequence[str],
+        ready_pattern: str | None = None,
+        ready_url: str | None = None,
+        timeout_s: float = 60.0,
+        env: dict[str, str] | None = None,
+    ) -> tuple[subprocess.Popen[bytes], re.Match[str] | None]:
+        """Start ``cmd`` with stdout/stderr in ``log_dir/name.log``; wait until a line matches
+        ``ready_pattern`` or ``ready_url`` answers 200."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = self.log_dir / f"{name}.log"
+        with log.open("wb") as f:
+            proc = subprocess.Popen(
+                list(cmd),
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,
+            )
+        self.started.append((name, proc))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"{name} exited with {proc.returncode}; see {log}:\n{log.read_text()[-3000:]}"
+                )
+            if ready_pattern is not None:
+                m = re.search(ready_pattern, log.read_text(errors="replace"))
+                if m:
+                    return proc, m
+            elif ready_url is not None:
+                try:
+                    with urllib.request.urlopen(ready_url, timeout=1) as r:
+                        if r.status == 200:
+                            return proc, None
+                except OSError:
+                    pass
+            time.sleep(0.1)
+        raise RuntimeError(f"{name} not ready after {timeout_s}s; see {log}:\n{log.read_text()[-3000:]}")
+
+    def stop(self, proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.started = [(n, p) for n, p in self.started if p is not proc]
+
+    def stop_all(self) -> None:
+        for _name, proc in reversed(list(self.started)):
+            self.stop(proc)
