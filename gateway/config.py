@@ -44,6 +44,8 @@ def _host_port(value: str) -> str:
 
 
 class ListenConfig(_Strict):
+    """Where the gateway listens (the CLI flags --listen and --inventory override these)."""
+
     http: str = Field("0.0.0.0:8000", description="HOST:PORT of the OpenAI-compatible HTTP API.")
     inventory: str = Field("0.0.0.0:50051", description="HOST:PORT of the agents' gRPC inventory stream.")
 
@@ -84,6 +86,8 @@ class PolicyConfig(BaseModel):
 
 
 class ModelConfig(_Strict):
+    """One model the gateway routes; requests naming another model get 404."""
+
     name: str = Field(..., min_length=1, description="Model name as clients send it.")
     tokenizer: str | None = Field(
         None,
@@ -98,12 +102,15 @@ class ModelConfig(_Strict):
         "in that adapter's key namespace.",
     )
     chat_template: str | None = Field(
-        None, description="Path of a Jinja chat template overriding the tokenizer folder's (as vLLM's --chat-template)."
+        None,
+        description="Path of a Jinja chat template overriding the tokenizer folder's (as vLLM's --chat-template).",
     )
     tokenize_timeout_s: float = Field(2.0, gt=0, description="Timeout of a remote /tokenize call.")
 
 
 class ReplicaConfig(_Strict):
+    """A static replica; agents may register more (inventory.allow_registration)."""
+
     id: str = Field(..., min_length=1, description="Replica id, unique in the fleet.")
     url: str = Field(..., description="Base URL of the engine's OpenAI API, e.g. http://10.0.0.1:8000.")
     models: list[str] = Field(default_factory=list, description="Models served (empty: all configured).")
@@ -117,6 +124,8 @@ class ReplicaConfig(_Strict):
 
 
 class ProxyConfig(_Strict):
+    """The HTTP proxy: limits, timeouts, retries, debug headers, tokenization."""
+
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Larger request bodies get 413.")
     connect_timeout_s: float = Field(2.0, gt=0, description="Upstream connect timeout.")
     request_timeout_s: float = Field(600.0, gt=0, description="Upstream total timeout per request.")
@@ -134,6 +143,8 @@ class ProxyConfig(_Strict):
 
 
 class HealthConfig(_Strict):
+    """Active health checks (GET /health) and passive ejection thresholds."""
+
     interval_s: float = Field(2.0, gt=0, description="Active health check period.")
     timeout_s: float = Field(1.0, gt=0, description="Health check timeout.")
     unhealthy_after: int = Field(2, ge=1, description="Consecutive failures that eject a replica.")
@@ -141,11 +152,15 @@ class HealthConfig(_Strict):
 
 
 class SharedStateConfig(_Strict):
+    """Optional Redis shared by several gateway instances."""
+
     redis_url: str | None = Field(None, description="Redis URL to share index and load between gateways.")
     key_prefix: str = Field("kvgate", description="Prefix of every Redis key.")
 
 
 class TelemetryConfig(_Strict):
+    """Metrics, traces and logs."""
+
     metrics: bool = Field(True, description="Serve Prometheus metrics on /metrics.")
     otlp_endpoint: str | None = Field(None, description="OTLP/gRPC endpoint for traces, e.g. localhost:4317.")
     access_log: bool = Field(True, description="Structured JSON access log on stderr.")
@@ -177,6 +192,8 @@ class InventoryConfig(_Strict):
 
 
 class AuthConfig(_Strict):
+    """Bearer tokens, read from the named environment variables (never from the file)."""
+
     agent_token_env: str | None = Field(
         "KVGATE_AGENT_TOKEN", description="Env var holding the agents' bearer token (unset: no auth)."
     )
