@@ -252,6 +252,38 @@ class BlockTable:
         self.used = 0
         self.live = 0
         self._newly: I64 = np.empty(64, dtype=np.int64)
+        self._warm()
+
+    def _warm(self) -> None:
+        """Call every kernel once on the empty table, so that loading (or, on a fresh checkout,
+        compiling) the machine code happens here, at start-up, not inside the first request.
+        Costs a few microseconds once the process has loaded them."""
+        probe = np.zeros(1, dtype=np.uint64)
+        self.has(probe, 0)
+        self.match(probe)
+        self.mask_of(0)
+        self.keys_of(0)
+        self.unset(probe, 0)
+        self.unset_slots(np.empty(0, dtype=np.int64), 0)
+        k_set(
+            self.keys.copy(),
+            self.state.copy(),
+            self.masks.copy(),
+            self.shift,
+            probe,
+            0,
+            np.uint64(1),
+            self._newly,
+        )
+        k_rehash(
+            self.keys,
+            self.state,
+            self.masks,
+            self.keys.copy(),
+            self.state.copy(),
+            self.masks.copy(),
+            self.shift,
+        )
 
     @property
     def capacity(self) -> int:
