@@ -101,7 +101,15 @@ def _stream_fields(body: dict[str, Any]) -> tuple[bool, bool, bool]:
     return stream, include, continuous
 
 
+def _check_unsupported(body: dict[str, Any]) -> None:
+    # A cache salt changes vLLM's block hashes and kvgate's key namespace; this engine keys every
+    # block in the model's namespace only, so it refuses a salt rather than key it wrongly.
+    if body.get("cache_salt") is not None:
+        raise _bad("'cache_salt' is not supported by the simulated engine", "cache_salt")
+
+
 def _check_n(body: dict[str, Any]) -> None:
+    _check_unsupported(body)
     n = _int_field(body, "n", 1)
     if n is not None and n != 1:
         raise _bad("the simulated engine generates one choice per request (n must be 1)", "n")

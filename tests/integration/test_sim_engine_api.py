@@ -201,6 +201,7 @@ def test_bad_input_gets_openai_errors(launch: Any) -> None:
     assert_error(*post(url, {"prompt": "x", "max_tokens": "ten"}), 400)
     assert_error(*post(url, {"prompt": "x", "n": 2}), 400)
     assert_error(*post(url, {"prompt": ["a", "b"]}), 400)
+    assert assert_error(*post(url, {"prompt": "x", "cache_salt": "tenant"}), 400)["param"] == "cache_salt"
     assert_error(*post(url, {"prompt": "x", "stream_options": {"include_usage": True}}), 400)
     err = assert_error(*post(url, {"prompt": tokens_for(1, 200), "max_tokens": 100}), 400)
     assert "maximum context length is 256" in err["message"]
