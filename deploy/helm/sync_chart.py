@@ -122,17 +122,29 @@ def gateway_config_defs() -> dict[str, Any]:
     schema = GatewayConfig.model_json_schema(ref_template="#/$defs/" + DEF_PREFIX + "{model}")
     defs: dict[str, Any] = {DEF_PREFIX + k: v for k, v in schema.pop("$defs", {}).items()}
     defs[DEF_PREFIX + "GatewayConfig"] = schema
-    stripped = _strip_titles(defs)
+    stripped = _strip_annotations(defs)
     assert isinstance(stripped, dict)
     return dict(sorted(stripped.items()))
 
 
-def _strip_titles(node: Any) -> Any:
-    # Titles are pydantic's restatement of the field name; descriptions carry the meaning.
+# Annotations that do not change what the schema accepts. They are left out so that the
+# generated part changes only when the config tree's shape does (a field, a type, a bound), not
+# with every docstring or default; the gateway's config reference documents them.
+_ANNOTATIONS = ("title", "description", "default")
+
+
+def _strip_annotations(node: Any) -> Any:
     if isinstance(node, dict):
-        return {k: _strip_titles(v) for k, v in node.items() if k != "title" or not isinstance(v, str)}
+        props = node.get("properties")
+        out = {
+            k: _strip_annotations(v) for k, v in node.items() if k not in _ANNOTATIONS and k != "properties"
+        }
+        if isinstance(props, dict):
+            # Field names are keys here, never annotations, even a field called "title".
+            out["properties"] = {k: _strip_annotations(v) for k, v in props.items()}
+        return out
     if isinstance(node, list):
-        return [_strip_titles(v) for v in node]
+        return [_strip_annotations(v) for v in node]
     return node
 
 
