@@ -3,14 +3,19 @@ error JSON: ``{"error": {"message", "type", "param", "code"}}`` with ``status``.
 
 ``param`` names the offending field the way OpenAI does (``messages[2].content``, ``prompt``,
 ``model``), so a client can find the fault without reading gateway logs.
+
+``RequestError`` is a ``RequestRejected`` (the proxy's own "answer this with an OpenAI error"
+exception, same fields), so the proxy's existing handler answers it without a second except.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from gateway.openai_errors import RequestRejected
 
-class RequestError(Exception):
+
+class RequestError(RequestRejected):
     """A request the gateway refuses; ``status`` is the HTTP status to answer with."""
 
     def __init__(
@@ -22,12 +27,8 @@ class RequestError(Exception):
         type: str = "invalid_request_error",
         code: str | None = None,
     ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
+        super().__init__(status, message, param=param, code=code)
         self.type = type
-        self.code = code
 
     def to_dict(self) -> dict[str, Any]:
         """The OpenAI error object (what goes under the top-level ``"error"`` key's parent)."""

@@ -85,8 +85,9 @@ def _bool_field(body: Mapping[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def _text_of_part(part: Any, where: str) -> tuple[str, str | None]:
-    """(part type, its text or None to skip); raises Unrepresentable for media parts."""
+def _text_of_part(part: Any, where: str, lenient: bool = False) -> tuple[str, str | None]:
+    """(part type, its text or None to skip); raises Unrepresentable for media parts unless
+    ``lenient`` (then they are skipped)."""
     if isinstance(part, str):
         return "text", part
     if not isinstance(part, Mapping):
@@ -94,12 +95,16 @@ def _text_of_part(part: Any, where: str) -> tuple[str, str | None]:
     ptype = part.get("type")
     if ptype is None:
         if any(k in part for k in ("image_url", "audio_url", "video_url", "input_audio", "image_embeds")):
+            if lenient:
+                return "media", None
             raise Unrepresentable(f"{where} carries media")
         raise InvalidRequestError(f"{where}: missing 'type' field", param=f"{where}.type")
     if not isinstance(ptype, str):
         raise InvalidRequestError(f"{where}.type must be a string", param=f"{where}.type")
     field_name = _TEXT_PART_FIELDS.get(ptype)
     if field_name is None:
+        if lenient:
+            return ptype, None
         raise Unrepresentable(f"{where} is a {ptype!r} part")
     text = part.get(field_name)
     if text is None:
@@ -111,7 +116,7 @@ def _text_of_part(part: Any, where: str) -> tuple[str, str | None]:
     return ptype, text
 
 
-def _content(raw: Any, fmt: ContentFormat, where: str) -> str | list[dict[str, str]]:
+def _content(raw: Any, fmt: ContentFormat, where: str, lenient: bool) -> str | list[dict[str, str]]:
     if raw is None:
         texts: list[str] = []
     elif isinstance(raw, str):
@@ -119,7 +124,7 @@ def _content(raw: Any, fmt: ContentFormat, where: str) -> str | list[dict[str, s
     elif isinstance(raw, list):
         texts = []
         for j, part in enumerate(raw):
-            _, text = _text_of_part(part, f"{where}[{j}]")
+            _, text = _text_of_part(part, f"{where}[{j}]", lenient)
             if text is not None:
                 texts.append(text)
     else:
@@ -151,7 +156,9 @@ def _tool_calls(raw: Any, where: str) -> list[Any]:
     return calls
 
 
-def conversation_of(messages: Any, fmt: ContentFormat) -> list[dict[str, Any]]:
+def conversation_of(messages: Any, fmt: ContentFormat, *, lenient: bool = False) -> list[dict[str, Any]]:
+    """vLLM's conversation; ``lenient`` skips media parts instead of raising Unrepresentable
+    (for the approximate text only)."""
     if not isinstance(messages, list):
         raise InvalidRequestError("'messages' must be a list of messages", param="messages")
     if not messages:
@@ -164,7 +171,7 @@ def conversation_of(messages: Any, fmt: ContentFormat) -> list[dict[str, Any]]:
         role = m.get("role")
         if not isinstance(role, str):
             raise InvalidRequestError(f"{where}.role must be a string", param=f"{where}.role")
-        content = _content(m.get("content"), fmt, f"{where}.content")
+        content = _content(m.get("content"), fmt, f"{where}.content", lenient)
         msg: dict[str, Any] = {"role": role, "content": content}
         if role == "assistant":
             calls = m.get("tool_calls")

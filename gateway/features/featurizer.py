@@ -112,6 +112,7 @@ class _Prepared:
     tokens: TokenArray | None = None  # tokens known without encoding
     chars: str | None = None  # approximate text (chars mode or fallback)
     fallback_reason: str | None = None
+    fallback_kind: str | None = None  # "unrepresentable" | "remote_failed" | "sync_call"
     remote: bool = False  # ask /tokenize
     source: Mode = "chars"  # where ``tokens`` came from
     truncate: int | None = None
@@ -128,7 +129,12 @@ class Featurizer:
         offload_chars: int = 16384,
         remote: UrlChooser | None = None,
         base_dir: Path | None = None,
+        session_header: str = "x-session-id",
     ) -> None:
+        self._session_header = session_header
+        # requests featurized per mode, and fallbacks to characters per reason class: for metrics
+        self.mode_counts: dict[str, int] = {"local": 0, "remote": 0, "token_ids": 0, "chars": 0}
+        self.fallback_counts: dict[str, int] = {}
         self._cache = BoundedLRU(cache_entries)
         self._offload_chars = offload_chars
         self._threads = threads
@@ -204,6 +210,7 @@ class Featurizer:
             offload_chars=config.proxy.tokenize_offload_chars,
             remote=remote,
             base_dir=base_dir,
+            session_header=config.proxy.session_header,
         )
 
     # -- public ----------------------------------------------------------------------------------
@@ -228,7 +235,11 @@ class Featurizer:
         network from a synchronous call); use ``features`` for its exact tokens."""
         prep = self._prepare(kind, body)
         if prep.remote:
-            prep.chars, prep.fallback_reason = self._chars_of(kind, body), "synchronous call"
+            prep.chars, prep.fallback_reason = (
+                self._chars_of(kind, body),
+                "remote tokenizer in a synchronous call",
+            )
+            prep.fallback_kind = "sync_call"
         if prep.text is not None and prep.model.local is not None:
             enc = prep.model.local.encoder
             plan = enc.plan(prep.text, add_special_tokens=prep.add_special_tokens)
@@ -244,11 +255,12 @@ class Featurizer:
             assert self._remote is not None
             try:
                 ids = await self._remote.tokenize(
-                    kind, prep.requested, body, prep.model.config.tokenize_timeout_s
+                    kind, prep.model.config.name, prep.requested, body, prep.model.config.tokenize_timeout_s
                 )
                 prep.tokens, prep.source = np.asarray(ids, dtype=np.uint32), "remote"
             except RemoteTokenizeError as exc:
                 prep.chars, prep.fallback_reason = self._chars_of(kind, body), str(exc)
+                prep.fallback_kind = "remote_failed"
         if prep.text is not None and prep.model.local is not None:
             enc = prep.model.local.encoder
             plan = enc.plan(prep.text, add_special_tokens=prep.add_special_tokens)
@@ -268,6 +280,15 @@ class Featurizer:
                 done = enc.encode_missing(plan, add_special_tokens=prep.add_special_tokens)
             return self._finish(prep, plan, done, offload, session_id)
         return self._finish(prep, None, None, False, session_id)
+
+    async def __call__(
+        self, endpoint: str, body: Mapping[str, Any], headers: Mapping[str, str]
+    ) -> RequestFeatures:
+        """The proxy's featurizer interface: ``endpoint`` is "chat" or "completions", the session
+        id comes from the configured header."""
+        kind: Kind = "chat" if endpoint == "chat" else "completions"
+        features, _ = await self.features(kind, body, headers.get(self._session_header))
+        return features
 
     async def close(self) -> None:
         """Stop the worker threads (waiting for running encodes) and close the HTTP session."""
@@ -301,9 +322,8 @@ class Featurizer:
 
     def _chars_of(self, kind: Kind, body: Mapping[str, Any]) -> str:
         if kind == "chat":
-            return plain_text_of_chat(
-                conversation_of(body.get("messages"), "string"), tools_of(body.get("tools"))
-            )
+            conversation = conversation_of(body.get("messages"), "string", lenient=True)
+            return plain_text_of_chat(conversation, tools_of(body.get("tools")))
         prompt = completion_prompt_of(body)
         return prompt if isinstance(prompt, str) else ""
 
@@ -321,6 +341,7 @@ class Featurizer:
         except Unrepresentable as exc:
             prep.text, prep.tokens, prep.remote = None, None, False
             prep.chars, prep.fallback_reason = self._chars_of(kind, body), f"unrepresentable input: {exc}"
+            prep.fallback_kind = "unrepresentable"
         return prep
 
     def _prepare_completion(self, prep: _Prepared, body: Mapping[str, Any]) -> None:
@@ -416,6 +437,7 @@ class Featurizer:
                 offloaded=offloaded,
                 token_ids=tokens,
             )
+            self.mode_counts[prep.source] += 1
             return features, info
         text = prep.chars or ""
         keys = char_block_keys(text, mc.char_block_size, base, prep.lora, prep.salt)
@@ -441,4 +463,7 @@ class Featurizer:
             offloaded=False,
             token_ids=None,
         )
+        self.mode_counts["chars"] += 1
+        if prep.fallback_kind is not None:
+            self.fallback_counts[prep.fallback_kind] = self.fallback_counts.get(prep.fallback_kind, 0) + 1
         return features, info

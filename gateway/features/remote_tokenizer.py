@@ -43,7 +43,11 @@ class RemoteTokenizer:
             raise RemoteTokenizeError(f"no replica to ask for /tokenize of {model!r}")
         return base.rstrip("/") + "/tokenize"
 
-    async def tokenize(self, kind: str, model: str, body: Mapping[str, Any], timeout_s: float) -> list[int]:
+    async def tokenize(
+        self, kind: str, base_model: str, model: str, body: Mapping[str, Any], timeout_s: float
+    ) -> list[int]:
+        """Tokens of ``body``'s prompt from a replica serving ``base_model``; ``model`` (the name
+        the request used, maybe a LoRA adapter) is what the replica is asked about."""
         fields = _CHAT_FIELDS if kind == "chat" else _COMPLETION_FIELDS
         payload: dict[str, Any] = {"model": model}
         payload.update({k: body[k] for k in fields if k in body})
@@ -51,7 +55,7 @@ class RemoteTokenizer:
             self._session = aiohttp.ClientSession()
         try:
             async with self._session.post(
-                self._url(model), json=payload, timeout=aiohttp.ClientTimeout(total=timeout_s)
+                self._url(base_model), json=payload, timeout=aiohttp.ClientTimeout(total=timeout_s)
             ) as resp:
                 if resp.status != 200:
                     raise RemoteTokenizeError(f"/tokenize answered {resp.status}")

@@ -9,13 +9,17 @@ as it is; it adjusts the backend in ways that change token ids, and we repeat ex
   the config that is not already an added token becomes a special added token, so it is split out
   of text before BPE even when the base vocabulary has it;
 - added tokens listed in the config's ``added_tokens_decoder`` are added with their flags;
-- when the config sets ``add_bos_token``/``add_eos_token`` or the file has no post-processor, the
-  post-processor becomes a template adding BOS/EOS as those flags say (this is what
-  ``add_special_tokens=True`` then adds);
+- the config's ``add_bos_token``/``add_eos_token`` are ignored when ``tokenizer.json`` exists
+  (transformers 5 drops them; what ``add_special_tokens=True`` adds is the file's own
+  post-processor, none when it has none);
 - truncation and padding are off (transformers resets them per call; vLLM never pads);
 - ``split_special_tokens`` in the config makes special tokens encode as plain text.
 
 The named special tokens are also what chat templates see as ``bos_token``, ``eos_token``, ...
+
+Only the generic ``PreTrainedTokenizerFast`` path is reproduced (checked against transformers
+5.23). A model whose ``tokenizer_class`` rebuilds its backend in Python (some SentencePiece
+conversions) may differ: route such a model with ``tokenizer: remote``.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Tokenizer, processors
+from tokenizers import AddedToken, Tokenizer
 
 from router_policies.errors import UserInputError
 
@@ -175,21 +179,6 @@ def load_tokenizer_files(
                 present.add(at.content)
     if to_add:
         tok.add_tokens(to_add)
-
-    if "add_bos_token" in cfg or "add_eos_token" in cfg or tok.post_processor is None:
-        bos, eos = special_map.get("bos_token", ""), special_map.get("eos_token", "")
-        add_bos = bool(cfg.get("add_bos_token", False)) and bool(bos)
-        add_eos = bool(cfg.get("add_eos_token", False)) and bool(eos)
-        single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
-        pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
-        specials: list[tuple[str, int]] = []
-        for flag, tok_str in ((add_bos, bos), (add_eos, eos)):
-            if flag:
-                tid = tok.token_to_id(tok_str)
-                if tid is None:
-                    raise FeatureConfigError(f"{where}: special token {tok_str!r} has no id")
-                specials.append((tok_str, tid))
-        tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
     tok.no_truncation()
     tok.no_padding()
