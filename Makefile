@@ -34,5 +34,22 @@ proto: $(STAMP)
 proto-check: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py --check
 
+# Benchmarks (not part of `make test`; tests/bench/test_bench_smoke.py runs them at tiny sizes).
+# Third-party routers live in their own virtualenv, pinned in bench/requirements-peers.txt.
+BENCH_VENV := .venv-bench
+BENCH_STAMP := $(BENCH_VENV)/.installed
+RESULTS ?= bench/results
+
+$(BENCH_STAMP): bench/requirements-peers.txt
+	$(PY) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install -q -r bench/requirements-peers.txt
+	touch $(BENCH_STAMP)
+
+bench: $(STAMP) $(BENCH_STAMP)
+	$(BIN)/python -m bench.run_all --results $(RESULTS)
+
+bench-quick: $(STAMP) $(BENCH_STAMP)
+	$(BIN)/python -m bench.run_all --quick --results $(RESULTS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info out
