@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 from pathlib import Path
 
 from router_policies.errors import UserInputError
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from replica_agent.sim_engine.tokenization import default_tokenizer_dir
+    from replica_agent.sim_engine.options import default_tokenizer_dir
     from router_policies.sim.profiles import DEFAULT_PROFILE, PROFILES
 
     parser.description = (
@@ -80,6 +81,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # transformers announces at import that PyTorch is absent; we only use its tokenizers.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     import uvloop
     import zmq
 

@@ -10,6 +10,15 @@ from replica_agent.sim_engine.kv_events import EventEncoding
 from router_policies.errors import UserInputError
 
 
+def default_tokenizer_dir() -> Path:
+    """``assets/tokenizers/kvgate-tiny`` of the checkout this package runs from, else the same
+    relative path from the working directory (an installed wheel, as in the container image)."""
+    in_repo = Path(__file__).resolve().parents[2] / "assets" / "tokenizers" / "kvgate-tiny"
+    if in_repo.is_dir():
+        return in_repo
+    return Path("assets") / "tokenizers" / "kvgate-tiny"
+
+
 @dataclass(frozen=True, slots=True)
 class EngineOptions:
     host: str

@@ -13,26 +13,14 @@ streaming deltas decode token by token without splitting a UTF-8 sequence.
 
 from __future__ import annotations
 
-import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import xxhash
-
-# transformers warns at import that PyTorch is absent; we only use its tokenizers.
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-logging.getLogger("transformers").setLevel(logging.ERROR)
-
-from transformers import PreTrainedTokenizerFast  # noqa: E402
+from transformers import PreTrainedTokenizerFast
 
 _MAX_SAFE_TOKENS = 4096
-
-
-def default_tokenizer_dir() -> Path:
-    """``assets/tokenizers/kvgate-tiny`` of the repository this package is installed from."""
-    return Path(__file__).resolve().parents[2] / "assets" / "tokenizers" / "kvgate-tiny"
 
 
 class EngineTokenizer:

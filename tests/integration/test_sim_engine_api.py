@@ -4,12 +4,15 @@ against transformers itself, /metrics names, cached_tokens, bounds, aborts and b
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
 from typing import Any
 
 from transformers import PreTrainedTokenizerFast
 
-from replica_agent.sim_engine.tokenization import default_tokenizer_dir
+from replica_agent.sim_engine.options import default_tokenizer_dir
 from tests.integration.test_sim_engine_harness import (
+    KVGATE,
     SseStream,
     assert_error,
     engines,
@@ -257,3 +260,23 @@ def test_disconnect_aborts_and_frees_slot_and_bounded_queue(launch: Any) -> None
         == 0.0
     )
     assert post(e.http + "/v1/completions", {"prompt": "x", "max_tokens": 1})[0] == 200
+
+
+def test_cli_errors_exit_2_with_a_message(tmp_path: Any) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cases = [
+            (["--port", "0", "--events-port", "0", "--block-size", "0"], "--block-size"),
+            (["--port", "0", "--events-port", "0", "--profile", "nope"], "--profile"),
+            (["--port", "0", "--events-port", "0", "--tokenizer", str(tmp_path)], "--tokenizer"),
+            (["--port", str(port), "--events-port", "0"], f"--port {port}"),
+            (["--port", "0", "--events-port", str(port)], "KV-event sockets"),
+        ]
+        for args, needle in cases:
+            r = subprocess.run(
+                [str(KVGATE), "sim-engine", *args], capture_output=True, text=True, timeout=120
+            )
+            assert r.returncode == 2, (args, r.stderr)
+            assert needle in r.stderr and "Traceback" not in r.stderr, r.stderr
