@@ -123,7 +123,7 @@ class SegmentEncoder:
         self._id_arrays = {c: np.asarray([i], dtype=np.uint32) for c, i in self._ids.items()}
         contents = sorted({t.content for t in raw_tokens}, key=lambda c: (-len(c), c))
         self._pattern: re.Pattern[str] | None = (
-            re.compile("|".join(re.escape(c) for c in contents)) if self.splittable else None
+            re.compile("(" + "|".join(re.escape(c) for c in contents) + ")") if self.splittable else None
         )
         self._affixes = self._probe_affixes()
 
@@ -152,17 +152,15 @@ class SegmentEncoder:
         if self._pattern is None or (add_special_tokens and self._affixes is None):
             return EncodePlan(keys=[], found=[], separators=[], whole=text)
         ns = self.namespace
-        keys: list[SegmentKey] = []
-        separators: list[str] = []
-        prev = ""
-        start = 0
-        for m in self._pattern.finditer(text):
-            token = m.group(0)
-            keys.append((ns, prev, text[start : m.start()], token))
-            separators.append(token)
-            prev = token
-            start = m.end()
-        keys.append((ns, prev, text[start:], ""))
+        # split with a capturing group alternates [segment, token, segment, token, ..., segment]
+        pieces = self._pattern.split(text)
+        separators: list[str] = pieces[1::2]
+        segments = pieces[0::2]
+        befores = ["", *separators]
+        afters = [*separators, ""]
+        keys: list[SegmentKey] = [
+            (ns, b, seg, a) for b, seg, a in zip(befores, segments, afters, strict=True)
+        ]
         found: list[TokenArray | None] = []
         missing: list[int] = []
         empty = 0
