@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,8 @@ from replica_agent.sim_engine.block_registry import BlockRegistry, PromptBlocks
 from replica_agent.sim_engine.kv_events import KvEventPublisher
 from replica_agent.sim_engine.protocol import ApiError
 from router_policies.sim import replica_model as rm
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False, slots=True)
@@ -152,7 +155,8 @@ class EngineCore:
         self._closing = True
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            # A core that already failed re-raises its error here; it was logged by run().
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
             self._task = None
         while not self._commands.empty():
@@ -165,7 +169,26 @@ class EngineCore:
             self._fail(handle, "engine shutting down")
         self._handles.clear()
 
+    @property
+    def alive(self) -> bool:
+        return self._task is not None and not self._task.done() and not self._closing
+
     async def run(self) -> None:
+        try:
+            await self._run()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # A bug in the step loop must not leave clients waiting forever: fail them all and
+            # refuse new work (/health turns 503).
+            log.exception("engine core failed")
+            self._closing = True
+            for handle in list(self._handles.values()):
+                self._fail(handle, "engine core failed")
+            self._handles.clear()
+            raise
+
+    async def _run(self) -> None:
         model = self._model
         while True:
             self._apply_pending_commands()

@@ -104,6 +104,8 @@ class Routes:
         )
 
     async def health(self, request: web.Request) -> web.StreamResponse:
+        if not self.d.core.alive:
+            raise proto.ApiError(503, "engine core is not running")
         return web.Response(status=200)
 
     async def metrics(self, request: web.Request) -> web.StreamResponse:
