@@ -17,8 +17,10 @@ from typing import Any, Protocol
 import orjson
 from aiohttp import web
 
+from gateway.features.featurizer import Kind
 from gateway.fleet import Fleet
 from gateway.openai_errors import RequestRejected, error_response
+from gateway.request_errors import RequestError
 from gateway.routing import Router, RoutingState
 from router_policies.policy import NoReplicaError
 from router_policies.prefix_index import PrefixIndex
@@ -90,10 +92,11 @@ class Admin:
             return error_response(400, f"malformed JSON body: {exc}", code="invalid_json")
         if not isinstance(body, dict) or not isinstance(body.get("model"), str):
             return error_response(400, "the body must be a request object with a 'model'", param="model")
-        endpoint = "chat" if "messages" in body else "completions"
+        kind: Kind = "chat" if "messages" in body else "completions"
+        session = request.headers.get(state.config.proxy.session_header)
         try:
-            features = await state.featurizer(endpoint, body, request.headers)
-        except RequestRejected as exc:
+            features, info = await state.featurizer.features(kind, body, session)
+        except (RequestError, RequestRejected) as exc:
             return error_response(exc.status, exc.message, exc.param, exc.code)
         match = self._router.match(features)
         try:
@@ -121,6 +124,11 @@ class Admin:
                 "block_size": features.block_size,
                 "blocks": len(features.block_keys),
                 "session_id": features.session_id,
+                "tokenization": {
+                    "mode": info.mode,
+                    "approximate": info.approximate,
+                    "fallback_reason": info.fallback_reason,
+                },
                 "decision": decision,
                 "replicas": [
                     {

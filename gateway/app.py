@@ -8,8 +8,8 @@ before traffic arrives), background loops (health, index expiry), then the HTTP 
 
 Shutdown order (``stop``), the reverse: HTTP listener first (no new requests; in-flight ones get
 ``shutdown_grace_s``), then the health loop, the index expiry loop, the inventory server (agents
-reconnect elsewhere or later), the upstream client session, and tracing last so the final spans
-are flushed. Every background task is created here and cancelled and awaited here.
+reconnect elsewhere or later), the featurizers (worker threads, remote-tokenize session), the
+upstream client session, and tracing last so the final spans are flushed. Every background task is created here and cancelled and awaited here.
 
 Reload (SIGHUP or ``POST /admin/reload``) rereads the file, validates it, builds the new policy
 and featurizer, then swaps ``self._state`` in one assignment and reconfigures the fleet's static
@@ -34,41 +34,53 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gateway.access_log import AccessLog, configure_logging
 from gateway.admin import Admin
-from gateway.approximate_features import CharBlockFeaturizer
-from gateway.config import ConfigError, GatewayConfig, load_config
+from gateway.config import GatewayConfig, load_config
+from gateway.features import Featurizer
+from gateway.features.remote_tokenizer import UrlChooser
 from gateway.fleet import Fleet
 from gateway.health import HealthChecker
 from gateway.inventory_server import InventoryServer
 from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import error_response
 from gateway.proxy import Proxy
-from gateway.routing import Featurizer, Router, RoutingState
+from gateway.routing import Router, RoutingState
 from gateway.tracing import Tracing
+from router_policies.errors import UserInputError
 from router_policies.prefix_index import PrefixIndex
-from router_policies.registry import PolicyConfigError, build_policy
+from router_policies.registry import build_policy
 
 log = logging.getLogger("kvgate.app")
 
 _RESTART_ONLY = ("listen", "index", "inventory", "shared_state", "auth")
 EXPIRE_INTERVAL_S = 1.0
+RETIRE_GRACE_S = 5.0
 
 
-def build_featurizer(config: GatewayConfig) -> Featurizer:
-    return CharBlockFeaturizer(
-        {m.name: m.char_block_size for m in config.models},
-        default_block=64,
-        session_header=config.proxy.session_header,
+def _featurizer_inputs(config: GatewayConfig) -> tuple[object, ...]:
+    """What a featurizer is built from: a reload that keeps these keeps the featurizer (and its
+    warm tokenization cache)."""
+    p = config.proxy
+    return (
+        config.models,
+        p.tokenize_cache_entries,
+        p.tokenize_threads,
+        p.tokenize_offload_chars,
+        p.session_header,
     )
 
 
-def build_state(config: GatewayConfig) -> RoutingState:
+def build_state(
+    config: GatewayConfig,
+    remote: UrlChooser | None = None,
+    previous: RoutingState | None = None,
+) -> RoutingState:
+    """The policy and featurizer for ``config`` (raises ``UserInputError`` subclasses)."""
     policy = build_policy(config.policy.name, config.policy.params_for(), seed=config.policy.seed)
-    return RoutingState(
-        config=config,
-        policy=policy,
-        featurizer=build_featurizer(config),
-        models=frozenset(m.name for m in config.models),
-    )
+    if previous is not None and _featurizer_inputs(previous.config) == _featurizer_inputs(config):
+        featurizer = previous.featurizer
+    else:
+        featurizer = Featurizer.from_config(config, remote=remote)
+    return RoutingState(config=config, policy=policy, featurizer=featurizer)
 
 
 def _env_token(name: str | None, env: Mapping[str, str]) -> str | None:
@@ -88,10 +100,12 @@ class GatewayApp:
         self._grace = shutdown_grace_s
         self.index = PrefixIndex(config.index)
         self.fleet = Fleet(config, self.index)
-        self._state = build_state(config)
+        self._state = build_state(config, remote=self.fleet.tokenize_url)
         self.router = Router(self.index, self.fleet)
         self.registry = CollectorRegistry()
-        self.metrics = GatewayMetrics(self.registry, self.index, self.fleet)
+        self.metrics = GatewayMetrics(
+            self.registry, self.index, self.fleet, lambda: self._state.featurizer.cache_stats()
+        )
         self.tracing = Tracing(config.telemetry.otlp_endpoint)
         self.access_log = AccessLog()
         self.inventory = InventoryServer(
@@ -109,6 +123,8 @@ class GatewayApp:
         self._proxy: Proxy | None = None
         self._health: HealthChecker | None = None
         self._expire_task: asyncio.Task[None] | None = None
+        # featurizers replaced by a reload, closed once the requests featurizing with them are done
+        self._retiring: set[asyncio.Task[None]] = set()
         self._runner: web.AppRunner | None = None
         self.http_port = 0
         self.inventory_port = 0
@@ -128,8 +144,8 @@ class GatewayApp:
             return "the gateway was started without a config file"
         try:
             new = load_config(self._config_path, self._env)
-            state = build_state(new)
-        except (ConfigError, PolicyConfigError) as exc:
+            state = build_state(new, remote=self.fleet.tokenize_url, previous=self._state)
+        except UserInputError as exc:
             self.metrics.reloads.labels("rejected").inc()
             log.error("config reload rejected, the running config stays: %s", exc)
             return str(exc)
@@ -137,7 +153,10 @@ class GatewayApp:
         pending = [k for k in _RESTART_ONLY if getattr(old, k) != getattr(new, k)]
         if old.telemetry.otlp_endpoint != new.telemetry.otlp_endpoint:
             pending.append("telemetry.otlp_endpoint")
+        previous = self._state
         self._state = state  # the atomic swap: requests read the state once at their start
+        if state.featurizer is not previous.featurizer:
+            self._retire(previous.featurizer)
         self.fleet.reconfigure(new)
         configure_logging(new.telemetry.log_level, new.telemetry.access_log)
         self.metrics.reloads.labels("applied").inc()
@@ -146,6 +165,17 @@ class GatewayApp:
         else:
             log.info("config reloaded (policy %s)", state.policy.name)
         return None
+
+    def _retire(self, featurizer: Featurizer) -> None:
+        async def close_later() -> None:
+            # features are computed at a request's start, in milliseconds: after this grace no
+            # request still uses the old featurizer
+            await asyncio.sleep(RETIRE_GRACE_S)
+            await featurizer.close()
+
+        task = asyncio.get_running_loop().create_task(close_later(), name="kvgate-retire-featurizer")
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
 
     # ------------------------------------------------------------------ HTTP
     def _web_app(self) -> web.Application:
@@ -232,6 +262,11 @@ class GatewayApp:
                 await self._expire_task
             self._expire_task = None
         await self.inventory.stop()
+        for task in list(self._retiring):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self._state.featurizer.close()
         if self._session is not None:
             await self._session.close()
             self._session = None

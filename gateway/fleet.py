@@ -174,6 +174,13 @@ class Fleet:
     def any_healthy(self) -> bool:
         return any(rec.healthy for rec in self._records.values())
 
+    def tokenize_url(self, model: str) -> str | None:
+        """A healthy replica serving ``model``, to ask its ``/tokenize`` (``tokenizer: remote``)."""
+        for rec in self._records.values():
+            if rec.healthy and rec.serves(model):
+                return rec.url
+        return None
+
     def candidates(self, model: str) -> list[ReplicaRecord]:
         return [rec for rec in self._records.values() if rec.serves(model)]
 

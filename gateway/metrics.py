@@ -7,10 +7,10 @@ hot path never maintains them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.fleet import Fleet
@@ -25,11 +25,27 @@ _ERROR_BUCKETS = (-4096, -1024, -256, -64, -16, -1, 0, 1, 16, 64, 256, 1024, 409
 class _StateCollector(Collector):
     """Index size and fleet state, read when Prometheus scrapes."""
 
-    def __init__(self, index: PrefixIndex, fleet: Fleet) -> None:
+    def __init__(
+        self, index: PrefixIndex, fleet: Fleet, cache_stats: Callable[[], Mapping[str, int]]
+    ) -> None:
         self._index = index
         self._fleet = fleet
+        self._cache_stats = cache_stats
 
     def collect(self) -> Iterator[Metric]:
+        cache = self._cache_stats()
+        for name in ("entries", "capacity"):
+            g = GaugeMetricFamily(f"kvgate_tokenize_cache_{name}", f"Tokenized-segment cache {name}.")
+            g.add_metric([], cache.get(name, 0))
+            yield g
+        for name in ("hits", "misses", "evictions"):
+            c = CounterMetricFamily(
+                f"kvgate_tokenize_cache_{name}",
+                f"Tokenized-segment cache {name} (of the featurizer in use; a reload that changes "
+                "models or tokenization settings starts a new one).",
+            )
+            c.add_metric([], cache.get(name, 0))
+            yield c
         keys = GaugeMetricFamily("kvgate_index_keys", "Distinct block keys in the prefix index.")
         keys.add_metric([], len(self._index))
         yield keys
@@ -69,7 +85,13 @@ class _StateCollector(Collector):
 
 
 class GatewayMetrics:
-    def __init__(self, registry: CollectorRegistry, index: PrefixIndex, fleet: Fleet) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        index: PrefixIndex,
+        fleet: Fleet,
+        cache_stats: Callable[[], Mapping[str, int]],
+    ) -> None:
         self.registry = registry
         self.requests = Counter(
             "kvgate_requests",
@@ -120,7 +142,14 @@ class GatewayMetrics:
             buckets=_ERROR_BUCKETS,
             registry=registry,
         )
+        self.features = Counter(
+            "kvgate_features",
+            "Requests featurized, by how the tokens were obtained (local, remote, token_ids, chars) and "
+            "whether the keys are approximate character blocks.",
+            ["mode", "approximate"],
+            registry=registry,
+        )
         self.reloads = Counter(
             "kvgate_config_reloads", "Config reloads by result.", ["result"], registry=registry
         )
-        registry.register(_StateCollector(index, fleet))
+        registry.register(_StateCollector(index, fleet, cache_stats))

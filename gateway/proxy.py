@@ -32,6 +32,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.access_log import AccessLog
+from gateway.features.featurizer import Kind
 from gateway.fleet import Fleet, ReplicaRecord
 from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import RequestRejected, error_response, sse_error_event
@@ -41,6 +42,7 @@ from gateway.prediction_audit import (
     cached_tokens_in_sse_tail,
     record_audit,
 )
+from gateway.request_errors import RequestError
 from gateway.routing import Choice, Router, RoutingState
 from gateway.tracing import Tracing
 from router_policies.policy import NoReplicaError, RequestFeatures
@@ -166,7 +168,7 @@ class Proxy:
         )
 
     # ------------------------------------------------------------------ the request path
-    async def _handle(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+    async def _handle(self, request: web.Request, endpoint: Kind) -> web.StreamResponse:
         t0 = time.perf_counter()
         state = self._state()  # read once: a reload never mixes two configs in one request
         cfg = state.config
@@ -210,7 +212,7 @@ class Proxy:
     async def _route(
         self,
         request: web.Request,
-        endpoint: str,
+        endpoint: Kind,
         state: RoutingState,
         t0: float,
         log: dict[str, Any],
@@ -236,18 +238,18 @@ class Proxy:
         if not isinstance(model, str) or not model:
             return self._error(log, 400, "'model' is required and must be a string", param="model"), body
         log["model"] = model
-        known = state.models or self._fleet.models()
-        if known and model not in known and model not in self._fleet.models():
-            return self._error(
-                log, 404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
-            ), body
         stream = body.get("stream") is True
         log["stream"] = stream
         tf = time.perf_counter()
         try:
-            features = await state.featurizer(endpoint, body, request.headers)
-        except RequestRejected as exc:
+            features, info = await state.featurizer.features(
+                endpoint, body, request.headers.get(pcfg.session_header)
+            )
+        except (RequestError, RequestRejected) as exc:
             return self._error(log, exc.status, exc.message, param=exc.param, code=exc.code), body
+        self._metrics.features.labels(info.mode, "true" if info.approximate else "false").inc()
+        if info.approximate:
+            log["approximate"] = True
         match = self._router.match(features)
         log["prompt_tokens"] = features.prompt_tokens
 

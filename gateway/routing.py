@@ -13,22 +13,13 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 from gateway.config import GatewayConfig
+from gateway.features import Featurizer
 from gateway.fleet import Fleet, ReplicaRecord
 from router_policies.policy import Decision, FleetSnapshot, Policy, RequestFeatures
 from router_policies.prefix_index import MatchResult, PrefixIndex
-
-
-class Featurizer(Protocol):
-    """Turns a parsed OpenAI request body into routing features (tokens -> block keys)."""
-
-    def __call__(
-        self, endpoint: str, body: Mapping[str, Any], headers: Mapping[str, str]
-    ) -> Awaitable[RequestFeatures]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +27,6 @@ class RoutingState:
     config: GatewayConfig
     policy: Policy
     featurizer: Featurizer
-    models: frozenset[str]  # configured model names
 
 
 @dataclass(frozen=True, slots=True)

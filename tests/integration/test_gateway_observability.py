@@ -18,8 +18,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as otl
 
 from gateway.app import build_state
 from gateway.config import parse_config
+from gateway.features.featurizer import Kind
 from proto.kvgate.v1 import inventory_pb2 as pb
-from router_policies.policy import RequestFeatures
 from tests.integration.gateway_harness import AGENT_TOKEN, Gateway, Procs, base_config, http, wait_until
 
 JSON = {"content-type": "application/json"}
@@ -81,12 +81,9 @@ class _Agent:
 def _keys_for(cfg: dict[str, Any], body: dict[str, Any]) -> tuple[list[int], int]:
     """The block keys the gateway computes for ``body`` (same featurizer as the app)."""
     state = build_state(parse_config(cfg))
-    kind = "chat" if "messages" in body else "completions"
+    kind: Kind = "chat" if "messages" in body else "completions"
 
-    async def features() -> RequestFeatures:
-        return await state.featurizer(kind, body, {})
-
-    feats = asyncio.run(features())
+    feats, _info = asyncio.run(state.featurizer.features(kind, body))
     return list(feats.block_keys), feats.block_size
 
 
@@ -103,8 +100,8 @@ def test_agent_inventory_drives_routing_and_admin_views(procs: Procs) -> None:
         agent.send(hello=pb.Hello(replica_id="r1", url=r1.url, models=["m"], block_size=engine_block,
                                   engine="fake", protocol_version=1))  # fmt: skip
         agent.send(snapshot=pb.SnapshotChunk(snapshot_id=1, keys=keys[:3], medium="GPU", last=True))
-        agent.send(load=pb.Load(running=1, waiting=0, kv_usage=0.25))
-        wait_until(lambda: gw.replicas().get("r1", {}).get("engine_running") == 1, what="agent registered")
+        agent.send(load=pb.Load(running=0, waiting=0, kv_usage=0.25))
+        wait_until(lambda: gw.replicas().get("r1", {}).get("kv_usage") == 0.25, what="agent registered")
         reps = gw.replicas()
         assert reps["r1"]["agent_connected"] is True and reps["r1"]["source"] == "agent"
         assert reps["r1"]["kv_usage"] == 0.25 and reps["r0"]["source"] == "static"

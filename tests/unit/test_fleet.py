@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from gateway.config import GatewayConfig, parse_config
+from gateway.features import Featurizer
 from gateway.fleet import Fleet
 from gateway.inventory_sink import AgentHello, AgentLoad
 from gateway.routing import Router, RoutingState, predicted_cached_tokens
@@ -168,10 +169,7 @@ def test_predicted_cached_tokens_follows_vllm(matched: int, prompt: int, bs: int
 
 
 def _state(cfg: GatewayConfig) -> RoutingState:
-    async def featurize(*_: Any) -> RequestFeatures:
-        raise AssertionError("not used")
-
-    return RoutingState(cfg, build_policy("kv_aware", {}, seed=0), featurize, frozenset({"m"}))  # type: ignore[arg-type]
+    return RoutingState(cfg, build_policy("kv_aware", {}, seed=0), Featurizer.from_config(cfg))
 
 
 def test_router_choice_records_a_speculative_entry_with_the_right_ttl() -> None:
