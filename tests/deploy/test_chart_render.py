@@ -291,6 +291,8 @@ def test_agent_sidecars(case: str, rendered_cases: dict[str, Rendered]) -> None:
             )
             assert sim.host == "0.0.0.0"
             assert str(sim.tokenizer) == "/opt/kvgate/assets/tokenizers/kvgate-tiny"
+            # The simulated engine has no cache_config_info metric: its agent is told the block size.
+            assert args.block_size == sim.block_size
         else:
             engine_args = engine["args"]
             kv = json.loads(engine_args[engine_args.index("--kv-events-config") + 1])
@@ -302,6 +304,8 @@ def test_agent_sidecars(case: str, rendered_cases: dict[str, Rendered]) -> None:
                 "topic": "kv-events",
             }
             assert "--enable-prefix-caching" in engine_args
+            # vLLM's agent learns the block size from vLLM's cache_config_info metric.
+            assert args.block_size is None
             assert engine_args[engine_args.index("--port") + 1] == "8000"
 
 

@@ -184,35 +184,45 @@ pod's name as the replica id and `http://POD_IP:agent.enginePort` as the replica
 agents' token from the tokens Secret, and needs no port of its own.
 */}}
 {{- define "kvgate.agentSidecar" -}}
-{{- $tokenEnv := include "kvgate.agentTokenEnv" . -}}
+{{- include "kvgate.agentSidecarFor" (dict "root" . "blockSize" (int .Values.agent.blockSize)) }}
+{{- end }}
+
+{{/* The agent sidecar with an explicit block size: (dict "root" $ "blockSize" N), N = 0 to learn it from the engine. */}}
+{{- define "kvgate.agentSidecarFor" -}}
+{{- $root := .root -}}
+{{- $tokenEnv := include "kvgate.agentTokenEnv" $root -}}
 - name: kvgate-agent
-  image: {{ include "kvgate.agentImage" . }}
-  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  image: {{ include "kvgate.agentImage" $root }}
+  imagePullPolicy: {{ $root.Values.image.pullPolicy }}
   args:
     - agent
     - --replica-id
     - $(POD_NAME)
     - --engine-url
-    - http://127.0.0.1:{{ .Values.agent.enginePort }}
+    - http://127.0.0.1:{{ $root.Values.agent.enginePort }}
     - --advertise-url
-    - http://$(POD_IP):{{ .Values.agent.enginePort }}
+    - http://$(POD_IP):{{ $root.Values.agent.enginePort }}
     - --events
-    - {{ .Values.agent.eventsEndpoint }}
-    {{- with .Values.agent.replayEndpoint }}
+    - {{ $root.Values.agent.eventsEndpoint }}
+    {{- with $root.Values.agent.replayEndpoint }}
     - --replay
     - {{ . }}
     {{- end }}
     - --gateway
-    - {{ default (printf "%s.%s.svc:%d" (include "kvgate.fullname" .) .Release.Namespace (int .Values.service.inventoryPort)) .Values.agent.gatewayAddress }}
+    - {{ default (printf "%s.%s.svc:%d" (include "kvgate.fullname" $root) $root.Release.Namespace (int $root.Values.service.inventoryPort)) $root.Values.agent.gatewayAddress }}
+    {{- if .blockSize }}
+    - --block-size
+    - {{ .blockSize | quote }}
+    {{- end }}
     {{- if $tokenEnv }}
     - --token-env
     - {{ $tokenEnv }}
     {{- end }}
-    {{- if .Values.tls.enabled }}
+    {{- if $root.Values.tls.enabled }}
     - --tls-ca
     - /etc/kvgate/tls/ca.crt
     {{- end }}
-    {{- with .Values.agent.extraArgs }}
+    {{- with $root.Values.agent.extraArgs }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
   env:
@@ -228,14 +238,14 @@ agents' token from the tokens Secret, and needs no port of its own.
     - name: {{ $tokenEnv }}
       valueFrom:
         secretKeyRef:
-          name: {{ include "kvgate.tokensSecretName" . }}
-          key: {{ .Values.auth.agentTokenKey }}
+          name: {{ include "kvgate.tokensSecretName" $root }}
+          key: {{ $root.Values.auth.agentTokenKey }}
     {{- end }}
   resources:
-    {{- toYaml .Values.agent.resources | nindent 4 }}
+    {{- toYaml $root.Values.agent.resources | nindent 4 }}
   securityContext:
-    {{- toYaml .Values.agent.securityContext | nindent 4 }}
-  {{- if .Values.tls.enabled }}
+    {{- toYaml $root.Values.agent.securityContext | nindent 4 }}
+  {{- if $root.Values.tls.enabled }}
   volumeMounts:
     - name: kvgate-agent-tls
       mountPath: /etc/kvgate/tls
