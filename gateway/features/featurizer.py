@@ -140,7 +140,10 @@ class Featurizer:
         self._threads = threads
         self._executor: ThreadPoolExecutor | None = None
         # at most 4 encodes queued per thread: beyond that requests wait their turn here
-        self._slots = asyncio.Semaphore(threads * 4) if threads > 0 else None
+        self.offload_bound = threads * 4
+        self._slots = asyncio.Semaphore(self.offload_bound) if threads > 0 else None
+        self.offload_queued = 0  # encodes handed to the pool and not finished (<= offload_bound)
+        self.offload_queued_max = 0
         self._remote = RemoteTokenizer(remote) if remote is not None else None
         env = make_environment()
         loaded: dict[Path, _Local] = {}
@@ -272,10 +275,15 @@ class Featurizer:
                         self._executor = ThreadPoolExecutor(
                             self._threads, thread_name_prefix="kvgate-tokenize"
                         )
-                    done = await asyncio.get_running_loop().run_in_executor(
-                        self._executor,
-                        lambda: enc.encode_missing(plan, add_special_tokens=prep.add_special_tokens),
-                    )
+                    self.offload_queued += 1
+                    self.offload_queued_max = max(self.offload_queued_max, self.offload_queued)
+                    try:
+                        done = await asyncio.get_running_loop().run_in_executor(
+                            self._executor,
+                            lambda: enc.encode_missing(plan, add_special_tokens=prep.add_special_tokens),
+                        )
+                    finally:
+                        self.offload_queued -= 1
             else:
                 done = enc.encode_missing(plan, add_special_tokens=prep.add_special_tokens)
             return self._finish(prep, plan, done, offload, session_id)

@@ -137,6 +137,19 @@ async def test_offloaded_encodes_equal_inline_ones_and_close_stops_threads() -> 
     assert threaded._executor is None
 
 
+async def test_offload_queue_is_bounded_by_the_thread_count() -> None:
+    fz = Featurizer([ModelConfig(name="tiny", tokenizer=TINY)], cache_entries=0, threads=1, offload_chars=0)
+    try:
+        bodies = [{"model": "tiny", "prompt": f"{i} " + LONG * 20} for i in range(24)]
+        results = await asyncio.gather(*(fz.features("completions", b) for b in bodies))
+        assert all(info.offloaded for _, info in results)
+        assert fz.offload_bound == 4
+        assert fz.offload_queued_max == 4  # reached under load, never exceeded
+        assert fz.offload_queued == 0
+    finally:
+        await fz.close()
+
+
 async def test_call_interface_reads_the_session_header() -> None:
     fz = Featurizer.from_config(
         parse_config(
