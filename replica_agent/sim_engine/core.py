@@ -74,6 +74,7 @@ class EngineCore:
         max_pending: int,
         on_first_token: Callable[[float], None],
         on_finished: Callable[[RequestHandle], None],
+        on_preempted: Callable[[int], None],
     ) -> None:
         if max_pending <= 0:
             raise ValueError("max_pending must be positive")
@@ -83,6 +84,7 @@ class EngineCore:
         self._max_pending = max_pending
         self._on_first_token = on_first_token
         self._on_finished = on_finished
+        self._on_preempted = on_preempted
         self._block_size = model.config.block_size
         self._num_blocks = model.config.num_blocks
         # In the engine: submitted and neither finished nor aborted. Bounded by max_pending.
@@ -232,6 +234,8 @@ class EngineCore:
     def _deliver(self, res: rm.StepResult) -> None:
         if res.events:
             self._publisher.publish(self._registry.translate(res.events))
+        if res.preempted:
+            self._on_preempted(len(res.preempted))
         now = self.now()
         touched: list[RequestHandle] = []
         handles = self._handles

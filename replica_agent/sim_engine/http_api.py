@@ -24,6 +24,9 @@ from replica_agent.sim_engine.metrics import CONTENT_TYPE, EngineMetrics
 from replica_agent.sim_engine.tokenization import EngineTokenizer
 from router_policies.sim.replica_model import ReplicaModel
 
+# What /version reports (vLLM answers its package version there); names this engine for agents.
+ENGINE_VERSION = "kvgate-sim-engine/1"
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -80,6 +83,7 @@ class Routes:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
@@ -107,6 +111,9 @@ class Routes:
         if not self.d.core.alive:
             raise proto.ApiError(503, "engine core is not running")
         return web.Response(status=200)
+
+    async def version(self, request: web.Request) -> web.StreamResponse:
+        return json_response({"version": ENGINE_VERSION})
 
     async def metrics(self, request: web.Request) -> web.StreamResponse:
         return web.Response(body=self.d.metrics.render(), headers={"Content-Type": CONTENT_TYPE})

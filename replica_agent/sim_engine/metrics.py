@@ -51,6 +51,22 @@ class _ModelCollector(Collector):
             c = CounterMetricFamily(name, doc, labels=self._names)
             c.add_metric(self._values, value)
             yield c
+        # vLLM's info gauge: the cache configuration in labels (engine label only, value 1).
+        cfg = self._model.config
+        info = {
+            "engine": self._values[self._names.index("engine")],
+            "block_size": str(cfg.block_size),
+            "cache_dtype": "auto",
+            "enable_prefix_caching": "True",
+            "num_gpu_blocks": str(cfg.num_blocks),
+            "num_cpu_blocks": "None",
+            "kv_cache_size_tokens": str(cfg.num_blocks * cfg.block_size),
+        }
+        g = GaugeMetricFamily(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(info)
+        )
+        g.add_metric(list(info.values()), 1.0)
+        yield g
 
 
 class EngineMetrics:
@@ -72,12 +88,21 @@ class EngineMetrics:
         self._generation = Counter(
             "vllm:generation_tokens", "Number of generation tokens processed.", names, registry=self.registry
         ).labels(**labels)
+        self._preemptions = Counter(
+            "vllm:num_preemptions",
+            "Cumulative number of preemptions from the engine.",
+            names,
+            registry=self.registry,
+        ).labels(**labels)
         self._success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
             [*names, "finished_reason"],
             registry=self.registry,
         ).labels(**labels, finished_reason="length")
+
+    def preempted(self, count: int) -> None:
+        self._preemptions.inc(count)
 
     def observe_ttft(self, seconds: float) -> None:
         self._ttft.observe(seconds)

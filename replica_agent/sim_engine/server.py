@@ -89,6 +89,7 @@ class SimEngine:
             opts.max_pending,
             on_first_token=self.metrics.observe_ttft,
             on_finished=lambda h: self.metrics.request_finished(h.prompt_len, h.produced),
+            on_preempted=self.metrics.preempted,
         )
         self._core = core
         core.start()

@@ -188,6 +188,12 @@ def test_metrics_use_vllm_names(launch: Any) -> None:
     assert _metric(text, "vllm:prefix_cache_hits_total") == 48  # 3 of the 3 full blocks of 16
     assert _metric(text, "vllm:time_to_first_token_seconds_count") == 2
     assert _metric(text, "vllm:num_requests_running") == 0
+    info = [line for line in text.splitlines() if line.startswith("vllm:cache_config_info{")]
+    assert len(info) == 1 and 'block_size="16"' in info[0] and 'num_gpu_blocks="25000"' in info[0]
+    assert 'engine="0"' in info[0] and info[0].endswith(" 1.0")
+    assert "vllm:num_preemptions_total{" in text
+    status, version = get(e.http + "/version")
+    assert status == 200 and isinstance(version["version"], str)
 
 
 def test_bad_input_gets_openai_errors(launch: Any) -> None:

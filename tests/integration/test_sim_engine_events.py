@@ -248,3 +248,27 @@ def test_restart_resets_seq_and_cache(launch: Any) -> None:
     finally:
         sub.close()
     assert all_batches(e2)[0].seq == 0
+
+
+def test_preemption_under_kv_pressure_completes_and_events_stay_exact(launch: Any) -> None:
+    # 4 requests of 40 prompt + 60 output tokens need 7 blocks each; the cache has 12, so decode
+    # runs out of blocks and the replica model preempts (recompute), as vLLM does.
+    e = launch(model=MODEL, block_size=16, cache_blocks=12)
+    prompts = [tokens_for(i, 40) for i in range(4)]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(lambda p: complete(e, p, 60), prompts))
+    assert all(r["usage"]["completion_tokens"] == 60 for r in results)
+    _, text = get(e.http + "/metrics")
+    preemptions = next(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:num_preemptions_total{")
+    )
+    assert preemptions > 0
+    rk = Rekeyer(MODEL, 16)
+    for b in all_batches(e):
+        for ev in b.events:
+            rk.apply(ev)
+    assert rk.keys() == held(e)
+    st = state(e)
+    assert st["registry_entries"] == st["held_blocks"] <= 12 and st["pending"] == 0
