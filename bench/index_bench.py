@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                 "--replicas", str(replicas), "--impl", a.impl, "--seed", str(a.seed),
                 "--churn-events", str(a.churn_events), "--match-reps", str(a.match_reps),
             ]  # fmt: skip
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            root = Path(__file__).resolve().parent.parent
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=root).stdout
             row = json.loads(out.strip().splitlines()[-1])
             rows.append(row)
             m = row["match_us_median"]

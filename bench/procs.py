@@ -20,6 +20,7 @@ from pathlib import Path
 from types import TracebackType
 
 _TICK = os.sysconf("SC_CLK_TCK")
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
@@ -84,17 +85,36 @@ class Procs:
     ) -> tuple[subprocess.Popen[bytes], re.Match[str] | None]:
         """Start ``cmd`` with stdout/stderr in ``log_dir/name.log``; wait until a line matches
         ``ready_pattern`` or ``ready_url`` answers 200."""
+        proc = self.spawn(name, cmd, env)
+        return proc, self.wait_ready(name, proc, ready_pattern, ready_url, timeout_s)
+
+    def spawn(
+        self, name: str, cmd: Sequence[str], env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Start ``cmd`` without waiting (start several, then ``wait_ready`` each: they boot in
+        parallel)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = self.log_dir / f"{name}.log"
-        with log.open("wb") as f:
+        with (self.log_dir / f"{name}.log").open("wb") as f:
             proc = subprocess.Popen(
                 list(cmd),
                 stdout=f,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **(env or {})},
+                cwd=ROOT,  # ``python -m bench.x`` resolves from the repository root
                 start_new_session=True,
             )
         self.started.append((name, proc))
+        return proc
+
+    def wait_ready(
+        self,
+        name: str,
+        proc: subprocess.Popen[bytes],
+        ready_pattern: str | None = None,
+        ready_url: str | None = None,
+        timeout_s: float = 60.0,
+    ) -> re.Match[str] | None:
+        log = self.log_dir / f"{name}.log"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
@@ -104,15 +124,17 @@ class Procs:
             if ready_pattern is not None:
                 m = re.search(ready_pattern, log.read_text(errors="replace"))
                 if m:
-                    return proc, m
+                    return m
             elif ready_url is not None:
                 try:
                     with urllib.request.urlopen(ready_url, timeout=1) as r:
                         if r.status == 200:
-                            return proc, None
+                            return None
                 except OSError:
                     pass
-            time.sleep(0.1)
+            else:
+                return None
+            time.sleep(0.05)
         raise RuntimeError(f"{name} not ready after {timeout_s}s; see {log}:\n{log.read_text()[-3000:]}")
 
     def stop(self, proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:

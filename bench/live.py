@@ -1,0 +1,334 @@
+"""Routing quality on a live fleet: the same replayed workload through each router, each in front
+of a fresh fleet of simulated engines (``kvgate sim-engine``: vLLM's HTTP API, its /metrics and
+its KV events, over the simulator's replica model in real time).
+
+Workloads (both as traces of chained block ids, ``router_policies.sim.traces``):
+* ``agent``: the seeded agent-session workload (``router_policies.sim.workloads.agent_trace``);
+* ``mooncake``: the first requests of ``shared/traces/mooncake_conversation_trace.jsonl``.
+
+Each block id is rendered as a fixed run of words drawn from the local corpus with the id as the
+seed, so equal block-id prefixes are equal text prefixes and every router (text-based or
+token-based) sees the same prefix structure. Prompts are capped at ``--max-blocks`` blocks and
+outputs at ``--max-tokens``; arrival times are divided by ``--speedup`` and engine step costs
+multiplied by ``--time-scale`` (the same ratio keeps the load of the original trace).
+
+Routers: kvgate kv_aware (with one ``kvgate agent`` per engine streaming its KV events), and from
+``.venv-bench``: sglang-router cache_aware, vllm-router kv_aware (fed the engines' ZMQ KV events
+directly; falls back to cache_aware if it will not start). Per run: engine-counted prefix hit rate
+(sum of ``vllm:prefix_cache_hits_total`` / ``vllm:prefix_cache_queries_total`` over the fleet),
+client TTFT p50/p99 of streamed completions, completed requests per second, errors.
+
+    .venv/bin/python -m bench.live [--requests 300] [--replicas 4] [--out bench/results/live.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import uvloop
+import yaml
+
+from bench.procs import Procs, free_port
+from router_policies.sim.traces import Trace, load_trace
+from router_policies.sim.workloads import AgentSpec, agent_trace
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH_VENV = ROOT / ".venv-bench"
+TOKENIZER = ROOT / "assets/tokenizers/kvgate-tiny"
+MOONCAKE = ROOT.parent / "shared/traces/mooncake_conversation_trace.jsonl"
+MODEL = "sim"
+WORDS_PER_BLOCK = {"agent": 12, "mooncake": 40}
+
+
+def load_workload(name: str, requests: int, seed: int) -> Trace:
+    if name == "agent":
+        # small enough to replay in minutes; sessions arrive fast so that tenants overlap
+        spec = AgentSpec(tenants=8, sessions=max(requests // 6, 4), session_rate_per_s=1.0, gap_median_s=3.0)
+        return agent_trace(spec, seed)
+    path = MOONCAKE if MOONCAKE.exists() else Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
+    return load_trace(path)
+
+
+def render(
+    trace: Trace, name: str, requests: int, max_blocks: int, max_tokens: int
+) -> list[tuple[float, str, int]]:
+    """(arrival s, prompt text, max_tokens) of the first ``requests`` requests."""
+    words = sorted(
+        set(re.findall(r"[A-Za-z]{3,12}", (ROOT / "assets/corpus/stdlib_docstrings.txt").read_text()))
+    )
+    k = WORDS_PER_BLOCK[name]
+    cache: dict[int, str] = {}
+    out = []
+    for r in trace.requests[:requests]:
+        parts = []
+        for bid in r.hash_ids[:max_blocks]:
+            text = cache.get(bid)
+            if text is None:
+                rng = random.Random(bid * 1_000_003 + 17)
+                text = " ".join(rng.choice(words) for _ in range(k)) + ".\n"
+                cache[bid] = text
+            parts.append(text)
+        out.append((r.timestamp_ms / 1000.0, "".join(parts), max(1, min(r.output_length, max_tokens))))
+    t0 = out[0][0] if out else 0.0
+    return [(t - t0, p, m) for t, p, m in out]
+
+
+async def replay(
+    url: str, reqs: list[tuple[float, str, int]], speedup: float, timeout_s: float
+) -> tuple[list[tuple[int, float, float]], float]:
+    """Open-loop replay; returns per request (status, ttft s, total s) and the wall time."""
+    results: list[tuple[int, float, float]] = []
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
+
+        async def one(at: float, prompt: str, max_tokens: int) -> None:
+            await asyncio.sleep(max(0.0, at / speedup - (time.perf_counter() - start)))
+            body = {
+                "model": MODEL,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "stream": True,
+                "ignore_eos": True,
+            }
+            t0 = time.perf_counter()
+            ttft = 0.0
+            try:
+                async with http.post(url + "/v1/completions", json=body) as resp:
+                    async for chunk in resp.content.iter_any():
+                        if not ttft and b"data:" in chunk:
+                            ttft = time.perf_counter() - t0
+                    results.append((resp.status, ttft, time.perf_counter() - t0))
+            except (TimeoutError, aiohttp.ClientError):
+                results.append((0, 0.0, time.perf_counter() - t0))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one(*r) for r in reqs))
+        return results, time.perf_counter() - start
+
+
+def engine_hits(http_urls: list[str]) -> tuple[float, float]:
+    hits = queries = 0.0
+    for url in http_urls:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        for line in text.splitlines():
+            if line.startswith("vllm:prefix_cache_hits_total"):
+                hits += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("vllm:prefix_cache_queries_total"):
+                queries += float(line.rsplit(" ", 1)[1])
+    return hits, queries
+
+
+def start_fleet(procs: Procs, n: int, args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(http url, events endpoint) per engine."""
+    procs_ = []
+    for i in range(n):
+        procs_.append(
+            procs.spawn(
+                f"engine{i}",
+                [
+                    str(ROOT / ".venv/bin/kvgate"),
+                    "sim-engine",
+                    "--port",
+                    "0",
+                    "--events-port",
+                    "0",
+                    "--model",
+                    MODEL,
+                    "--tokenizer",
+                    str(TOKENIZER),
+                    "--time-scale",
+                    str(args.time_scale),
+                    "--cache-blocks",
+                    str(args.cache_blocks),
+                    "--seed",
+                    str(i),
+                    "--block-size",
+                    "16",
+                ],
+            )
+        )
+    fleet = []
+    for i, proc in enumerate(procs_):
+        m = procs.wait_ready(f"engine{i}", proc, r"sim-engine ready http=(\S+) events=(\S+)")
+        assert m is not None
+        fleet.append((m.group(1), m.group(2)))
+    return fleet
+
+
+def _wait_agents(gateway: str, n: int, timeout_s: float = 30.0) -> None:
+    """Until every agent's stream is up: the gateway's metrics show ``n`` connected agents (or,
+    if it exports no such gauge, a fixed grace period)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://{gateway}/metrics", timeout=2) as r:
+                text = r.read().decode()
+        except OSError:
+            text = ""
+        gauge = [ln for ln in text.splitlines() if ln.startswith("kvgate_inventory_streams")]
+        if not gauge:
+            time.sleep(2.0)
+            return
+        if sum(float(ln.rsplit(" ", 1)[1]) for ln in gauge) >= n:
+            return
+        time.sleep(0.1)
+
+
+def start_router(procs: Procs, name: str, fleet: list[tuple[str, str]], tmp: Path) -> tuple[str, str]:
+    """Start router ``name`` in front of ``fleet``; returns (base url, policy actually used)."""
+    urls = [u for u, _ in fleet]
+    if name == "kvgate_kv_aware":
+        cfg = {
+            "listen": {"http": "127.0.0.1:0", "inventory": "127.0.0.1:0"},
+            "policy": {"name": "kv_aware"},
+            "models": [{"name": MODEL, "tokenizer": str(TOKENIZER), "block_size": 16}],
+            "replicas": [{"id": f"r{i}", "url": u, "models": [MODEL]} for i, u in enumerate(urls)],
+            "telemetry": {"access_log": False, "log_level": "WARNING"},
+        }
+        path = tmp / "kvgate.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        _, m = procs.start(
+            "kvgate",
+            [str(ROOT / ".venv/bin/kvgate"), "serve", "--config", str(path)],
+            ready_pattern=r"kvgate serve: http=([\d.]+:\d+) inventory=([\d.]+:\d+)",
+        )
+        assert m is not None
+        for i, (u, ev) in enumerate(fleet):
+            procs.spawn(
+                f"agent{i}",
+                [
+                    str(ROOT / ".venv/bin/kvgate"), "agent", "--replica-id", f"r{i}", "--engine-url", u,
+                    "--events", ev, "--gateway", m.group(2), "--model", MODEL, "--log-level", "WARNING",
+                ],
+            )  # fmt: skip
+        _wait_agents(m.group(1), len(fleet))
+        return "http://" + m.group(1), "kv_aware"
+    port = free_port()
+    common = ["--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port())]
+    if name == "sglang_cache_aware":
+        procs.start(
+            name,
+            [
+                str(BENCH_VENV / "bin/python"), "-m", "sglang_router.launch_router", "--worker-urls", *urls,
+                "--policy", "cache_aware", *common, "--log-level", "warn", "--model-path", str(TOKENIZER),
+            ],
+            ready_url=f"http://127.0.0.1:{port}/v1/models",
+            env={"HF_HUB_OFFLINE": "1"},
+        )  # fmt: skip
+        return f"http://127.0.0.1:{port}", "cache_aware"
+    if name == "vllm_router_best":
+        sources = [arg for u, ev in fleet for arg in ("--kv-event-source", f"{u}={ev}")]
+        try:
+            procs.start(
+                name,
+                [
+                    str(BENCH_VENV / "bin/vllm-router"), "--worker-urls", *urls, "--policy", "kv_aware",
+                    *sources, "--kv-event-block-size", "16", "--kv-event-model", MODEL,
+                    *common, "--log-level", "warning",
+                ],
+                ready_url=f"http://127.0.0.1:{port}/v1/models",
+                timeout_s=30,
+                env={"HF_HUB_OFFLINE": "1"},
+            )  # fmt: skip
+            return f"http://127.0.0.1:{port}", "kv_aware"
+        except RuntimeError as exc:
+            print(
+                f"live: vllm-router kv_aware did not start ({str(exc)[:300]}); using cache_aware",
+                file=sys.stderr,
+            )
+            port = free_port()
+            common = ["--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port())]
+            procs.start(
+                name + "_ca",
+                [
+                    str(BENCH_VENV / "bin/vllm-router"), "--worker-urls", *urls, "--policy", "cache_aware",
+                    *common, "--log-level", "warning",
+                ],
+                ready_url=f"http://127.0.0.1:{port}/v1/models",
+                env={"HF_HUB_OFFLINE": "1"},
+            )  # fmt: skip
+            return f"http://127.0.0.1:{port}", "cache_aware"
+    raise ValueError(f"unknown router {name!r}")
+
+
+def one_run(
+    workload: str, router: str, reqs: list[tuple[float, str, int]], args: argparse.Namespace
+) -> dict[str, Any]:
+    tmp = args.out.parent / "tmp" / "live" / f"{workload}-{router}"
+    with Procs(tmp) as procs:
+        fleet = start_fleet(procs, args.replicas, args)
+        url, policy = start_router(procs, router, fleet, tmp)
+        h0, q0 = engine_hits([u for u, _ in fleet])
+        results, wall = uvloop.run(replay(url, reqs, args.speedup, args.timeout))
+        h1, q1 = engine_hits([u for u, _ in fleet])
+    ok = [(t, tot) for s, t, tot in results if s == 200 and t > 0]
+    ttft = np.array([t for t, _ in ok]) * 1e3 if ok else np.zeros(1)
+    return {
+        "workload": workload,
+        "router": router,
+        "policy": policy,
+        "requests": len(results),
+        "ok": len(ok),
+        "errors": len(results) - len(ok),
+        "wall_s": wall,
+        "throughput_rps": len(ok) / wall if wall else 0.0,
+        "ttft_p50_ms": float(np.percentile(ttft, 50)),
+        "ttft_p99_ms": float(np.percentile(ttft, 99)),
+        "hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0,
+        "queried_tokens": q1 - q0,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=300, help="requests replayed per workload")
+    ap.add_argument("--workloads", nargs="+", default=["agent", "mooncake"])
+    ap.add_argument(
+        "--routers", nargs="+", default=["kvgate_kv_aware", "sglang_cache_aware", "vllm_router_best"]
+    )
+    ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--cache-blocks", type=int, default=1500, help="KV blocks per engine (16 tokens each)")
+    ap.add_argument("--max-blocks", type=int, default=48, help="trace blocks per prompt at most")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--speedup", type=float, default=4.0)
+    ap.add_argument("--time-scale", type=float, default=0.25)
+    ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--seed", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/live.json")
+    args = ap.parse_args(argv)
+    routers = [r for r in args.routers if r.startswith("kvgate") or (BENCH_VENV / "bin/python").exists()]
+    rows = []
+    for wl in args.workloads:
+        reqs = render(
+            load_workload(wl, args.requests, args.seed), wl, args.requests, args.max_blocks, args.max_tokens
+        )
+        for router in routers:
+            row = one_run(wl, router, reqs, args)
+            rows.append(row)
+            print(
+                f"{wl:9} {router:20} ({row['policy']:11}) hit {row['hit_rate']:.3f} ttft p50 "
+                f"{row['ttft_p50_ms']:8.1f} p99 {row['ttft_p99_ms']:8.1f} ms  {row['throughput_rps']:6.2f} req/s "
+                f"errors {row['errors']}",
+                flush=True,
+            )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1) + "\n"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

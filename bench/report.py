@@ -1,0 +1,276 @@
+"""Turn ``bench/results/{index,overhead,live}.json`` into ``summary.json`` (the headline figures,
+exactly the keys of ``SUMMARY_KEYS``), ``table.md`` (every figure) and plots (``*.png``).
+
+Headline figures and how they are taken (conservative where a choice exists):
+* ``overhead_p50_ms`` / ``overhead_p99_ms``: kvgate's added latency (kvgate minus direct, same
+  percentile), non-streaming, 8 KB prompts, concurrency 32;
+* ``rps_per_core_vs_sglang_cache_aware``: kvgate's requests per CPU-second of its process tree
+  over sglang-router cache_aware's, same point;
+* ``events_per_s_per_core``: the lowest steady-state churn rate over the index runs at the largest
+  block count measured; ``match_2048_us_at_10m``: the highest median ``match`` time of a
+  2,048-block prompt at 10M blocks (or the largest count measured); ``bytes_per_block``: the
+  highest resident bytes per indexed entry at that count;
+* ``live_ttft_p99_vs_best_peer``: kvgate's TTFT p99 over the lowest peer TTFT p99, the worst
+  (highest) ratio over the workloads; ``live_hit_rate_vs_best_peer``: kvgate's engine-counted hit
+  rate over the highest peer's, the worst (lowest) ratio over the workloads.
+A figure whose inputs are missing is ``null``.
+
+    .venv/bin/python -m bench.report [--results bench/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+SUMMARY_KEYS = (
+    "overhead_p50_ms",
+    "overhead_p99_ms",
+    "rps_per_core_vs_sglang_cache_aware",
+    "events_per_s_per_core",
+    "match_2048_us_at_10m",
+    "bytes_per_block",
+    "live_ttft_p99_vs_best_peer",
+    "live_hit_rate_vs_best_peer",
+)
+ROUTERS = ("kvgate", "sglang_cache_aware", "sglang_round_robin", "vllm_router_cache_aware")
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _overhead_point(
+    ov: dict[str, Any], stream: bool = False, size: int = 8192, conc: int = 32
+) -> dict[str, Any]:
+    for row in ov["rows"]:
+        if row["stream"] == stream and row["prompt_bytes"] == size and row["concurrency"] == conc:
+            return dict(row)
+    return {}
+
+
+def summarize(
+    index: dict[str, Any] | None, ov: dict[str, Any] | None, live: dict[str, Any] | None
+) -> dict[str, Any]:
+    s: dict[str, Any] = dict.fromkeys(SUMMARY_KEYS)
+    if ov:
+        point = _overhead_point(ov)
+        kv = point.get("kvgate")
+        if kv:
+            s["overhead_p50_ms"] = round(kv["added_p50_ms"], 3)
+            s["overhead_p99_ms"] = round(kv["added_p99_ms"], 3)
+            sg = point.get("sglang_cache_aware")
+            if sg and sg["rps_per_core"]:
+                s["rps_per_core_vs_sglang_cache_aware"] = round(kv["rps_per_core"] / sg["rps_per_core"], 3)
+    if index:
+        rows = index["rows"]
+        top = max(r["blocks"] for r in rows)
+        at = [r for r in rows if r["blocks"] == top]
+        s["events_per_s_per_core"] = round(min(r["churn_events_per_s"] for r in at))
+        s["match_2048_us_at_10m"] = round(max(r["match_us_median"]["2048"] for r in at), 1)
+        s["bytes_per_block"] = round(max(r["bytes_per_entry"] for r in at), 1)
+    if live:
+        ttft_ratios, hit_ratios = [], []
+        for wl in sorted({r["workload"] for r in live["rows"]}):
+            rows = [r for r in live["rows"] if r["workload"] == wl]
+            kv = [r for r in rows if r["router"].startswith("kvgate")]
+            peers = [r for r in rows if not r["router"].startswith("kvgate") and r["ok"]]
+            if not kv or not peers:
+                continue
+            best_ttft = min(p["ttft_p99_ms"] for p in peers)
+            best_hit = max(p["hit_rate"] for p in peers)
+            if best_ttft > 0:
+                ttft_ratios.append(kv[0]["ttft_p99_ms"] / best_ttft)
+            if best_hit > 0:
+                hit_ratios.append(kv[0]["hit_rate"] / best_hit)
+        if ttft_ratios:
+            s["live_ttft_p99_vs_best_peer"] = round(max(ttft_ratios), 3)
+        if hit_ratios:
+            s["live_hit_rate_vs_best_peer"] = round(min(hit_ratios), 3)
+    return s
+
+
+def table(
+    index: dict[str, Any] | None,
+    ov: dict[str, Any] | None,
+    live: dict[str, Any] | None,
+    summary: dict[str, Any],
+) -> str:
+    out = [
+        f"# kvgate benchmark results ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
+        "",
+        f"Machine: {platform.machine()}, {_cpu_model()}, {_ncpu()} CPUs, Python {platform.python_version()}.",
+        "",
+        "## Summary",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        *[f"| `{k}` | {summary[k]} |" for k in SUMMARY_KEYS],
+        "",
+    ]
+    if index:
+        out += [
+            "## Index",
+            "",
+            "| blocks | replicas | events/s (churn) | events/s (populate) | match 128 us | match 2048 us | match 8192 us | bytes/entry | bytes/distinct key |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in index["rows"]:
+            m = r["match_us_median"]
+            out.append(
+                f"| {r['blocks']:,} | {r['replicas']} | {r['churn_events_per_s']:,.0f} | {r['populate_events_per_s']:,.0f} "
+                f"| {m['128']:.1f} | {m['2048']:.1f} | {m['8192']:.1f} | {r['bytes_per_entry']:.1f} | {r['bytes_per_distinct_key']:.1f} |"
+            )
+        out.append("")
+    if ov:
+        out += [
+            "## Gateway overhead (fake backends on loopback)",
+            "",
+            "Added = router minus direct at the same percentile; CPU = the router's process tree.",
+            "",
+            "| mode | prompt | c | router | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms | CPU s / 1k req | req/s per core | errors |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for row in ov["rows"]:
+            mode = "stream" if row["stream"] else "json"
+            size = f"{row['prompt_bytes'] // 1024} KB"
+            d = row["direct"]
+            out.append(
+                f"| {mode} | {size} | {row['concurrency']} | direct | {d['rps']:,.0f} | {d['p50_ms']:.2f} | {d['p99_ms']:.2f} | | | | | {d['errors']:.0f} |"
+            )
+            for name in ROUTERS:
+                r = row.get(name)
+                if r:
+                    out.append(
+                        f"| {mode} | {size} | {row['concurrency']} | {name} | {r['rps']:,.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} "
+                        f"| {r['added_p50_ms']:.2f} | {r['added_p99_ms']:.2f} | {r['cpu_s_per_1000']:.3f} | {r['rps_per_core']:,.0f} | {r['errors']:.0f} |"
+                    )
+        out.append("")
+    if live:
+        out += [
+            "## Live fleet (simulated engines)",
+            "",
+            "| workload | router | policy | hit rate | TTFT p50 ms | TTFT p99 ms | req/s | errors |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in live["rows"]:
+            out.append(
+                f"| {r['workload']} | {r['router']} | {r['policy']} | {r['hit_rate']:.3f} | {r['ttft_p50_ms']:.1f} "
+                f"| {r['ttft_p99_ms']:.1f} | {r['throughput_rps']:.2f} | {r['errors']} |"
+            )
+        out.append("")
+    return "\n".join(out)
+
+
+def plots(
+    results: Path, index: dict[str, Any] | None, ov: dict[str, Any] | None, live: dict[str, Any] | None
+) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    if index:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for r in index["rows"]:
+            xs = [int(k) for k in r["match_us_median"]]
+            ax.plot(
+                xs,
+                list(r["match_us_median"].values()),
+                marker="o",
+                label=f"{r['blocks']:,} blocks, {r['replicas']} replicas",
+            )
+        ax.axhline(200, color="grey", linestyle="--", linewidth=0.8, label="goal at 2,048 blocks")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt blocks")
+        ax.set_ylabel("match median (us)")
+        ax.set_title("Prefix index match time")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(results / "index_match.png", dpi=110)
+        plt.close(fig)
+        written.append("index_match.png")
+    if ov:
+        labels = []
+        per_router: dict[str, list[float]] = {n: [] for n in ROUTERS}
+        for row in ov["rows"]:
+            if row["concurrency"] == 1:
+                continue
+            labels.append(
+                f"{'S' if row['stream'] else 'J'} {row['prompt_bytes'] // 1024}K c{row['concurrency']}"
+            )
+            for n in ROUTERS:
+                per_router[n].append(row[n]["rps_per_core"] if n in row else 0.0)
+        fig, ax = plt.subplots(figsize=(8, 4))
+        width = 0.8 / len(ROUTERS)
+        for i, n in enumerate(ROUTERS):
+            ax.bar([x + i * width for x in range(len(labels))], per_router[n], width, label=n)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(labels))], labels, fontsize=7)
+        ax.set_ylabel("requests per router CPU-second")
+        ax.set_title("Router efficiency (J json, S stream; prompt size; concurrency)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(results / "overhead_rps_per_core.png", dpi=110)
+        plt.close(fig)
+        written.append("overhead_rps_per_core.png")
+    if live:
+        wls = sorted({r["workload"] for r in live["rows"]})
+        fig, axes = plt.subplots(1, 2, figsize=(9, 4))
+        for wi, wl in enumerate(wls):
+            rows = [r for r in live["rows"] if r["workload"] == wl]
+            bar_x = [float(x) + wi * 0.4 for x in range(len(rows))]
+            axes[0].bar(bar_x, [r["hit_rate"] for r in rows], 0.4, label=wl)
+            axes[1].bar(bar_x, [r["ttft_p99_ms"] for r in rows], 0.4, label=wl)
+            names = [r["router"] for r in rows]
+        for ax, title in zip(axes, ("engine prefix hit rate", "client TTFT p99 (ms)"), strict=True):
+            ax.set_xticks([x + 0.2 for x in range(len(names))], names, fontsize=7, rotation=15)
+            ax.set_title(title)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(results / "live.png", dpi=110)
+        plt.close(fig)
+        written.append("live.png")
+    return written
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _ncpu() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", type=Path, default=ROOT / "bench/results")
+    ap.add_argument("--no-plots", action="store_true")
+    args = ap.parse_args(argv)
+    res = args.results
+    index, ov, live = _load(res / "index.json"), _load(res / "overhead.json"), _load(res / "live.json")
+    summary = summarize(index, ov, live)
+    (res / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (res / "table.md").write_text(table(index, ov, live, summary) + "\n")
+    written = [] if args.no_plots else plots(res, index, ov, live)
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {res / 'summary.json'}, {res / 'table.md'}" + "".join(f", {res / w}" for w in written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

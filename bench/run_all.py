@@ -1,0 +1,57 @@
+"""Run every benchmark and the report: ``make bench`` (full sizes) and ``make bench-quick``.
+
+    .venv/bin/python -m bench.run_all [--quick] [--results bench/results] [--no-peers]
+
+Full: index at 1M and 10M blocks over 8 and 64 replicas; overhead at 2 KB / 8 KB, concurrency 1,
+32 and 128, streaming and not, 2,000 requests per point; live fleet of 4 engines, 300 requests of
+each workload. Quick: the same parts at small sizes (under three minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from bench import index_bench, live, overhead, report
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--results", type=Path, default=ROOT / "bench/results")
+    ap.add_argument("--no-peers", action="store_true", help="kvgate only (no .venv-bench routers)")
+    ap.add_argument("--parts", nargs="+", default=["index", "overhead", "live"])
+    args = ap.parse_args(argv)
+    res = args.results
+    res.mkdir(parents=True, exist_ok=True)
+    q = args.quick
+    t0 = time.monotonic()
+    if "index" in args.parts:
+        sizes = ["200000"] if q else ["1000000", "10000000"]
+        index_bench.main(
+            ["--blocks", *sizes, "--replicas", "8", "64", "--out", str(res / "index.json")]
+            + (["--churn-events", "100000", "--match-reps", "20"] if q else [])
+        )
+    if "overhead" in args.parts:
+        overhead.main(
+            ["--out", str(res / "overhead.json")]
+            + (["--requests", "300", "--concurrency", "32", "--backends", "2"] if q else [])
+            + (["--no-peers"] if args.no_peers else [])
+        )
+    if "live" in args.parts:
+        live.main(
+            ["--out", str(res / "live.json")]
+            + (["--requests", "24", "--replicas", "2", "--speedup", "8"] if q else [])
+            + (["--routers", "kvgate_kv_aware"] if args.no_peers else [])
+        )
+    report.main(["--results", str(res)])
+    print(f"run_all: {time.monotonic() - t0:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
