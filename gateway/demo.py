@@ -63,7 +63,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[k]
 
 
-async def _one_request(http: aiohttp.ClientSession, url: str, body: dict[str, Any], session_id: str) -> RequestOutcome:
+async def _one_request(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any], session_id: str
+) -> RequestOutcome:
     t0 = time.perf_counter()
     ttft = float("nan")
     usage: dict[str, Any] = {}
@@ -84,12 +86,14 @@ async def _one_request(http: aiohttp.ClientSession, url: str, body: dict[str, An
                         continue
                     msg = json.loads(data)
                     if msg.get("error"):
-                        return RequestOutcome(False, ttft, time.perf_counter() - t0, None, None, None, replica)
+                        return RequestOutcome(
+                            False, ttft, time.perf_counter() - t0, None, None, None, replica
+                        )
                     if ttft != ttft and msg.get("choices"):
                         ttft = time.perf_counter() - t0
                     if msg.get("usage"):
                         usage = msg["usage"]
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         return RequestOutcome(False, ttft, time.perf_counter() - t0, None, None, None, None)
     details = usage.get("prompt_tokens_details") or {}
     return RequestOutcome(
@@ -103,7 +107,9 @@ async def _one_request(http: aiohttp.ClientSession, url: str, body: dict[str, An
     )
 
 
-async def replay(gateway_url: str, sessions: list[Session], timeout_s: float = 120.0) -> tuple[list[RequestOutcome], float]:
+async def replay(
+    gateway_url: str, sessions: list[Session], timeout_s: float = 120.0
+) -> tuple[list[RequestOutcome], float]:
     """Replay closed-loop sessions; returns the outcomes and the wall time of the replay."""
     url = f"{gateway_url}/v1/chat/completions"
     outcomes: list[RequestOutcome] = []
@@ -137,9 +143,15 @@ def engine_hit_counters(metrics_text: str) -> tuple[float, float]:
 
 
 def run_policy(policy: str, sessions: list[Session], opts: FleetOptions) -> PolicyRun:
-    opts = FleetOptions(**{**asdict(opts), "policy": policy})
+    log_dir = opts.log_dir / policy if opts.log_dir else None
+    if log_dir:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    opts = FleetOptions(**{**asdict(opts), "policy": policy, "log_dir": log_dir})
+    t0 = time.monotonic()
     with LocalFleet(opts) as fleet:
+        print(f"  {policy}: fleet ready in {time.monotonic() - t0:.1f}s", flush=True)
         outcomes, wall = asyncio.run(replay(fleet.gateway_url, sessions))
+        print(f"  {policy}: {len(outcomes)} requests replayed in {wall:.1f}s", flush=True)
         hits = queries = 0.0
         for i in range(len(fleet.engines)):
             h, q = engine_hit_counters(fleet.engine_metrics(i))
@@ -204,9 +216,15 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated policies")
     p.add_argument("--cache-blocks", type=int, default=1024, help="KV blocks per engine (default 1024)")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--profile", default="demo", help="engine cost profile (default demo)")
+    p.add_argument("--profile", default="small-cpu", help="engine cost profile (default small-cpu)")
+    p.add_argument(
+        "--time-scale", type=float, default=0.1, help="engine step-cost multiplier (default 0.1: 10x faster)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the runs as JSON here")
+    p.add_argument(
+        "--log-dir", type=Path, default=Path("out/demo-logs"), help="process logs (default out/demo-logs)"
+    )
     p.add_argument("--plot", type=Path, default=Path("out/demo.png"), help="plot path (default out/demo.png)")
 
 
@@ -223,11 +241,15 @@ def run(args: argparse.Namespace) -> int:
         cache_blocks=args.cache_blocks,
         block_size=args.block_size,
         profile=args.profile,
+        time_scale=args.time_scale,
         seed=args.seed,
+        log_dir=args.log_dir,
     )
     sessions = agent_sessions(opts.model, AgentWorkloadSpec(sessions=args.sessions, seed=args.seed))
     n_req = sum(len(s.turns) for s in sessions)
-    print(f"kvgate demo: {len(sessions)} agent sessions, {n_req} chat requests, {args.replicas} simulated engines per fleet")
+    print(
+        f"kvgate demo: {len(sessions)} agent sessions, {n_req} chat requests, {args.replicas} simulated engines per fleet"
+    )
     runs: list[PolicyRun] = []
     for name in policies:
         t0 = time.monotonic()

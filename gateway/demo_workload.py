@@ -85,7 +85,10 @@ def agent_sessions(model: str, spec: AgentWorkloadSpec) -> list[Session]:
     rng = random.Random(spec.seed)
     words = WordSource(rng)
     tenants = [
-        (f"You are agent {t} of tenant {t}. " + words.text(spec.system_words), [_tool(words, f"tool_{t}", spec.tool_words)])
+        (
+            f"You are agent {t} of tenant {t}. " + words.text(spec.system_words),
+            [_tool(words, f"tool_{t}", spec.tool_words)],
+        )
         for t in range(spec.tenants)
     ]
     out: list[Session] = []

@@ -38,7 +38,9 @@ def free_port() -> int:
         return port
 
 
-def http_json(url: str, body: Any = None, timeout: float = 5.0, headers: Mapping[str, str] | None = None) -> Any:
+def http_json(
+    url: str, body: Any = None, timeout: float = 5.0, headers: Mapping[str, str] | None = None
+) -> Any:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST")
     req.add_header("content-type", "application/json")
@@ -89,6 +91,7 @@ class FleetOptions:
     block_size: int = 16
     cache_blocks: int = 2048
     profile: str | None = None
+    time_scale: float | None = None
     policy: str = "kv_aware"
     policy_params: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
@@ -129,7 +132,10 @@ class LocalFleet:
     def gateway_config(self) -> dict[str, Any]:
         o = self.opts
         cfg: dict[str, Any] = {
-            "listen": {"http": f"127.0.0.1:{self.gateway_port}", "inventory": f"127.0.0.1:{self.inventory_port}"},
+            "listen": {
+                "http": f"127.0.0.1:{self.gateway_port}",
+                "inventory": f"127.0.0.1:{self.inventory_port}",
+            },
             "policy": {"name": o.policy, "seed": o.seed, o.policy: dict(o.policy_params)},
             "models": [{"name": o.model, "tokenizer": str(o.tokenizer), "block_size": o.block_size}],
             "replicas": [{"id": e.replica_id, "url": e.url, "models": [o.model]} for e in self.engines],
@@ -180,6 +186,8 @@ class LocalFleet:
         ]  # fmt: skip
         if o.profile:
             args += ["--profile", o.profile]
+        if o.time_scale is not None:
+            args += ["--time-scale", str(o.time_scale)]
         proc = self._spawn(f"engine-{e.replica_id}", args)
         if i < len(self._engines):
             self._engines[i] = proc
@@ -274,7 +282,9 @@ class LocalFleet:
             self.stop()
             raise
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
         self._tmp.cleanup()
 
