@@ -44,7 +44,7 @@ class AgentConfig:
     load_interval_s: float = 1.0
     replay_timeout_s: float = 1.0
     seed: int = 0
-    backoff_max_s: float = 5.0
+    backoff_max_s: float = 1.0
     engine_kind: str = field(default="")
 
 
@@ -197,6 +197,12 @@ class Agent:
                 tasks.insert(0, asyncio.create_task(self.subscriber.run(), name="agent-subscriber"))
                 tasks.insert(0, asyncio.create_task(self.client.run(), name="agent-gateway"))
                 self.ready.set()
+                # the readiness line scripts and tests wait for (stdout, one line)
+                print(
+                    f"kvgate agent ready replica={cfg.replica_id} model={model} events={cfg.events} "
+                    f"gateway={cfg.gateway}",
+                    flush=True,
+                )
                 log.info(
                     "agent %s: model %s, events %s, replay %s, gateway %s",
                     cfg.replica_id,

@@ -48,6 +48,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-blocks", type=int, default=2_000_000, help="bound of the engine-hash map")
     parser.add_argument("--load-interval", type=float, default=1.0, help="seconds between /metrics polls")
     parser.add_argument("--seed", type=int, default=0, help="seed of the reconnect jitter")
+    parser.add_argument(
+        "--reconnect-max", type=float, default=1.0, help="longest wait between gateway reconnects, seconds"
+    )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
@@ -65,6 +68,8 @@ def _check(args: argparse.Namespace) -> AgentConfig:
             raise UserInputError(f"{flag}: must be positive, got {value}")
     if args.max_blocks <= 0:
         raise UserInputError("--max-blocks: must be positive")
+    if args.reconnect_max <= 0:
+        raise UserInputError("--reconnect-max: must be positive")
     if args.load_interval <= 0:
         raise UserInputError("--load-interval: must be positive")
     tls_ca = None
@@ -90,6 +95,7 @@ def _check(args: argparse.Namespace) -> AgentConfig:
         max_blocks=args.max_blocks,
         load_interval_s=args.load_interval,
         seed=args.seed,
+        backoff_max_s=args.reconnect_max,
     )
 
 

@@ -13,7 +13,13 @@ Sequence rules (``seq`` is the engine publisher's per-batch counter, restarting 
   the newest batch applied, and which is dropped; or the engine restarted (its seq went back and its
   timestamp moved forward): its cache is empty, so the inventory is cleared and the batches the
   restarted engine sent before this one are recovered from replay as for a gap from 0.
-* The first batch after the agent starts is a gap from 0 unless its seq is 0.
+* On start the agent asks replay for everything from seq 0, so that it learns the engine's cache
+  without waiting for its next batch; if the buffer no longer reaches back to 0 the inventory is
+  marked degraded. (Without a replay endpoint, the first batch is a gap from 0 unless its seq is 0.)
+* The engine's PUB socket disconnecting means its process went away (the agent runs beside it), and
+  its cache with it: the frames already received are applied, then the inventory is cleared at
+  once rather than when the restarted engine's first batch shows its seq going back (an empty
+  engine sends nothing until it caches something). The next batch is treated as the first.
 
 A payload that does not decode is counted and skipped, like a single bad event inside a batch;
 nothing a publisher sends can stop the subscriber.
@@ -29,6 +35,7 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+import zmq.utils.monitor
 
 from replica_agent.engine_events import EventBatch, MalformedEvent, decode_payload
 from replica_agent.inventory import AgentInventory
@@ -47,6 +54,7 @@ class SubscriberStats:
     recovered_gaps: int = 0
     unrecovered_gaps: int = 0
     engine_restarts: int = 0
+    engine_disconnects: int = 0
     replayed_batches: int = 0
 
 
@@ -89,13 +97,66 @@ class EventSubscriber:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 1_000_000)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sub.connect(self.events_endpoint)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         try:
+            if self.replay_endpoint is not None:
+                await self.catch_up()
             while True:
-                frames = await sub.recv_multipart()
-                await self.handle_frames(frames)
+                ready = dict(await poller.poll())
+                if sub in ready:
+                    await self._drain(sub)
+                if monitor in ready:
+                    event = zmq.utils.monitor.parse_monitor_message(await monitor.recv_multipart())
+                    if event["event"] == zmq.EVENT_DISCONNECTED:
+                        await self._drain(sub)  # everything the engine sent before it went away
+                        self.engine_gone()
         finally:
+            with contextlib.suppress(zmq.ZMQError):
+                sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
+
+    async def catch_up(self) -> None:
+        """Apply the engine's whole replay buffer (called once the SUB socket is connected, so that
+        nothing published meanwhile is lost: later duplicates are recognised as stale)."""
+        replayed = await self.replay(0)
+        if not replayed:
+            return  # nothing published yet, or no answer: the first live batch decides
+        first = replayed[0][0]
+        if first > 0:
+            self.inventory.mark_degraded(f"joined at engine seq {first}: replay no longer reaches seq 0")
+        prev = first - 1
+        for s, payload in replayed:
+            if s != prev + 1:
+                break  # not contiguous: the live stream's gap handling takes over
+            prev = s
+            batch = self._decode(payload)
+            if batch is not None:
+                self._apply(s, batch)
+            else:
+                self.expected = s + 1
+            self.stats.replayed_batches += 1
+
+    async def _drain(self, sub: zmq.asyncio.Socket) -> None:
+        """Handle every frame already queued on ``sub``, without waiting for more."""
+        while True:
+            try:
+                frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            await self.handle_frames(frames)
+
+    def engine_gone(self) -> None:
+        """The engine's publisher disconnected: its process (and cache) is gone."""
+        self.stats.engine_disconnects += 1
+        log.info("engine event publisher disconnected: clearing the inventory")
+        self.inventory.clear()
+        self.inventory.mark_complete()
+        self.expected = None
 
     async def handle_frames(self, frames: list[bytes]) -> None:
         self.stats.frames += 1

@@ -266,3 +266,25 @@ async def test_joining_late_without_replay_is_degraded() -> None:
     finally:
         await pub.close()
         ctx.destroy(linger=0)
+
+
+async def test_publisher_disconnect_clears_at_once() -> None:
+    """The engine process went away: its cache is gone before any new batch says so."""
+    ctx = zmq.asyncio.Context()
+    pub = Publisher(ctx)
+    inv = AgentInventory("m", BS, max_blocks=100)
+    sub = EventSubscriber(ctx, f"tcp://127.0.0.1:{pub.pub_port}", None, inv)
+    task = asyncio.create_task(sub.run())
+    try:
+        await asyncio.sleep(0.2)
+        await pub.publish([stored(1, None, [1, 2])])
+        await pub.publish([stored(2, 1, [3, 4])])
+        await wait_for(lambda: len(inv) == 2)
+        await pub.close()
+        await wait_for(lambda: sub.stats.engine_disconnects == 1)
+        assert len(inv) == 0 and not inv.degraded and sub.expected is None
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        ctx.destroy(linger=0)
