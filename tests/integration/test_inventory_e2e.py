@@ -193,7 +193,8 @@ class Fleet:
 
     def replica(self) -> dict[str, Any]:
         doc = get_json(self.gateway_url + "/admin/replicas", ADMIN_TOKEN)
-        return {r["id"]: r for r in doc["replicas"]}.get("r0", {})
+        by_id: dict[str, dict[str, Any]] = {r["id"]: r for r in doc["replicas"]}
+        return by_id.get("r0", {})
 
     def converge(self, what: str, bound_s: float = CONVERGE_S) -> float:
         """Seconds until the gateway's index of r0 equals the engine's blocks; fails past bound_s."""
