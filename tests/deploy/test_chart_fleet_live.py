@@ -96,10 +96,16 @@ def _start(
     stack.callback(stop)
     if ready:
         assert proc.stdout is not None
-        line = proc.stdout.readline()
+        seen = []
+        for _ in range(50):  # the ready line, after at most a few lines of other output
+            line = proc.stdout.readline()
+            seen.append(line)
+            if not line or line.startswith(ready):
+                break
         if not line.startswith(ready):
+            proc.kill()
             proc.wait(timeout=15)
-            pytest.fail(f"{name} did not start: {line!r}\n{log.read_text()[-3000:]}")
+            pytest.fail(f"{name} did not start: stdout {seen!r}\nstderr {log.read_text()[-3000:]}")
     return proc
 
 
