@@ -184,12 +184,30 @@ class RequestTooLargeError(ValueError):
 
 
 class _Req:
-    __slots__ = ("cached_tokens", "computed", "ids", "n_ids", "outputs", "phys", "req", "stored", "target")
+    __slots__ = (
+        "cached_tokens",
+        "computed",
+        "ids",
+        "kv_cap",
+        "n_ids",
+        "out_max",
+        "outputs",
+        "phys",
+        "prompt",
+        "req",
+        "rid",
+        "stored",
+        "target",
+    )
 
     def __init__(self, req: EngineRequest) -> None:
         self.req = req
+        self.rid = req.request_id
+        self.prompt = req.prompt_tokens
+        self.out_max = req.output_tokens
         self.ids = req.block_ids
         self.n_ids = len(req.block_ids)
+        self.kv_cap = 0  # tokens the held blocks can take: len(phys) x block_size
         self.target = req.prompt_tokens  # tokens to prefill (prompt + generated after a preemption)
         self.computed = 0  # of target, including the cached prefix
         self.outputs = 0  # tokens emitted so far
@@ -277,6 +295,11 @@ class ReplicaModel:
             prefix_cache_hits=self._hits,
         )
 
+    def load(self) -> tuple[int, int, float]:
+        """(running, waiting, kv_usage) without building an ``EngineMetrics``."""
+        n = self.config.num_blocks
+        return len(self._running), len(self._waiting), (n - len(self._free)) / n
+
     @property
     def busy_until(self) -> float:
         return self._busy_until
@@ -291,20 +314,31 @@ class ReplicaModel:
         return len(self._free)
 
     # ------------------------------------------------------------------ blocks
-    def _allocate(self, events: list[KvEvent]) -> int | None:
-        if not self._free:
-            return None
-        phys, _ = self._free.popitem(last=False)
-        old = self._hash[phys]
-        if old is not None:
-            del self._cached[old]
-            self._hash[phys] = None
+    def _allocate(self, k: int, events: list[KvEvent], out: list[int]) -> bool:
+        """Pop ``k`` blocks from the front of the free queue into ``out`` (evicting their cached ids,
+        reported as one BlockRemoved). False, with nothing changed, when fewer than ``k`` are free."""
+        free = self._free
+        if k > len(free):
+            return False
+        hashes = self._hash
+        ref = self._ref
+        cached = self._cached
+        removed: list[int] = []
+        for _ in range(k):
+            phys, _none = free.popitem(last=False)
+            old = hashes[phys]
+            if old is not None:
+                del cached[old]
+                hashes[phys] = None
+                removed.append(old)
+            ref[phys] = 1
+            out.append(phys)
+        if removed:
             if events and isinstance(events[-1], BlockRemoved):
-                events[-1] = BlockRemoved((*events[-1].block_ids, old))
+                events[-1] = BlockRemoved((*events[-1].block_ids, *removed))
             else:
-                events.append(BlockRemoved((old,)))
-        self._ref[phys] = 1
-        return phys
+                events.append(BlockRemoved(tuple(removed)))
+        return True
 
     def _release(self, r: _Req) -> None:
         ref = self._ref
@@ -314,11 +348,11 @@ class ReplicaModel:
             if ref[phys] == 0:
                 free[phys] = None
         r.phys = []
+        r.kv_cap = 0
 
     def _admit(self, r: _Req, events: list[KvEvent]) -> bool:
         """Admit ``r`` if the free queue can supply its blocks; False leaves everything unchanged."""
-        cfg = self.config
-        bs = cfg.block_size
+        bs = self.config.block_size
         cached = self._cached
         ref = self._ref
         ids = r.ids
@@ -329,7 +363,8 @@ class ReplicaModel:
             if phys is None:
                 break
             hits.append(phys)
-        need = -(-r.target // bs) - len(hits)
+        n_hits = len(hits)
+        need = -(-r.target // bs) - n_hits
         in_free = sum(1 for p in hits if ref[p] == 0)
         if need > len(self._free) - in_free:
             return False
@@ -338,18 +373,14 @@ class ReplicaModel:
             if ref[p] == 0:
                 del free[p]
             ref[p] += 1
-        n_hits = len(hits)
-        phys_list = hits
-        for _ in range(need):
-            got = self._allocate(events)
-            assert got is not None  # checked above
-            phys_list.append(got)
-        r.phys = phys_list
+        self._allocate(need, events, hits)  # checked above: cannot fail
+        r.phys = hits
+        r.kv_cap = len(hits) * bs
         r.computed = n_hits * bs
         r.stored = n_hits
         if r.cached_tokens < 0:
             r.cached_tokens = r.computed
-        self._queries += r.req.prompt_tokens
+        self._queries += r.prompt
         self._hits += n_hits * bs
         return True
 
@@ -392,40 +423,54 @@ class ReplicaModel:
         self._pending_events = []
         res = StepResult(start=now, end=now, events=events)
         budget = cfg.max_num_batched_tokens
-        prefill_lin = 0
-        prefill_pairs = 0.0
         n_decode = 0
         kv_read = 0
         preempted = False
         allocated = False
-        # (request, prefill tokens this step; 0 means a decode token)
-        scheduled: list[tuple[_Req, int]] = []
+        prefills: list[tuple[_Req, int]] = []
+        decoded_ids: list[RequestId] = []
+        finished: list[_Req] = []
+        # fast-forward bound: more identical steps before a completion or a block boundary
+        ff_limit = 1 << 62
         running = self._running
+        # Running requests first, in admission order. A decode executes at once: its state change
+        # cannot affect the requests before it, and preemption only takes requests after it.
         i = 0
         while i < len(running) and budget > 0:
             r = running[i]
             if r.computed < r.target:
                 n = min(r.target - r.computed, budget)
-                scheduled.append((r, n))
+                prefills.append((r, n))
                 budget -= n
                 i += 1
                 continue
-            # decoding: the step writes the KV of the last emitted token
-            kv_after = r.req.prompt_tokens + r.outputs
-            if kv_after > len(r.phys) * bs:
-                p = self._allocate(events)
-                while p is None:
+            # decoding: this step writes the KV of the last emitted token
+            kv_after = r.prompt + r.outputs
+            if kv_after > r.kv_cap:
+                self_preempted = False
+                while not self._allocate(1, events, r.phys):
                     victim = running.pop()
                     self._preempt(victim, res)
                     preempted = True
                     if victim is r:
+                        self_preempted = True
                         break
-                    p = self._allocate(events)
-                if p is None:
-                    break  # r itself was preempted: it was the last running request
-                r.phys.append(p)
+                if self_preempted:
+                    break  # r was the last running request: nothing after it to schedule
+                r.kv_cap += bs
                 allocated = True
-            scheduled.append((r, 0))
+            n_decode += 1
+            kv_read += kv_after
+            outputs = r.outputs + 1
+            r.outputs = outputs
+            decoded_ids.append(r.rid)
+            rem = r.out_max - outputs
+            if rem <= 0:
+                finished.append(r)
+            else:
+                lim = min(rem - 1, r.kv_cap - kv_after)
+                if lim < ff_limit:
+                    ff_limit = lim
             budget -= 1
             i += 1
         all_running_scheduled = i == len(running)
@@ -440,28 +485,25 @@ class ReplicaModel:
                 running.append(r)
                 admitted += 1
                 n = min(r.target - r.computed, budget)
-                scheduled.append((r, n))
+                prefills.append((r, n))
                 budget -= n
-        # execute
-        for r, n in scheduled:
-            if n:
-                c = r.computed
-                prefill_lin += n
-                prefill_pairs += n * c + n * (n + 1) / 2
-                r.computed = c + n
-                if r.stored < r.n_ids:
-                    self._store_computed(r, events)
-                if r.computed == r.target:
-                    r.outputs += 1
-                    if r.outputs == 1:
-                        res.first_tokens.append(FirstToken(r.req.request_id, r.cached_tokens))
-                    else:
-                        res.decoded.append((r.req.request_id, 1))
-            else:
-                n_decode += 1
-                kv_read += r.req.prompt_tokens + r.outputs
+        prefill_lin = 0
+        prefill_pairs = 0.0
+        for r, n in prefills:
+            c = r.computed
+            prefill_lin += n
+            prefill_pairs += n * c + n * (n + 1) / 2
+            r.computed = c + n
+            if r.stored < r.n_ids:
+                self._store_computed(r, events)
+            if r.computed == r.target:
                 r.outputs += 1
-                res.decoded.append((r.req.request_id, 1))
+                if r.outputs == 1:
+                    res.first_tokens.append(FirstToken(r.rid, r.cached_tokens))
+                else:
+                    decoded_ids.append(r.rid)
+                if r.outputs >= r.out_max:
+                    finished.append(r)
         duration = (
             costs.step_overhead_s
             + costs.prefill_s_per_token * prefill_lin
@@ -469,15 +511,15 @@ class ReplicaModel:
             + costs.decode_s_per_seq * n_decode
             + costs.decode_s_per_ctx_token * kv_read
         )
-        finished = [r for r, _n in scheduled if r.outputs >= r.req.output_tokens]
         if finished:
             done = {id(r) for r in finished}
             self._running = running = [r for r in running if id(r) not in done]
             for r in finished:
                 self._release(r)
-                res.finished.append(r.req.request_id)
+                res.finished.append(r.rid)
         res.prefill_tokens = prefill_lin
         end = now + duration
+        steps = 1
         if (
             horizon is not None
             and not prefill_lin
@@ -488,45 +530,38 @@ class ReplicaModel:
             and not events
             and all_running_scheduled
             and n_decode
+            and ff_limit > 0
         ):
-            extra = self._identical_steps(scheduled, end, duration, horizon)
+            extra = self._identical_steps(ff_limit, n_decode, end, duration, horizon)
             if extra:
-                g = costs.decode_s_per_ctx_token * n_decode
-                for r, _n in scheduled:
+                for r in running:
                     r.outputs += extra
-                res.decoded = [(rid, 1 + extra) for rid, _ in res.decoded]
-                res.steps = 1 + extra
-                # steps 1..extra last duration + j g each
-                end = now + (1 + extra) * duration + g * extra * (extra + 1) / 2
+                steps = 1 + extra
+                g = costs.decode_s_per_ctx_token * n_decode
+                # extra step j lasts duration + j g (every KV one token longer per step)
+                end = now + steps * duration + g * extra * (extra + 1) / 2
+        res.steps = steps
+        res.decoded = [(rid, steps) for rid in decoded_ids]
         res.end = end
         self._busy_until = end
         return res
 
     def _identical_steps(
-        self, scheduled: list[tuple[_Req, int]], end1: float, duration: float, horizon: float
+        self, limit: int, n_decode: int, end1: float, duration: float, horizon: float
     ) -> int:
-        """How many more decode-only steps equal to the one just computed can follow it: none may
-        finish a request or need a new block, and each must start before ``horizon``."""
+        """How many of the next ``limit`` decode-only steps (each equal to the one just computed,
+        with KV one token longer) start before ``horizon``."""
         if end1 >= horizon:
             return 0
-        bs = self.config.block_size
-        limit = 1 << 62
-        for r, _n in scheduled:
-            # a step that would emit the last token or cross a block boundary stays a normal step
-            limit = min(limit, r.req.output_tokens - r.outputs - 1)
-            kv_next = r.req.prompt_tokens + r.outputs  # KV after the next step
-            limit = min(limit, len(r.phys) * bs - kv_next + 1)
-        if limit <= 0:
-            return 0
-        g = self.config.costs.decode_s_per_ctx_token * len(scheduled)
+        g = self.config.costs.decode_s_per_ctx_token * n_decode
 
         def start_of(j: int) -> float:
             # start of extra step j (1-based): end1 + sum_{i=1}^{j-1} (duration + i g)
             return end1 + (j - 1) * duration + g * (j - 1) * j / 2
 
-        lo, hi = 1, limit  # find the largest j with start_of(j) < horizon
-        if start_of(hi) < horizon:
-            return hi
+        if start_of(limit) < horizon:
+            return limit
+        lo, hi = 1, limit  # the largest j with start_of(j) < horizon; start_of(1) < horizon
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if start_of(mid) < horizon:
@@ -538,8 +573,8 @@ class ReplicaModel:
     def _preempt(self, r: _Req, res: StepResult) -> None:
         self._release(r)
         if r.outputs:
-            r.target = r.req.prompt_tokens + r.outputs
+            r.target = r.prompt + r.outputs
         r.computed = 0
         r.stored = 0
         self._waiting.appendleft(r)
-        res.preempted.append(r.req.request_id)
+        res.preempted.append(r.rid)
