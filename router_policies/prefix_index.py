@@ -252,19 +252,37 @@ class PrefixIndex:
         batch = as_keys(keys)
         if batch.size == 0:
             return
-        held = self._table.has(batch, rep.slot).tolist()
         approx = rep.approx
-        fresh: list[int] = []
-        # leaf to root, so that every block ends up before its parent (see the module invariant)
-        for k, h in zip(reversed(batch.tolist()), reversed(held), strict=True):
-            if k in approx:
-                approx.move_to_end(k)
-                approx[k] = now
-            elif h:
-                continue  # held precisely
+        rev_arr = batch[::-1]
+        rev = rev_arr.tolist()
+        held = self._table.has(rev_arr, rep.slot)
+        fresh: list[int]
+        if len(set(rev)) != len(rev):
+            # repeated keys (never in a real chained prompt): the plain per-key walk
+            fresh = []
+            for k, h in zip(rev, held.tolist(), strict=True):
+                if k in approx:
+                    approx.move_to_end(k)
+                    approx[k] = now
+                elif not h:
+                    approx[k] = now
+                    fresh.append(k)
+        else:
+            # Every touched key that is not held precisely ends up at the end of the LRU order,
+            # leaf first (reversed prompt order), stamped ``now``; untouched entries keep their
+            # order before them. So: take the touched ones out, then append them all in one
+            # C-level update. A key with the replica's bit is approximate iff it is in ``approx``.
+            if held.any():
+                with_bit = set(rev_arr[held != 0].tolist())
+                precise = {k for k in with_bit if k not in approx}
+                if precise:
+                    rev = [k for k in rev if k not in precise]
+                for k in with_bit - precise:
+                    del approx[k]
+                fresh = rev_arr[held == 0].tolist()
             else:
-                approx[k] = now
-                fresh.append(k)
+                fresh = rev
+            approx.update(dict.fromkeys(rev, now))
         if fresh:
             self._table.set(as_keys(fresh), rep.slot)
             self._entries += len(fresh)
