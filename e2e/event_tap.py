@@ -84,19 +84,28 @@ class EventTap:
         with self._lock:
             return list(self.frames)
 
+    def last_frame_at(self) -> float:
+        with self._lock:
+            return self.frames[-1].received_at if self.frames else 0.0
+
     def wait_quiet(self, quiet_s: float = 0.5, deadline_s: float = 10.0) -> None:
         """Return once no frame arrived for ``quiet_s`` (the engine has published its last step)."""
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < deadline_s:
-            with self._lock:
-                last = self.frames[-1].received_at if self.frames else 0.0
-            if time.monotonic() - max(last, t0) >= quiet_s:
-                return
-            time.sleep(0.05)
+        wait_quiet([self], quiet_s, deadline_s)
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5.0)
+
+
+def wait_quiet(taps: Iterable[EventTap], quiet_s: float = 0.5, deadline_s: float = 10.0) -> None:
+    """Return once none of ``taps`` received a frame for ``quiet_s`` (or after ``deadline_s``)."""
+    taps = list(taps)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < deadline_s:
+        last = max([t.last_frame_at() for t in taps] + [t0])
+        if time.monotonic() - last >= quiet_s:
+            return
+        time.sleep(0.02)
 
 
 def replay(endpoint: str, start_seq: int, timeout_s: float = 5.0, max_frames: int = 100_000) -> list[Frame]:

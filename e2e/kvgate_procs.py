@@ -63,7 +63,9 @@ class Gateway:
             "policy": {"name": policy, "seed": 0},
             "models": [{"name": self.model, "tokenizer": str(self.tokenizer), "block_size": BLOCK_SIZE}],
             "replicas": [{"id": rid, "url": spec.url, "models": [self.model]} for rid, spec in self.replicas],
-            "health": {"interval_s": 0.5, "timeout_s": 1.0, "unhealthy_after": 1, "healthy_after": 1},
+            # A fast health period bounds how long after a restart the replica is used again; the
+            # generous timeout keeps a busy replica on a loaded 2-core machine from being ejected.
+            "health": {"interval_s": 0.5, "timeout_s": 2.0, "unhealthy_after": 2, "healthy_after": 1},
             "proxy": {"retries": 2, "connect_timeout_s": 1.0, "request_timeout_s": 120.0},
             "telemetry": {"access_log": True},
         }

@@ -112,14 +112,14 @@ def http_ok(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def wait_http_ok(url: str, child: Child, deadline_s: float) -> float:
+def wait_http_ok(url: str, child: Child, deadline_s: float, interval_s: float = 0.25) -> float:
     """Poll ``url`` until it answers 2xx; return the seconds waited. Fails early if the child died."""
     t0 = time.monotonic()
     while True:
-        if http_ok(url):
+        if http_ok(url, timeout_s=min(2.0, max(0.2, interval_s * 4))):
             return time.monotonic() - t0
         if not child.alive():
             raise RuntimeError(f"{child.name} exited with {child.proc.returncode}:\n{child.tail()}")
         if time.monotonic() - t0 > deadline_s:
             raise RuntimeError(f"{child.name} not ready at {url} after {deadline_s:.0f} s:\n{child.tail()}")
-        time.sleep(0.25)
+        time.sleep(interval_s)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,7 +43,7 @@ from types import FrameType
 from typing import Any
 
 from e2e import http_client, vllm_replica, workload
-from e2e.event_tap import EventTap, HeldBlocks
+from e2e.event_tap import EventTap, HeldBlocks, wait_quiet
 from e2e.kvgate_procs import Gateway, start_agent
 from e2e.procs import Child, ProcessSet
 from e2e.vllm_replica import BLOCK_SIZE, ReplicaSpec
@@ -116,9 +117,7 @@ class Harness:
     # ---- synchronisation and the index check --------------------------------------------
 
     def settle(self) -> None:
-        for r in self.replicas:
-            if r.tap is not None:
-                r.tap.wait_quiet(SETTLE_QUIET_S)
+        wait_quiet([r.tap for r in self.replicas if r.tap is not None], SETTLE_QUIET_S)
 
     def index_diff(self, r: Replica) -> dict[str, int]:
         engine = r.refresh().keys()
@@ -278,17 +277,22 @@ def check_restart(h: Harness, seed: int) -> tuple[float | None, int]:
     # Warm both replicas with the probes' prefixes so that the victim holds blocks the gateway
     # would keep routing to if it kept a stale inventory.
     h.details["restart_warmup"] = h.run_sequential("restart-warmup", list(workload.probes(seed, 8)))
-    old_keys = victim.refresh().keys()
-    client = ClientLoop(h, seed + 100)
+    old_keys = set(victim.refresh().keys())
+    client = ClientLoop(h, seed)
     client.start()
     try:
         time.sleep(1.0)
         t_stop = time.monotonic()
-        assert victim.child is not None
+        assert victim.child is not None and victim.tap is not None
         h.procs.stop(victim.child)
+        # The stopped engine's cache is gone: our reconstruction starts empty and takes only the
+        # new engine's frames (whose seq restarts at 0). The gateway must find this out itself.
+        victim.tap.wait_quiet(SETTLE_QUIET_S)
+        victim.held = HeldBlocks(MODEL, BLOCK_SIZE)
+        victim.applied = len(victim.tap.snapshot())
         h.start_engine(victim)
         assert victim.child is not None
-        vllm_replica.wait_ready(victim.child, victim.spec)
+        vllm_replica.wait_ready(victim.child, victim.spec, interval_s=0.05)
         t_healthy = time.monotonic()
         recovered_at: float | None = None
         polls: list[dict[str, Any]] = []
@@ -308,27 +312,41 @@ def check_restart(h: Harness, seed: int) -> tuple[float | None, int]:
                 recovered_at = time.monotonic()
                 break
             time.sleep(0.05)
+        # Keep the client going a little past recovery: its requests must stay exact from here.
+        time.sleep(3.0)
     finally:
         client.stop()
     h.settle()
-    # Accuracy after recovery, on sequential requests (both replicas in use again).
-    after = h.run_sequential("restart-after", list(workload.probes(seed + 200, 10)))
+    # Accuracy after recovery, on sequential requests: first over the prefixes the victim held
+    # before the restart, then over new ones, which the tie-break spreads so that the restarted
+    # replica takes requests and hits again.
+    after = h.run_sequential(
+        "restart-after", list(workload.probes(seed, 4)) + list(workload.probes(seed + 200, 12))
+    )
     lost = [r for r in client.rows if r["status"] != 200 and r.get("error") is None]
+    recovered = recovered_at if recovered_at is not None else float("inf")
+    in_window = [r for r in client.rows if t_healthy <= r["t"] < recovered]
+    past = [r for r in client.rows if r["t"] >= recovered]
     h.details["restart"] = {
         "down_s": round(t_healthy - t_stop, 2),
         "old_blocks": len(old_keys),
-        "polls": polls[-20:],
+        "polls": polls[:5] + polls[-5:],
         "client_requests": len(client.rows),
         "client_ok": sum(1 for r in client.rows if r["status"] == 200),
-        "client_clear_errors": sum(
-            1 for r in client.rows if r["status"] != 200 and r.get("error") is not None
-        ),
+        "client_clear_errors": [r for r in client.rows if r["status"] != 200 and r.get("error") is not None],
         "lost": lost,
+        "client_between_healthy_and_recovered": [_brief(r, t_healthy) for r in in_window],
+        "client_after_recovered_exact": _exact(past),
         "after": after,
         "after_exact": _exact(after),
     }
     recovery = None if recovered_at is None else recovered_at - t_healthy
     return recovery, len(lost)
+
+
+def _brief(row: dict[str, Any], t0: float) -> dict[str, Any]:
+    keys = ("status", "replica", "predicted", "cached", "error")
+    return {"t": round(row["t"] - t0, 3), **{k: row.get(k) for k in keys}}
 
 
 # ---- main -----------------------------------------------------------------------------------
@@ -376,6 +394,7 @@ def main() -> int:
     t_start = time.monotonic()
     version = vllm_version(args.vllm_python)
     logs = args.out / "e2e-vllm-logs"
+    shutil.rmtree(logs, ignore_errors=True)  # logs of this run only
     procs = ProcessSet(logs)
 
     def on_term(signum: int, frame: FrameType | None) -> None:
@@ -427,13 +446,15 @@ def main() -> int:
         "vllm_version": version,
     }
     after_exact, after_total = h.details["restart"]["after_exact"]
+    past_exact, past_total = h.details["restart"]["client_after_recovered_exact"]
     ratio = hit_tokens["kv_aware"] / hit_tokens["round_robin"] if hit_tokens["round_robin"] else float("inf")
     verdicts = {
         "prediction": total > 0 and exact / total >= THRESHOLDS["prediction_exact_fraction"],
         "index": index_equal,
         "recovery": recovery is not None
         and recovery <= THRESHOLDS["restart_recovery_s"]
-        and after_exact == after_total,
+        and after_exact == after_total
+        and past_exact == past_total,
         "lost": lost == 0,
         "hits": ratio >= THRESHOLDS["hit_ratio"],
     }
@@ -450,7 +471,7 @@ def main() -> int:
     print(table(result, verdicts))
     print(
         f"({exact}/{total} predictions exact; BlockRemoved events r0={replicas[0].held.removed_events} "
-        f"r1={replicas[1].held.removed_events}; after restart {after_exact}/{after_total} exact; "
+        f"r1={replicas[1].held.removed_events}; after restart {past_exact}/{past_total} + {after_exact}/{after_total} exact; "
         f"{time.monotonic() - t_start:.0f} s; details in {args.out / 'e2e-vllm-details.json'})"
     )
     return 0 if all(verdicts.values()) else 1
