@@ -3,12 +3,12 @@
 Build order: config -> prefix index -> fleet -> policy -> featurizer -> proxy -> inventory server
 -> health checker -> telemetry (metrics registry, tracing, access log).
 
-Start order: client session, inventory server, one health round (so /ready reflects the fleet
+Start order: client session, inventory server, shared state (Redis; never waits for it), one health round (so /ready reflects the fleet
 before traffic arrives), background loops (health, index expiry), then the HTTP listener.
 
 Shutdown order (``stop``), the reverse: HTTP listener first (no new requests; in-flight ones get
 ``shutdown_grace_s``), then the health loop, the index expiry loop, the inventory server (agents
-reconnect elsewhere or later), the featurizers (worker threads, remote-tokenize session), the
+reconnect elsewhere or later), the shared state (after the inventory server, whose hooks feed it), the featurizers (worker threads, remote-tokenize session), the
 upstream client session, and tracing last so the final spans are flushed. Every background task is created here and cancelled and awaited here.
 
 Reload (SIGHUP or ``POST /admin/reload``) rereads the file, validates it, builds the new policy
@@ -41,9 +41,10 @@ from gateway.fleet import Fleet
 from gateway.health import HealthChecker
 from gateway.inventory_server import InventoryServer
 from gateway.metrics import GatewayMetrics
-from gateway.openai_errors import error_response
+from gateway.openai_errors import error_response, openai_errors_middleware
 from gateway.proxy import Proxy
 from gateway.routing import Router, RoutingState
+from gateway.shared_state import SharedState
 from gateway.tracing import Tracing
 from router_policies.errors import UserInputError
 from router_policies.prefix_index import PrefixIndex
@@ -118,6 +119,12 @@ class GatewayApp:
             tls_cert=config.inventory.tls_cert,
             tls_key=config.inventory.tls_key,
         )
+        self.shared_state: SharedState | None = None
+        if config.shared_state.redis_url:
+            self.shared_state = SharedState(
+                config.shared_state, self.index, self.fleet, self.inventory, self.registry
+            )
+            self.inventory.observer = self.shared_state
         self._admin_token = _env_token(config.auth.admin_token_env, self._env)
         self._session: aiohttp.ClientSession | None = None
         self._proxy: Proxy | None = None
@@ -184,7 +191,8 @@ class GatewayApp:
         admin = Admin(
             lambda: self._state, lambda: self._admin_token, self, self.router, self.fleet, self.index
         )
-        app = web.Application(client_max_size=1024 * 1024)  # only admin bodies use aiohttp's reader
+        # only admin bodies use aiohttp's reader; the proxy reads bodies itself (proxy.max_body_bytes)
+        app = web.Application(client_max_size=1024 * 1024, middlewares=[openai_errors_middleware])
         app.add_routes(
             [
                 web.post("/v1/completions", p.completions),
@@ -237,7 +245,13 @@ class GatewayApp:
             self.tracing,
             self.access_log,
         )
-        self.inventory_port = await self.inventory.start(inventory or cfg.listen.inventory)
+        inv_addr = inventory or cfg.listen.inventory
+        try:
+            self.inventory_port = await self.inventory.start(inv_addr)
+        except RuntimeError as exc:  # grpc reports a port it cannot bind this way
+            raise OSError(f"inventory {inv_addr}: {exc}") from None
+        if self.shared_state is not None:
+            await self.shared_state.start()
         self._health = HealthChecker(self.fleet, self._session, lambda: self._state.config.health)
         await self._health.start()
         self._expire_task = loop.create_task(self._expire_loop(), name="kvgate-index-expiry")
@@ -262,6 +276,8 @@ class GatewayApp:
                 await self._expire_task
             self._expire_task = None
         await self.inventory.stop()
+        if self.shared_state is not None:
+            await self.shared_state.stop()
         for task in list(self._retiring):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

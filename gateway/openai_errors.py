@@ -7,8 +7,13 @@ SSE stream that already started (a replica died mid-stream) the same object goes
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Awaitable, Callable
+
 import orjson
 from aiohttp import web
+
+log = logging.getLogger("kvgate.http")
 
 # status -> OpenAI error type, as the OpenAI API and vLLM use them
 _TYPES: dict[int, str] = {
@@ -70,3 +75,20 @@ def error_response(
 def sse_error_event(status: int, message: str, code: str | None = None) -> bytes:
     """One SSE event carrying the error object, then the stream terminator clients wait for."""
     return b"data: " + error_body(status, message, None, code) + b"\n\ndata: [DONE]\n\n"
+
+
+@web.middleware
+async def openai_errors_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """aiohttp's own errors (unknown path 404, wrong method 405, oversized admin body 413) and any
+    unexpected exception become OpenAI error JSON instead of text/plain or a bare 500."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(exc.status, f"{exc.reason}: {request.method} {request.path}")
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(500, "internal gateway error", code="internal_error")

@@ -371,20 +371,24 @@ class Proxy:
                 done = True
                 if up.status < 500:
                     self._fleet.proxy_success(rec)
-                if up.status == 200 and predicted >= 0:
+                elif up.status != 503:
+                    self._fleet.proxy_failure(rec, f"answered {up.status}")
+                if up.status == 200:
                     reported = cached_tokens_in_body(first) if up.content_type == "application/json" else None
                     if reported is not None:
                         record_audit(self._metrics, rec, predicted, reported)
                         log["reported_cached_tokens"] = reported
                 self._metrics.e2e_seconds.labels(rec.id).observe(time.perf_counter() - t0)
                 return web.Response(status=up.status, body=first, headers=headers)
-            return await self._stream(request, rec, up, first, headers, predicted, t0, log)
+            resp, done = await self._stream(request, rec, up, first, headers, predicted, t0, log)
+            return resp
         finally:
             flight.end()
-            if up is not None and not done:
-                up.close()
-            elif up is not None:
-                up.release()
+            if up is not None:
+                if done:
+                    up.release()  # read to the end: the connection goes back to the pool
+                else:
+                    up.close()  # unread bytes, or a cancelled request: the replica sees it close
 
     async def _stream(
         self,
@@ -396,12 +400,14 @@ class Proxy:
         predicted: int,
         t0: float,
         log: dict[str, Any],
-    ) -> web.StreamResponse:
+    ) -> tuple[web.StreamResponse, bool]:
+        """Pass the SSE stream through; True when the upstream stream was read to its end."""
         resp = web.StreamResponse(status=up.status, headers=headers)
         await resp.prepare(request)
         tail = bytearray(first[-SSE_TAIL_BYTES:])
         chunk = first
         sent = 0
+        complete = False
         try:
             while chunk:
                 await resp.write(chunk)
@@ -429,6 +435,7 @@ class Proxy:
                     if len(tail) > 2 * SSE_TAIL_BYTES:
                         del tail[:-SSE_TAIL_BYTES]
             else:
+                complete = True
                 self._fleet.proxy_success(rec)
                 if up.status == 200:
                     reported = cached_tokens_in_sse_tail(bytes(tail))
@@ -440,4 +447,4 @@ class Proxy:
             log["error"] = "client disconnected"
         log["bytes_out"] = sent
         self._metrics.e2e_seconds.labels(rec.id).observe(time.perf_counter() - t0)
-        return resp
+        return resp, complete

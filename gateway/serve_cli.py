@@ -16,6 +16,7 @@ import uvloop
 
 from gateway.app import GatewayApp
 from gateway.config import load_config
+from router_policies.errors import UserInputError
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +36,10 @@ async def _serve(args: argparse.Namespace) -> int:
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGHUP, app.reload)
     try:
-        await app.start(http=args.listen, inventory=args.inventory)
+        try:
+            await app.start(http=args.listen, inventory=args.inventory)
+        except OSError as exc:
+            raise UserInputError(f"cannot listen: {exc.strerror or exc}") from None
         http_host = (args.listen or config.listen.http).rpartition(":")[0]
         inv_host = (args.inventory or config.listen.inventory).rpartition(":")[0]
         print(
@@ -57,8 +61,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_host_port(flag: str, value: str) -> None:
-    from router_policies.errors import UserInputError
-
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise UserInputError(f"{flag}: expected HOST:PORT, got {value!r}")

@@ -13,8 +13,9 @@ backend sends directly. The prompt (or the last chat message) steers its behavio
 * ``slow``: stream chunks 0.3 s apart instead of 0.02 s.
 
 ``fake_cached_tokens`` in the body sets ``usage.prompt_tokens_details.cached_tokens``.
-``GET /stats`` returns ``{"active", "requests", "cancelled"}`` (handlers still running, requests
-seen, handlers cancelled by a client disconnect).
+``GET /stats`` returns ``{"active", "requests", "cancelled", "connections"}`` (handlers still
+running, requests seen, handlers cancelled by a client disconnect, distinct client connections
+that sent requests).
 """
 
 from __future__ import annotations
@@ -37,13 +38,19 @@ class Backend:
         self.active = 0
         self.requests = 0
         self.cancelled = 0
+        self.peers: set[str] = set()  # client addresses of generate requests (connection reuse)
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="")
 
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response(
-            {"active": self.active, "requests": self.requests, "cancelled": self.cancelled}
+            {
+                "active": self.active,
+                "requests": self.requests,
+                "cancelled": self.cancelled,
+                "connections": len(self.peers),
+            }
         )
 
     async def models(self, request: web.Request) -> web.Response:
@@ -59,6 +66,7 @@ class Backend:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
+        self.peers.add(str(request.transport.get_extra_info("peername") if request.transport else None))
         body = json.loads(raw)
         text = self._text(body)
         self.requests += 1

@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
+import subprocess
+import sys
 
 import aiohttp
 
-from tests.integration.gateway_harness import Procs, base_config, http, wait_until
+from tests.integration.gateway_harness import REPO, Procs, base_config, http, wait_until
 
 JSON = {"content-type": "application/json"}
 
@@ -39,6 +42,16 @@ def test_non_streaming_and_streaming_bytes_identical(procs: Procs) -> None:
         assert h2["x-kvgate-replica"] == "r0"
         assert "x-kvgate-matched-tokens" in h2
     assert "transfer-encoding" not in h2 or h2["transfer-encoding"] == "chunked"
+
+
+def test_upstream_connections_are_reused_after_complete_streams(procs: Procs) -> None:
+    b = procs.backend("r0")
+    gw = procs.gateway(base_config(b))
+    for i in range(5):
+        body = {"model": "m", "prompt": f"s{i}", "stream": i % 2 == 0}
+        assert _post(gw.url + "/v1/completions", body)[0] == 200
+    stats = b.stats()
+    assert stats["requests"] == 5 and stats["connections"] == 1
 
 
 def test_debug_headers_can_be_switched_off(procs: Procs) -> None:
@@ -224,3 +237,31 @@ def test_models_is_the_union_over_healthy_replicas(procs: Procs) -> None:
     # a model served only by an unhealthy replica exists but has nowhere to go
     assert _post(gw.url + "/v1/completions", {"model": "m3", "prompt": "x"})[0] == 503
     assert _post(gw.url + "/v1/completions", {"model": "m2", "prompt": "x"})[1]["x-kvgate-replica"] == "r1"
+
+
+def test_unknown_paths_and_methods_get_openai_errors(procs: Procs) -> None:
+    b = procs.backend("r0")
+    gw = procs.gateway(base_config(b))
+    for method, path, status in [("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)]:
+        s, h, body = http(method, gw.url + path)
+        assert s == status
+        assert h["content-type"].startswith("application/json")
+        assert set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
+
+
+def test_ports_in_use_are_a_clear_start_up_error(procs: Procs) -> None:
+    path = procs.write_config({"models": [{"name": "m"}]})
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for flag in ("--listen", "--inventory"):
+            other = "--inventory" if flag == "--listen" else "--listen"
+            out = subprocess.run(
+                [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path),
+                 flag, f"127.0.0.1:{port}", other, "127.0.0.1:0"],
+                capture_output=True, text=True, cwd=REPO, timeout=120,
+            )  # fmt: skip
+            assert out.returncode == 2, out.stderr
+            assert "cannot listen" in out.stderr and str(port) in out.stderr
+            assert "Traceback" not in out.stderr
