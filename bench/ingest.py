@@ -58,7 +58,7 @@ def make_payloads(batches: int, per_store: int, block_size: int, seed: int) -> t
             for h in live[:per_store]:
                 events.append({"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU", "group_idx": 0})
             del live[:per_store]
-        parent = rng.choice(prefixes)
+        parent = rng.choice(prefixes)  # a recent chain end (still cached) or a new root
         hashes = list(range(next_hash, next_hash + per_store))
         next_hash += per_store
         tokens = [rng.randrange(32000) for _ in range(per_store * block_size)]
@@ -78,8 +78,10 @@ def make_payloads(batches: int, per_store: int, block_size: int, seed: int) -> t
             }
         )
         live.extend(hashes)
-        if len(prefixes) < 8:
-            prefixes.append(hashes[-1])
+        # parents: the ends of the last few chains (evicted last, so always still cached), or none
+        prefixes.append(hashes[-1])
+        if len(prefixes) > 9:
+            del prefixes[1]
         events_total += sum(len(e["block_hashes"]) for e in events)
         ts += 0.01
         payloads.append(msgpack.packb([ts, events, 0]))

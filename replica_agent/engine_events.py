@@ -211,9 +211,36 @@ def decode_payload(payload: bytes) -> EventBatch:
         ts = 0.0
     events: list[EngineEvent] = []
     malformed = 0
+    last_removed: BlockRemoved | None = None
     for raw in raw_events:
+        # fast path: vLLM sends one BlockRemoved per block; adjacent removals of one medium are
+        # merged into one event (same order of effects, one call down the line instead of many)
+        if type(raw) is dict and raw.get("type") == "BlockRemoved":
+            hashes = raw.get("block_hashes")
+            medium = raw.get("medium")
+            if type(hashes) is list and (medium is None or type(medium) is str):
+                for h in hashes:
+                    t = type(h)
+                    if t is not int and t is not bytes:
+                        break
+                else:
+                    if last_removed is not None and last_removed.medium == medium:
+                        last_removed.block_hashes.extend(hashes)
+                    else:
+                        last_removed = BlockRemoved(hashes, medium)
+                        events.append(last_removed)
+                    continue
         try:
-            events.append(decode_event(raw))
+            ev = decode_event(raw)
         except MalformedEvent:
             malformed += 1
+            continue
+        if type(ev) is BlockRemoved:
+            if last_removed is not None and last_removed.medium == ev.medium:
+                last_removed.block_hashes.extend(ev.block_hashes)
+                continue
+            last_removed = ev
+        else:
+            last_removed = None
+        events.append(ev)
     return EventBatch(float(ts), events, malformed)

@@ -15,12 +15,14 @@ block, never one step per token.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 
 import numpy as np
 import xxhash
 
 _ROOT_PREFIX = b"kvgate:v1:"
+_STRUCT_MAX = 2048  # lists up to this length are packed with struct
 _xxh3 = xxhash.xxh3_64_intdigest
 
 
@@ -39,6 +41,13 @@ def root_key(model: str, lora: str | None = None, cache_salt: str | None = None)
 
 def token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
     """Token ids as little-endian uint32 bytes (ids must fit in 32 bits)."""
+    if type(tokens) is list and len(tokens) <= _STRUCT_MAX:
+        # short lists (one engine event's blocks): struct packs them about 2x faster than numpy,
+        # into the same bytes
+        try:
+            return struct.pack(f"<{len(tokens)}I", *tokens)
+        except struct.error:
+            raise ValueError("token ids must be in [0, 2**32)") from None
     arr = np.asarray(tokens, dtype=np.int64)
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF):
         raise ValueError("token ids must be in [0, 2**32)")
