@@ -1,0 +1,266 @@
+"""Two ``kvgate serve`` instances sharing one real ``redis-server`` (docs/shared-state.md).
+
+Simulated engines with agents connected to instance A only (``LocalFleet``); instance B is a second
+gateway with the same config. After traffic through A, B's index equals A's and the engines'
+``/debug/blocks``; B routes a repeated prefix to the replica holding it; A's in-flight load shows
+in B's decisions. Killing redis-server: both keep serving, ``kvgate_shared_state_up`` says 0 and a
+log line says why; restarting it: state converges again.
+
+``RedisServer`` is also used by the unit tests (tests/unit/test_shared_state.py). A machine
+without ``redis-server`` fails these tests (CI installs it, see .ci/run).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.local_fleet import FleetOptions, LocalFleet, free_port, http_json, http_text
+from tests.integration.gateway_harness import Gateway, Procs, http, kill_group, wait_until
+
+pytestmark = pytest.mark.timeout(600)
+
+CONVERGE_S = 30.0  # bounds a hang only; the assertions are about state
+
+
+class RedisServer:
+    """A throwaway redis-server on a free loopback port, without persistence; restartable on the
+    same port (the gateways reconnect to the address they were given)."""
+
+    def __init__(self, tmp: Path, extra: tuple[str, ...] = ()) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.fail("redis-server is not installed (apt-get install -y redis-server; CI does)")
+        self.exe = exe
+        self.port = free_port()
+        self.tmp = tmp
+        self.extra = extra
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        assert self.proc is None or self.proc.poll() is not None
+        self.proc = subprocess.Popen(
+            [
+                self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--dir", str(self.tmp), *self.extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        wait_until(self.ping, 15.0, "redis-server accepting connections")
+
+    def ping(self) -> bool:
+        import socket
+
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            kill_group(self.proc)
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
+            self.proc = None
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+# ---------------------------------------------------------------------- helpers
+PROMPTS = [f"Conversation {i}: " + " ".join(f"word{(i * 7 + j) % 53}" for j in range(120)) for i in range(8)]
+
+
+def complete(base: str, prompt: str, max_tokens: int = 4, timeout: float = 60.0) -> tuple[int, str, bytes]:
+    status, headers, body = http(
+        "POST",
+        base + "/v1/completions",
+        json.dumps({"model": "kvgate-tiny", "prompt": prompt, "max_tokens": max_tokens}).encode(),
+        {"content-type": "application/json"},
+        timeout=timeout,
+    )
+    return status, headers.get("x-kvgate-replica", ""), body
+
+
+def index_keys(base: str, headers: dict[str, str], replica: str) -> list[int] | None:
+    status, _, body = http("GET", f"{base}/admin/index?replica={replica}", headers=headers)
+    if status == 404:
+        return None
+    assert status == 200, body
+    keys: list[int] = json.loads(body)["keys"]
+    return keys
+
+
+def metric(text: str, name: str) -> float | None:
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def explain(base: str, headers: dict[str, str], prompt: str) -> Any:
+    return http_json(
+        base + "/admin/explain", {"model": "kvgate-tiny", "prompt": prompt}, headers=headers, timeout=30
+    )
+
+
+class Pair:
+    """Instance A (LocalFleet's gateway, with the agents) and instance B (same config, no agents)."""
+
+    def __init__(self, fleet: LocalFleet, b: Gateway) -> None:
+        self.fleet = fleet
+        self.b = b
+        self.a_url = fleet.gateway_url
+        self.a_headers = fleet.admin_headers
+        self.b_headers = {"authorization": "Bearer test-admin-token"}
+        self.replicas = [e.replica_id for e in fleet.engines]
+
+    def engine_keys(self, i: int) -> list[int]:
+        doc = http_json(self.fleet.engines[i].url + "/debug/blocks")
+        return sorted(doc["keys"])
+
+    def converged(self) -> bool:
+        for i, rid in enumerate(self.replicas):
+            engine = self.engine_keys(i)
+            a = index_keys(self.a_url, self.a_headers, rid)
+            b = index_keys(self.b.url, self.b_headers, rid)
+            if not engine or a != engine or b != engine:
+                return False
+        return True
+
+
+def shared_config(redis: RedisServer) -> dict[str, Any]:
+    return {
+        "shared_state": {
+            "redis_url": redis.url,
+            "key_prefix": "kvgtest",
+            "load_interval_s": 0.2,
+            "load_ttl_s": 1.5,
+            "reconnect_max_s": 0.5,
+        },
+        # the sim engines do not report cached tokens the way the proxy's audit needs; keep logs small
+        "telemetry": {"access_log": False},
+    }
+
+
+@pytest.fixture
+def pair(redis_server: RedisServer, procs: Procs, tmp_path: Path) -> Iterator[Pair]:
+    opts = FleetOptions(
+        replicas=2,
+        cache_blocks=512,
+        policy="kv_aware",
+        extra_config=shared_config(redis_server),
+        log_dir=tmp_path,
+    )
+    with LocalFleet(opts) as fleet:
+        b = procs.gateway(fleet.gateway_config())
+        wait_until(lambda: http("GET", b.url + "/ready")[0] == 200, CONVERGE_S, "instance B ready")
+        yield Pair(fleet, b)
+
+
+# ---------------------------------------------------------------------- the test
+def test_two_gateways_share_index_and_load_and_survive_redis_outage(
+    pair: Pair, redis_server: RedisServer
+) -> None:
+    # --- inventory: traffic through A only; B's index follows A's and the engines'
+    landed: dict[str, str] = {}
+    for prompt in PROMPTS:
+        status, replica, body = complete(pair.a_url, prompt)
+        assert status == 200, body
+        landed[prompt] = replica
+    assert set(landed.values()) <= set(pair.replicas)
+    wait_until(pair.converged, CONVERGE_S, "B's index == A's index == engine blocks")
+    b_replicas = pair.b.replicas()
+    assert all(b_replicas[r]["shared_inventory"] for r in pair.replicas)
+    assert all(not b_replicas[r]["agent_connected"] for r in pair.replicas)
+
+    # --- routing on B by A's agents' inventories: a repeated prefix goes where it is cached
+    def b_idle() -> bool:
+        return all(r["in_flight_requests"] == 0 for r in pair.b.replicas().values())
+
+    for prompt, replica in list(landed.items())[:4]:
+        # a request's flight ends just after its last byte: let B's previous one finish, so that
+        # the hot-spot guard sees an idle fleet
+        wait_until(b_idle, CONVERGE_S, "B idle")
+        doc = explain(pair.b.url, pair.b_headers, prompt)
+        assert doc["decision"]["replica"] == replica, json.dumps(doc)
+        assert doc["decision"]["matched_blocks"] > 0, doc
+        status, routed, body = complete(pair.b.url, prompt)
+        assert status == 200, body
+        assert routed == replica
+
+    # --- load: long requests in flight through A are counted in B's decisions
+    n_long = 3
+    results: list[int] = []
+
+    def send_long() -> None:
+        results.append(complete(pair.a_url, PROMPTS[0] + " long", max_tokens=400, timeout=120)[0])
+
+    threads = [threading.Thread(target=send_long) for _ in range(n_long)]
+    for t in threads:
+        t.start()
+    try:
+
+        def b_sees_a_load() -> bool:
+            doc = explain(pair.b.url, pair.b_headers, PROMPTS[1])
+            return bool(sum(r["in_flight_requests"] for r in doc["replicas"]) >= n_long)
+
+        wait_until(b_sees_a_load, CONVERGE_S, "A's in-flight requests in B's explain")
+        b_local = pair.b.replicas()
+        assert sum(r["in_flight_requests"] for r in b_local.values()) == 0  # none routed by B itself
+        assert sum(r["remote_in_flight_requests"] for r in b_local.values()) >= n_long
+    finally:
+        for t in threads:
+            t.join(120)
+    assert results == [200] * n_long
+
+    # --- Redis goes away: both keep serving, the metric and a log line say so
+    redis_server.stop()
+    for base in (pair.a_url, pair.b.url):
+        wait_until(
+            lambda base=base: metric(http_text(base + "/metrics"), "kvgate_shared_state_up") == 0.0,
+            CONVERGE_S,
+            f"{base} reports shared state down",
+        )
+    for prompt in PROMPTS[:4]:
+        for base in (pair.a_url, pair.b.url):
+            status, _, body = complete(base, prompt + " during outage")
+            assert status == 200, body
+    assert "Redis unreachable" in pair.b.stderr()
+    # B still routes by what it learned before the outage
+    doc = explain(pair.b.url, pair.b_headers, PROMPTS[5])
+    assert doc["decision"]["replica"] == landed[PROMPTS[5]]
+
+    # --- Redis comes back (empty: no persistence): owners republish, followers resync
+    redis_server.start()
+    for base in (pair.a_url, pair.b.url):
+        wait_until(
+            lambda base=base: metric(http_text(base + "/metrics"), "kvgate_shared_state_up") == 1.0,
+            CONVERGE_S,
+            f"{base} reports shared state up",
+        )
+    for prompt in PROMPTS:
+        status, _, body = complete(pair.a_url, prompt + " after the outage")
+        assert status == 200, body
+    wait_until(pair.converged, CONVERGE_S, "convergence after Redis restarted")
