@@ -49,6 +49,9 @@ class _StateCollector(Collector):
         keys = GaugeMetricFamily("kvgate_index_keys", "Distinct block keys in the prefix index.")
         keys.add_metric([], len(self._index))
         yield keys
+        table = GaugeMetricFamily("kvgate_index_table_bytes", "Memory held by the index's hash table.")
+        table.add_metric([], self._index.table_bytes())
+        yield table
         entries = GaugeMetricFamily(
             "kvgate_index_entries", "Index entries per replica and kind.", labels=["replica", "kind"]
         )

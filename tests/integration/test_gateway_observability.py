@@ -167,6 +167,7 @@ def test_metrics_cover_requests_decisions_latency_and_index(procs: Procs) -> Non
         'kvgate_ttft_seconds_count{replica="r0"} 1.0',
         'kvgate_e2e_seconds_count{replica="r0"} 1.0',
         'kvgate_index_entries{kind="approximate",replica="r0"}',
+        "kvgate_index_table_bytes ",
         "kvgate_index_keys ",
         'kvgate_replica_healthy{replica="r0"} 1.0',
         "kvgate_inventory_events_applied_total",
