@@ -156,6 +156,18 @@ class SharedStateConfig(_Strict):
 
     redis_url: str | None = Field(None, description="Redis URL to share index and load between gateways.")
     key_prefix: str = Field("kvgate", description="Prefix of every Redis key.")
+    stream_maxlen: int = Field(
+        10_000, ge=16, description="Entries kept per replica's delta stream (XADD MAXLEN ~)."
+    )
+    publish_queue: int = Field(
+        10_000, gt=0, description="Deltas waiting to be published; beyond it the oldest is dropped."
+    )
+    load_interval_s: float = Field(0.5, gt=0, description="Period of publishing and reading in-flight load.")
+    load_ttl_s: float = Field(
+        3.0, gt=0, description="An instance's published load expires this long after its last update."
+    )
+    reconnect_max_s: float = Field(5.0, gt=0, description="Cap of the jittered reconnect backoff.")
+    seed: int = Field(0, description="Seed of the reconnect backoff's jitter.")
 
 
 class TelemetryConfig(_Strict):

@@ -51,6 +51,12 @@ class ReplicaRecord:
     failures: int = 0
     audit_total: int = 0
     audit_exact: int = 0
+    # shared state (gateway/shared_state.py): what other gateway instances routed here and have
+    # not finished, and whether this replica's precise inventory arrives through Redis
+    remote_requests: int = 0
+    remote_tokens: int = 0
+    remote_prefill_tokens: int = 0
+    shared_inventory: bool = False
 
     def serves(self, model: str) -> bool:
         return not self.models or model in self.models
@@ -75,12 +81,26 @@ class ReplicaRecord:
             "kv_usage": self.kv_usage,
             "requests": self.requests,
             "failures": self.failures,
+            "remote_in_flight_requests": self.remote_requests,
+            "remote_in_flight_tokens": self.remote_tokens,
+            "shared_inventory": self.shared_inventory,
             "prediction_audit": {
                 "total": self.audit_total,
                 "exact": self.audit_exact,
                 "exact_fraction": (self.audit_exact / self.audit_total) if self.audit_total else None,
             },
         }
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteLoad:
+    """Load other gateway instances report for one replica (``engine``: running, waiting, KV usage
+    from the instance holding the replica's agent, when one does)."""
+
+    requests: int
+    tokens: int
+    prefill: int
+    engine: tuple[int, int, float] | None = None
 
 
 class Flight:
@@ -196,9 +216,9 @@ class Fleet:
                 ReplicaState(
                     id=rec.id,
                     healthy=rec.healthy and rec.id not in exclude,
-                    in_flight_requests=rec.in_flight_requests,
-                    in_flight_tokens=rec.in_flight_tokens,
-                    pending_prefill_tokens=rec.pending_prefill_tokens,
+                    in_flight_requests=rec.in_flight_requests + rec.remote_requests,
+                    in_flight_tokens=rec.in_flight_tokens + rec.remote_tokens,
+                    pending_prefill_tokens=rec.pending_prefill_tokens + rec.remote_prefill_tokens,
                     engine_running=rec.engine_running,
                     engine_waiting=rec.engine_waiting,
                     kv_usage=rec.kv_usage,
@@ -317,5 +337,25 @@ class Fleet:
             rec.kv_usage = 0.0
 
     def has_agent(self, replica_id: str) -> bool:
+        """An agent reports the replica's blocks: to this gateway, or to another one that shares
+        them through Redis."""
         rec = self._records.get(replica_id)
-        return rec is not None and rec.agent_connected
+        return rec is not None and (rec.agent_connected or rec.shared_inventory)
+
+    # ------------------------------------------------------------------ shared state
+    def apply_remote_load(self, loads: Mapping[str, RemoteLoad]) -> None:
+        """The other gateway instances' summed load (absent replicas: none). Engine figures are
+        taken only for replicas whose agent is not connected here (ours are fresher)."""
+        for rec in self._records.values():
+            load = loads.get(rec.id) or RemoteLoad(0, 0, 0)
+            rec.remote_requests = load.requests
+            rec.remote_tokens = load.tokens
+            rec.remote_prefill_tokens = load.prefill
+            if not rec.agent_connected:
+                # without an agent anywhere the engine's load is unknown (as in agent_state)
+                rec.engine_running, rec.engine_waiting, rec.kv_usage = load.engine or (0, 0, 0.0)
+
+    def set_shared_inventory(self, replica_id: str, shared: bool) -> None:
+        rec = self._records.get(replica_id)
+        if rec is not None:
+            rec.shared_inventory = shared

@@ -27,9 +27,9 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import grpc.aio
@@ -48,6 +48,17 @@ log = logging.getLogger(__name__)
 SERVICE = "kvgate.v1.Inventory"
 METHOD = "Sync"
 PROTOCOL_VERSION = 1
+
+
+class InventoryObserver(Protocol):
+    """Told of every mutation the server applied, after it applied it (gateway/shared_state.py
+    publishes them). Called synchronously between two reads of a stream: must not block or await."""
+
+    def inventory_hello(self, hello: AgentHello) -> None: ...
+
+    def inventory_snapshot(self, replica: str, entries: Mapping[int, str]) -> None: ...
+
+    def inventory_events(self, replica: str, events: Sequence[pb.Event]) -> None: ...
 
 
 class _Refusal(Exception):
@@ -129,6 +140,7 @@ class InventoryServer:
         self._clock = clock
         self._writers: dict[str, _Stream] = {}
         self._server: grpc.aio.Server | None = None
+        self.observer: InventoryObserver | None = None  # set before start()
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, host_port: str) -> int:
@@ -376,6 +388,8 @@ class InventoryServer:
                 old.task.cancel()
         self._writers[h.replica_id] = stream
         self.fleet.agent_state(h.replica_id, connected=True, degraded=True)
+        if self.observer is not None:
+            self.observer.inventory_hello(hello)
         self.metrics.degraded.labels(h.replica_id).set(1)
         # acknowledging the hello tells the agent it was accepted before it sends its snapshot
         self._ack(stream, 1)
@@ -436,6 +450,8 @@ class InventoryServer:
             self.index.replace_replica(stream.replica, staging)
         except IndexBoundError as exc:
             raise _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "block_bound", str(exc)) from None
+        if self.observer is not None:
+            self.observer.inventory_snapshot(stream.replica, staging)
         self.metrics.snapshots_applied.inc()
         was_degraded = stream.degraded
         stream.synced = True
@@ -486,6 +502,8 @@ class InventoryServer:
                 self.metrics.removed.inc(removed)
             if cleared:
                 self.metrics.cleared.inc(cleared)
+        if self.observer is not None:
+            self.observer.inventory_events(replica, events)
         if batch.engine_ts > 0:
             self.metrics.lag.observe(max(0.0, self._clock() - batch.engine_ts))
 
