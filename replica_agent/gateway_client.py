@@ -139,7 +139,7 @@ class GatewayClient:
                 await call.write(pb.AgentMessage(seq=seq, **body))  # type: ignore[arg-type]
                 self.stats.messages_sent += 1
 
-            reader = asyncio.create_task(self._read(call), name="agent-gateway-reader")
+            reader: asyncio.Task[None] | None = None
             try:
                 await send(
                     hello=pb.Hello(
@@ -154,6 +154,13 @@ class GatewayClient:
                         protocol_version=PROTOCOL_VERSION,
                     )
                 )
+                # wait for the gateway's verdict on the hello: a refusal then arrives as a clear
+                # status rather than as a failed write of the snapshot
+                first = await call.read()
+                if first is grpc.aio.EOF:
+                    await self._raise_status(call)
+                    return False
+                reader = asyncio.create_task(self._read(call), name="agent-gateway-reader")
                 self._last_state = self._last_load = None
                 await self._send_snapshot(send)
                 self.stats.connects += 1
@@ -172,24 +179,17 @@ class GatewayClient:
                     if self.flush_interval_s > 0:
                         await asyncio.sleep(self.flush_interval_s)  # let a batch gather
             finally:
-                reader.cancel()
-                with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
-                    await reader
+                if reader is not None:
+                    reader.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                        await reader
                 call.cancel()
 
     async def _read(self, call: grpc.aio.StreamStreamCall[pb.AgentMessage, pb.GatewayMessage]) -> None:
         while True:
             msg = await call.read()
             if msg is grpc.aio.EOF:
-                # the gateway ended the stream: surface its status
-                code = await call.code()
-                if code != grpc.StatusCode.OK:
-                    raise grpc.aio.AioRpcError(
-                        code,
-                        await call.initial_metadata(),
-                        await call.trailing_metadata(),
-                        await call.details(),
-                    )
+                await self._raise_status(call)
                 return
             assert isinstance(msg, pb.GatewayMessage)
             kind = msg.WhichOneof("body")
@@ -200,6 +200,15 @@ class GatewayClient:
                 log.info("gateway asked for a snapshot: %s", msg.resync.reason)
                 self.outbox.need_snapshot = True
                 self.outbox.wake.set()
+
+    @staticmethod
+    async def _raise_status(call: grpc.aio.StreamStreamCall[pb.AgentMessage, pb.GatewayMessage]) -> None:
+        """The gateway ended the stream: raise its status unless it is OK."""
+        code = await call.code()
+        if code != grpc.StatusCode.OK:
+            raise grpc.aio.AioRpcError(
+                code, await call.initial_metadata(), await call.trailing_metadata(), await call.details()
+            )
 
     async def _flush(self, send: Callable[..., Awaitable[None]]) -> None:
         outbox = self.outbox
