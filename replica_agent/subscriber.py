@@ -111,6 +111,7 @@ class EventSubscriber:
                     await self._drain(sub)
                 if monitor in ready:
                     event = zmq.utils.monitor.parse_monitor_message(await monitor.recv_multipart())
+                    log.debug("event socket monitor: %s", event)
                     if event["event"] == zmq.EVENT_DISCONNECTED:
                         await self._drain(sub)  # everything the engine sent before it went away
                         self.engine_gone()
@@ -169,6 +170,8 @@ class EventSubscriber:
             self.stats.malformed_frames += 1
             return
         batch = self._decode(frames[2])
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("frame seq=%d expected=%s ts=%s", seq, self.expected, batch.ts if batch else None)
         if batch is None:
             # undecodable: counted; its seq still counts as received so that it is not replayed
             if self.expected is not None and seq == self.expected:

@@ -134,7 +134,7 @@ class Fleet:
                 "agent", "--replica-id", "r0", "--engine-url", self.engine_url,
                 "--events", f"tcp://127.0.0.1:{self.events_port}",
                 "--replay", f"tcp://127.0.0.1:{self.replay_port}",
-                "--gateway", f"127.0.0.1:{self.inventory_port}", "--reconnect-max", "0.5",
+                "--gateway", f"127.0.0.1:{self.inventory_port}", "--reconnect-max", "0.5", "--log-level", "DEBUG",
             ],
             "agent",
             {"KVGATE_AGENT_TOKEN": AGENT_TOKEN},
@@ -224,7 +224,22 @@ class Fleet:
     def workload(self, n: int) -> None:
         """Completions over a few shared system prompts with varied tails: shared prefixes, and more
         blocks than the cache holds, so the engine evicts."""
-        words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "lambda", "sigma", "omega", "river", "stone", "cloud"]
+        words = [
+            "alpha",
+            "beta",
+            "gamma",
+            "delta",
+            "epsilon",
+            "zeta",
+            "theta",
+            "kappa",
+            "lambda",
+            "sigma",
+            "omega",
+            "river",
+            "stone",
+            "cloud",
+        ]
         systems = [" ".join(self.rng.choice(words) for _ in range(60)) for _ in range(3)]
         for i in range(n):
             tail = " ".join(self.rng.choice(words) for _ in range(self.rng.randint(10, 80)))
