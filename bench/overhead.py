@@ -105,10 +105,14 @@ def start_routers(
     return routers
 
 
+def _warmup(count: int, concurrency: int) -> int:
+    return min(count // 10 + concurrency, 200)
+
+
 def measure(
     port: int, pid: int | None, bodies: list[bytes], count: int, concurrency: int, max_s: float
 ) -> dict[str, float]:
-    warmup = min(count // 10 + concurrency, 200)
+    warmup = _warmup(count, concurrency)
     cpu0 = tree_cpu_s(pid) if pid else 0.0
     res = uvloop.run(loadgen.run("127.0.0.1", port, PATH, bodies, count, concurrency, max_s, warmup=warmup))
     cpu = (tree_cpu_s(pid) - cpu0) if pid else 0.0
@@ -136,9 +140,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         backends = [int(p) for p in m.group(1).split(",")]
         routers = start_routers(procs, backends, tmp, peers=not args.no_peers, only=args.routers)
         time.sleep(1.0)  # first health rounds
-        for stream, size, conc in scenarios:
-            bodies = loadgen.chat_bodies(256, size, stream, seed=args.seed, model=MODEL)
+        for point, (stream, size, conc) in enumerate(scenarios):
             count = args.requests if conc > 1 else max(args.requests // 4, 50)
+            # every request unique (a new user message after one of 16 shared system prompts), so
+            # that each one pays for tokenizing its new text, as a chat workload does; an agent
+            # workload that resends its transcript hits the gateway's segment cache far more
+            bodies = loadgen.chat_bodies(
+                count + _warmup(count, conc), size, stream, seed=args.seed * 1000 + point, model=MODEL
+            )
             direct = measure(backends[0], None, bodies, count, conc, args.max_seconds)
             row: dict[str, Any] = {
                 "stream": stream,
