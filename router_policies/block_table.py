@@ -12,7 +12,8 @@ Layout: open addressing with linear probing over three numpy arrays of ``capacit
 
 That is ``9 + 8 * words`` bytes per slot; the table is rebuilt (dead keys dropped) or doubled when
 used slots would exceed ``MAX_LOAD`` of the capacity, so a live key costs at most
-``(9 + 8 * words) / (MAX_LOAD / 2)`` bytes right after a doubling and less as it fills.
+``(9 + 8 * words) / (MAX_LOAD / 2)`` bytes right after a doubling (49 at one word, up to 64
+replicas) and less as it fills.
 
 The kernels are compiled with numba (``nopython``, cached on disk) because the per-call cost of
 a dozen numpy operations (~30 us) dominates event batches of a few keys; a compiled loop costs
@@ -305,11 +306,14 @@ class BlockTable:
 
     def reserve(self, incoming: int) -> None:
         """Guarantee that ``incoming`` more keys fit under ``MAX_LOAD``: drop dead keys, and
-        double the capacity while the live ones would still fill more than half of the limit."""
+        double the capacity while the live ones would fill more than half of it. A table that
+        fills up to ``MAX_LOAD`` thus doubles once, to a load of ``MAX_LOAD / 2``: a live key
+        costs between ``slot / MAX_LOAD`` and ``2 * slot / MAX_LOAD`` bytes (24-49 bytes at one
+        mask word)."""
         if self.used + incoming <= MAX_LOAD * self.capacity:
             return
         bits = self.bits
-        while self.live + incoming > MAX_LOAD * (1 << bits) / 2:
+        while self.live + incoming > (1 << bits) / 2:
             bits += 1
         new_keys = np.zeros(1 << bits, dtype=np.uint64)
         new_state = np.zeros(1 << bits, dtype=np.uint8)

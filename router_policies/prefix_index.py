@@ -334,17 +334,16 @@ class PrefixIndex:
         if len(keys) == 0:
             return MatchResult(blocks=blocks, scores={})
         runs = self._table.match(as_keys(keys))
+        slots = np.flatnonzero(runs)
         by_slot = self._by_slot
-        for slot in np.flatnonzero(runs).tolist():
-            blocks[by_slot[slot]] = int(runs[slot])
-        scores: dict[str, float] = {}
+        blocks = dict(zip([by_slot[s] for s in slots.tolist()], runs[slots].tolist(), strict=True))
         weights = self.config.medium_weights
         gpu_weight = weights.get(GPU, 1.0)
+        scores = {name: run * gpu_weight for name, run in blocks.items()}
+        replicas = self._replicas
         for name, run in blocks.items():
-            non_gpu = self._replicas[name].non_gpu
-            if not non_gpu:
-                scores[name] = float(run) * gpu_weight
-            else:
+            non_gpu = replicas[name].non_gpu
+            if non_gpu:
                 scores[name] = sum(weights.get(non_gpu.get(k, GPU), 1.0) for k in keys[:run])
         return MatchResult(blocks=blocks, scores=scores)
 

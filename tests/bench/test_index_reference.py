@@ -95,3 +95,14 @@ def test_many_replicas_and_growth_match_reference(seed: int) -> None:
         if t % 20 == 0:
             _same(a, b, names, 6000)
     _same(a, b, names, 6000)
+
+
+def test_table_memory_per_key_stays_bounded_while_growing() -> None:
+    """The key table (the bulk of the index) stays under 50 bytes per distinct key at up to 64
+    replicas, at every size on the way up (load between MAX_LOAD / 2 and MAX_LOAD)."""
+    rng = random.Random(7)
+    ix = PrefixIndex(IndexConfig(max_blocks_per_replica=400_000, max_total_blocks=1_000_000))
+    for step in range(300):
+        keys = [rng.getrandbits(64) for _ in range(1000)]
+        ix.store(f"r{step % 64}", keys)
+        assert ix.table_bytes() / len(ix) <= 50.0, (step, ix.table_bytes(), len(ix))
