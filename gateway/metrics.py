@@ -105,9 +105,15 @@ class GatewayMetrics:
         self.retries = Counter(
             "kvgate_retries", "Attempts retried on another replica, by cause.", ["reason"], registry=registry
         )
+        self.features_seconds = Histogram(
+            "kvgate_features_seconds",
+            "Request features per request: chat template, tokenization, block keys.",
+            buckets=_DECISION_BUCKETS,
+            registry=registry,
+        )
         self.decision_seconds = Histogram(
             "kvgate_decision_seconds",
-            "Features, index match and policy choice per request.",
+            "Index match, fleet snapshot, policy choice and speculative index entry per request.",
             buckets=_DECISION_BUCKETS,
             registry=registry,
         )

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -238,8 +238,7 @@ class Proxy:
         if not isinstance(model, str) or not model:
             return self._error(log, 400, "'model' is required and must be a string", param="model"), body
         log["model"] = model
-        stream = body.get("stream") is True
-        log["stream"] = stream
+        log["stream"] = body.get("stream") is True
         tf = time.perf_counter()
         try:
             features, info = await state.featurizer.features(
@@ -247,6 +246,8 @@ class Proxy:
             )
         except (RequestError, RequestRejected) as exc:
             return self._error(log, exc.status, exc.message, param=exc.param, code=exc.code), body
+        td = time.perf_counter()
+        self._metrics.features_seconds.observe(td - tf)
         self._metrics.features.labels(info.mode, "true" if info.approximate else "false").inc()
         if info.approximate:
             log["approximate"] = True
@@ -269,16 +270,16 @@ class Proxy:
                     ), body
                 return self._error(log, 502, f"upstream failed: {last_error}", code="upstream_error"), body
             if attempt == 0:
-                self._metrics.decision_seconds.observe(time.perf_counter() - tf)
+                self._metrics.decision_seconds.observe(time.perf_counter() - td)
                 self._metrics.predicted_tokens.labels(state.policy.name).observe(choice.predicted_tokens)
-                self._annotate(log, span, features, choice)
+            self._annotate(log, span, features, choice)  # a retry's choice overwrites the first
             rec = choice.record
             log["replica"] = rec.id
             tried.append(rec.id)
             try:
                 resp = await self._attempt(
-                    request, rec, choice, features, body, raw, fwd_headers, timeout, out_tokens,
-                    stream, pcfg.debug_headers, attempt < pcfg.retries, t0, log,
+                    request, rec, choice, features, raw, fwd_headers, timeout, out_tokens,
+                    pcfg.debug_headers, attempt < pcfg.retries, t0, log,
                 )  # fmt: skip
             except _Retry as r:
                 last_error = str(r)
@@ -310,12 +311,10 @@ class Proxy:
         rec: ReplicaRecord,
         choice: Choice,
         features: RequestFeatures,
-        body: Mapping[str, Any],
         raw: bytes,
         fwd_headers: CIMultiDict[str],
         timeout: aiohttp.ClientTimeout,
         out_tokens: int,
-        stream: bool,
         debug_headers: bool,
         may_retry: bool,
         t0: float,

@@ -163,6 +163,7 @@ def test_metrics_cover_requests_decisions_latency_and_index(procs: Procs) -> Non
         'kvgate_requests_total{policy="round_robin",replica="r0",status="200"} 1.0',
         'kvgate_requests_total{policy="round_robin",replica="none",status="404"} 1.0',
         "kvgate_decision_seconds_count 1.0",
+        "kvgate_features_seconds_count 1.0",
         'kvgate_predicted_matched_tokens_count{policy="round_robin"} 1.0',
         'kvgate_ttft_seconds_count{replica="r0"} 1.0',
         'kvgate_e2e_seconds_count{replica="r0"} 1.0',
