@@ -12,6 +12,8 @@ backend sends directly. The prompt (or the last chat message) steers its behavio
 * ``hang-forever``: the response never comes (the handler waits until the client goes away);
 * ``slow``: stream chunks 0.3 s apart instead of 0.02 s.
 
+Responses to generate requests carry ``x-fake-seen-headers`` (the request header names received)
+and a ``Proxy-Authenticate`` header (hop-by-hop: a proxy must drop it).
 ``fake_cached_tokens`` in the body sets ``usage.prompt_tokens_details.cached_tokens``.
 ``GET /stats`` returns ``{"active", "requests", "cancelled", "connections"}`` (handlers still
 running, requests seen, handlers cancelled by a client disconnect, distinct client connections
@@ -57,6 +59,15 @@ class Backend:
         return web.json_response(
             {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": self.replica}]}
         )
+
+    @staticmethod
+    def _echo(request: web.Request) -> dict[str, str]:
+        """The names of the request headers received, and a hop-by-hop header the proxy must not
+        pass on to its client."""
+        return {
+            "x-fake-seen-headers": ",".join(sorted(k.lower() for k in request.headers)),
+            "proxy-authenticate": "Basic realm=fake",
+        }
 
     @staticmethod
     def _text(body: dict[str, Any]) -> str:
@@ -111,10 +122,16 @@ class Backend:
                 "usage": usage,
             }
             return web.Response(
-                body=json.dumps(doc, indent=1, ensure_ascii=False).encode(), content_type="application/json"
+                body=json.dumps(doc, indent=1, ensure_ascii=False).encode(),
+                content_type="application/json",
+                headers=self._echo(request),
             )
         resp = web.StreamResponse(
-            headers={"content-type": "text/event-stream", "x-fake-replica": self.replica}
+            headers={
+                "content-type": "text/event-stream",
+                "x-fake-replica": self.replica,
+                **self._echo(request),
+            }
         )
         await resp.prepare(request)
         for i, w in enumerate(words):
