@@ -1,15 +1,19 @@
 """The composition root: the one place that builds the gateway's parts and owns their lifetimes.
 
 Build order: config -> prefix index -> fleet -> policy -> featurizer -> proxy -> inventory server
--> health checker -> telemetry (metrics registry, tracing, access log).
+-> shared state (Redis, only with ``shared_state.redis_url``) -> health checker -> telemetry
+(metrics registry, tracing, access log).
 
-Start order: client session, inventory server, shared state (Redis; never waits for it), one health round (so /ready reflects the fleet
-before traffic arrives), background loops (health, index expiry), then the HTTP listener.
+Start order: client session, inventory server, shared state (Redis; never waits for it), one
+health round (so /ready reflects the fleet before traffic arrives), background loops (health,
+index expiry), then the HTTP listener.
 
 Shutdown order (``stop``), the reverse: HTTP listener first (no new requests; in-flight ones get
 ``shutdown_grace_s``), then the health loop, the index expiry loop, the inventory server (agents
-reconnect elsewhere or later), the shared state (after the inventory server, whose hooks feed it), the featurizers (worker threads, remote-tokenize session), the
-upstream client session, and tracing last so the final spans are flushed. Every background task is created here and cancelled and awaited here.
+reconnect elsewhere or later), the shared state (after the inventory server, whose hooks feed
+it), the featurizers (worker threads, remote-tokenize session), the upstream client session, and
+tracing last so the final spans are flushed. Every background task is created here and cancelled
+and awaited here.
 
 Reload (SIGHUP or ``POST /admin/reload``) rereads the file, validates it, builds the new policy
 and featurizer, then swaps ``self._state`` in one assignment and reconfigures the fleet's static
