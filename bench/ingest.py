@@ -10,7 +10,8 @@ block stored or removed. Stages, each timed alone on the same events:
   decode            msgpack payload -> event objects (replica_agent.engine_events)
   decode+rekey      ... -> kvgate keys through the agent's inventory (chain_keys, hash map)
   agent total       ... -> protobuf Events messages, as the agent queues them for the gateway
-  gateway apply     AgentMessage bytes -> parse -> PrefixIndex (the inventory server's handler)
+  gateway apply     AgentMessage bytes -> parse -> PrefixIndex (the inventory server's handler),
+                    one message per engine batch; "x8": eight engine batches per message
   index apply       pre-keyed store/remove calls on PrefixIndex alone
   agent+index       decode + rekey + index apply in one process (no gRPC): the whole ingest path
 
@@ -155,22 +156,21 @@ def stage_rekey(payloads: list[bytes], block_size: int) -> Callable[[], None]:
     return run
 
 
-def agent_messages(payloads: list[bytes], block_size: int) -> list[bytes]:
-    """What the agent would send: one Events message per engine batch."""
+def agent_messages(payloads: list[bytes], block_size: int, per_message: int = 1) -> list[bytes]:
+    """What the agent would send: one Events message per ``per_message`` engine batches (the agent
+    flushes every 5 ms, so under load one message carries several engine steps)."""
     outbox = Outbox(max_events=10_000_000)
     outbox.open = True
     inv = AgentInventory(MODEL, block_size, max_blocks=10_000_000, sink=outbox)
     out = []
     seq = 2
-    for p in payloads:
+    for i, p in enumerate(payloads):
         batch = decode_payload(p)
         inv.apply(batch.events)
-        out.append(
-            pb.AgentMessage(
-                seq=seq, events=pb.Events(events=outbox.take(), engine_ts=batch.ts)
-            ).SerializeToString()
-        )
-        seq += 1
+        if (i + 1) % per_message == 0 or i == len(payloads) - 1:
+            events = pb.Events(events=outbox.take(), engine_ts=batch.ts)
+            out.append(pb.AgentMessage(seq=seq, events=events).SerializeToString())
+            seq += 1
     return out
 
 
@@ -248,12 +248,14 @@ def main() -> None:
     for p in payloads:
         inv.apply(decode_payload(p).events)
     messages = agent_messages(payloads, args.block_size)
+    batched = agent_messages(payloads, args.block_size, per_message=8)
 
     stages: dict[str, Callable[[], None]] = {
         "decode": stage_decode(payloads),
         "decode+rekey": stage_rekey(payloads, args.block_size),
         "agent total": stage_agent_total(payloads, args.block_size),
         "gateway apply": stage_gateway(messages),
+        "gateway apply x8": stage_gateway(batched),
         "index apply": stage_index(rec.ops),
         "agent+index": stage_agent_index(payloads, args.block_size),
     }
