@@ -131,9 +131,9 @@ class Procs:
     tmp: Path
     started: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
-    def backend(self, replica: str, model: str = "m") -> Backend:
+    def backend(self, replica: str, model: str = "m", port: int = 0) -> Backend:
         proc = subprocess.Popen(
-            [sys.executable, str(FAKE_BACKEND), "--id", replica, "--model", model],
+            [sys.executable, str(FAKE_BACKEND), "--id", replica, "--model", model, "--port", str(port)],
             stdout=subprocess.PIPE,
             start_new_session=True,
         )

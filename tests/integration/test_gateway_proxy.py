@@ -154,6 +154,23 @@ def test_replica_killed_before_first_byte_is_retried_elsewhere(procs: Procs) -> 
         assert (s, h["x-kvgate-replica"]) == (200, "r1")
 
 
+def test_ejected_replica_recovers_when_it_answers_again(procs: Procs) -> None:
+    r0, r1 = procs.backend("r0"), procs.backend("r1")
+    gw = procs.gateway(base_config(r0, r1))
+    r0.proc.send_signal(signal.SIGKILL)
+    r0.proc.wait()
+    wait_until(lambda: not gw.replicas()["r0"]["healthy"], what="r0 ejected")
+    for _ in range(4):  # everything goes to r1 meanwhile
+        assert _post(gw.url + "/v1/completions", {"model": "m", "prompt": "x"})[1]["x-kvgate-replica"] == "r1"
+    procs.backend("r0", port=r0.port)  # the replica comes back at its address
+    wait_until(lambda: gw.replicas()["r0"]["healthy"], what="r0 restored by health checks")
+    served = {
+        _post(gw.url + "/v1/completions", {"model": "m", "prompt": "x"})[1]["x-kvgate-replica"]
+        for _ in range(4)
+    }
+    assert served == {"r0", "r1"}  # round robin over both again
+
+
 def test_503_before_first_byte_is_retried(procs: Procs) -> None:
     r0, r1 = procs.backend("r0"), procs.backend("r1")
     gw = procs.gateway(base_config(r0, r1))
