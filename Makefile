@@ -75,4 +75,5 @@ $(TINY_MODEL)/model.safetensors: | $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python scripts/make_tiny_model.py --out $(TINY_MODEL)
 
 e2e-vllm: $(STAMP) $(VLLM_STAMP) $(TINY_MODEL)/model.safetensors
+	$(BIN)/python -m pytest -q -p no:cacheprovider e2e
 	$(BIN)/python -m e2e.run --vllm-python $(VLLM_VENV)/bin/python --model $(TINY_MODEL)
