@@ -227,9 +227,13 @@ class GatewayApp:
 
     # ------------------------------------------------------------------ lifecycle
     async def _expire_loop(self) -> None:
+        """Housekeeping each second: expired approximate index entries, replicas long gone."""
         while True:
             await asyncio.sleep(EXPIRE_INTERVAL_S)
-            self.index.expire(time.monotonic())
+            now = time.monotonic()
+            self.index.expire(now)
+            for rid in self.fleet.forget_stale(now, self._state.config.health.forget_after_s):
+                log.warning("replica %s forgotten: its agent is gone and it stayed unhealthy", rid)
 
     async def start(self, http: str | None = None, inventory: str | None = None) -> None:
         cfg = self._state.config

@@ -149,6 +149,12 @@ class HealthConfig(_Strict):
     timeout_s: float = Field(1.0, gt=0, description="Health check timeout.")
     unhealthy_after: int = Field(2, ge=1, description="Consecutive failures that eject a replica.")
     healthy_after: int = Field(1, ge=1, description="Consecutive successes that restore it.")
+    forget_after_s: float = Field(
+        300.0,
+        gt=0,
+        description="An agent-registered replica whose agent is gone and that stays unhealthy this "
+        "long leaves the fleet and the index (static replicas never do).",
+    )
 
 
 class SharedStateConfig(_Strict):

@@ -17,6 +17,7 @@ Invariants
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ class ReplicaRecord:
     block_size: int | None = None
     healthy: bool = False
     checked: bool = False  # at least one health result arrived
+    unhealthy_since: float | None = None  # monotonic time it last became unhealthy
     ok_streak: int = 0
     fail_streak: int = 0
     last_error: str = ""
@@ -243,6 +245,7 @@ class Fleet:
             rec.fail_streak = 0
             if not rec.healthy and rec.ok_streak >= h.healthy_after:
                 rec.healthy = True
+                rec.unhealthy_since = None
                 rec.last_error = ""
         else:
             rec.fail_streak += 1
@@ -250,6 +253,7 @@ class Fleet:
             rec.last_error = error
             if rec.healthy and rec.fail_streak >= h.unhealthy_after:
                 rec.healthy = False
+                rec.unhealthy_since = time.monotonic()
 
     def check_result(self, replica: str, ok: bool, error: str = "") -> None:
         """An active health check's outcome. The first result of a replica decides at once."""
@@ -259,6 +263,7 @@ class Fleet:
         if not rec.checked:
             rec.checked = True
             rec.healthy = ok
+            rec.unhealthy_since = None if ok else time.monotonic()
             rec.ok_streak, rec.fail_streak = (1, 0) if ok else (0, 1)
             rec.last_error = error
             return
@@ -272,6 +277,8 @@ class Fleet:
         rec.failures += 1
         if connect:
             # nothing listens there: eject now rather than after unhealthy_after more requests
+            if rec.healthy:
+                rec.unhealthy_since = time.monotonic()
             rec.healthy = False
             rec.ok_streak = 0
             rec.fail_streak = max(rec.fail_streak + 1, self._health.unhealthy_after)
@@ -335,6 +342,24 @@ class Fleet:
         if not connected:
             rec.engine_running = rec.engine_waiting = 0
             rec.kv_usage = 0.0
+
+    def forget_stale(self, now: float, after_s: float) -> list[str]:
+        """Drop agent-registered replicas whose agent is gone and that have been unhealthy for
+        ``after_s`` (pods replaced under new ids would otherwise fill the index's max_replicas).
+        Returns the ids removed."""
+        gone = [
+            rec.id
+            for rec in self._records.values()
+            if not rec.static
+            and not rec.agent_connected
+            and not rec.healthy
+            and rec.unhealthy_since is not None
+            and now - rec.unhealthy_since >= after_s
+        ]
+        for rid in gone:
+            del self._records[rid]
+            self._index.remove_replica(rid)
+        return gone
 
     def has_agent(self, replica_id: str) -> bool:
         """An agent reports the replica's blocks: to this gateway, or to another one that shares

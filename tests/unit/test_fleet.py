@@ -212,3 +212,28 @@ def test_router_raises_when_nothing_is_healthy() -> None:
     feats = RequestFeatures(model="m", block_keys=[], prompt_tokens=1, block_size=16)
     with pytest.raises(NoReplicaError):
         router.choose(_state(cfg), feats, router.match(feats))
+
+
+def test_agent_replicas_long_gone_are_forgotten_static_ones_never() -> None:
+    cfg = _config(health={"unhealthy_after": 1, "healthy_after": 1, "forget_after_s": 60.0})
+    index = PrefixIndex(cfg.index)
+    fleet = Fleet(cfg, index)
+    fleet.check_result("a", True)
+    assert fleet.agent_hello(_hello("c")) is None
+    fleet.agent_state("c", connected=True, degraded=False)
+    for rid in ("a", "c"):
+        fleet.check_result(rid, False, "down")
+    c = fleet.get("c")
+    assert c is not None and c.unhealthy_since is not None
+    t = c.unhealthy_since
+    assert fleet.forget_stale(t + 3600, 60.0) == []  # its agent is still connected
+    fleet.agent_state("c", connected=False, degraded=False)
+    assert fleet.forget_stale(t + 59, 60.0) == []  # not long enough
+    assert fleet.forget_stale(t + 60, 60.0) == ["c"]
+    assert fleet.get("c") is None and "c" not in index.replicas
+    assert fleet.get("a") is not None  # static: only the config removes it
+    # a replica that recovered in between is kept
+    assert fleet.agent_hello(_hello("d")) is None
+    fleet.check_result("d", False, "down")
+    fleet.check_result("d", True)
+    assert fleet.forget_stale(time.monotonic() + 3600, 60.0) == []
