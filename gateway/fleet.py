@@ -352,6 +352,7 @@ class Fleet:
             for rec in self._records.values()
             if not rec.static
             and not rec.agent_connected
+            and not rec.shared_inventory  # another gateway instance still hears its agent
             and not rec.healthy
             and rec.unhealthy_since is not None
             and now - rec.unhealthy_since >= after_s
