@@ -110,6 +110,10 @@ class GatewayClient:
                 self.stats.failures += 1
                 self.stats.last_error = f"{exc.code().name}: {exc.details()}"
                 log.warning("gateway stream to %s ended: %s", self.target, self.stats.last_error)
+            except Exception as exc:  # e.g. a write after the RPC finished: reconnect all the same
+                self.stats.failures += 1
+                self.stats.last_error = f"{type(exc).__name__}: {exc}"
+                log.warning("gateway stream to %s failed: %s", self.target, self.stats.last_error)
             finally:
                 self.outbox.close()
                 self.connected.clear()

@@ -54,6 +54,7 @@ class InventoryStats:
     overflow_evictions: int = 0  # mappings dropped by the max_blocks bound
     block_size_mismatches: int = 0  # stored events whose block_size differs from the replica's
     clears: int = 0
+    bad_tokens: int = 0  # stored events whose token ids are not uint32 ints (skipped)
 
 
 class AgentInventory:
@@ -157,7 +158,12 @@ class AgentInventory:
             return
         if len(tokens) != n * bs:
             tokens = tokens[: n * bs]  # SGLang's last page can be partial: it is not keyed
-        keys = chain_keys(parent_key, tokens, bs)
+        try:
+            keys = chain_keys(parent_key, tokens, bs)
+        except (ValueError, TypeError, OverflowError):
+            # token ids that are not uint32 ints: the event is malformed; it cannot be keyed
+            self.stats.bad_tokens += 1
+            return
         medium = ev.medium
         refs = self._refs
         held = self._medium

@@ -55,6 +55,7 @@ class SubscriberStats:
     unrecovered_gaps: int = 0
     engine_restarts: int = 0
     engine_disconnects: int = 0
+    internal_errors: int = 0  # frames whose handling raised unexpectedly (inventory then cleared)
     replayed_batches: int = 0
 
 
@@ -104,7 +105,10 @@ class EventSubscriber:
         poller.register(monitor, zmq.POLLIN)
         try:
             if self.replay_endpoint is not None:
-                await self.catch_up()
+                try:
+                    await self.catch_up()
+                except Exception:
+                    self._internal_error()
             while True:
                 ready = dict(await poller.poll())
                 if sub in ready:
@@ -149,7 +153,18 @@ class EventSubscriber:
                 frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            await self.handle_frames(frames)
+            try:
+                await self.handle_frames(frames)
+            except Exception:
+                self._internal_error()
+
+    def _internal_error(self) -> None:
+        """Nothing an engine sends may stop the agent; a frame applied half-way leaves the
+        inventory unknown, so start over as after an unrecoverable gap. Call from an except block."""
+        self.stats.internal_errors += 1
+        log.exception("error handling engine events: clearing the inventory")
+        self.inventory.clear()
+        self.inventory.mark_degraded("internal error while applying events")
 
     def engine_gone(self) -> None:
         """The engine's publisher disconnected: its process (and cache) is gone."""

@@ -129,3 +129,11 @@ def test_all_blocks_cleared_empties_and_completes() -> None:
     inv.mark_degraded("test")
     inv.apply([AllBlocksCleared()])
     assert len(inv) == 0 and not inv.degraded and sink.view == {}
+
+
+def test_bad_token_ids_are_skipped_not_fatal() -> None:
+    inv = AgentInventory("m", 2, max_blocks=10)
+    inv.apply([stored([1], None, [-1, 2]), stored([2], None, [2**32, 1]), stored([3], None, ["a", "b"])])  # type: ignore[list-item]
+    assert len(inv) == 0 and inv.stats.bad_tokens == 3
+    inv.apply([stored([4], None, [1, 2])])
+    assert len(inv) == 1
