@@ -114,5 +114,5 @@ def start(procs: ProcessSet, python: Path, model_dir: Path, served_name: str, sp
     return procs.start(spec.name, argv(python, model_dir, served_name, spec), env(spec))
 
 
-def wait_ready(child: Child, spec: ReplicaSpec, deadline_s: float = 300.0, interval_s: float = 0.25) -> float:
+def wait_ready(child: Child, spec: ReplicaSpec, deadline_s: float = 420.0, interval_s: float = 0.25) -> float:
     return wait_http_ok(spec.url + "/health", child, deadline_s, interval_s)
