@@ -93,6 +93,7 @@ class Fleet:
     gateway: subprocess.Popen[bytes] | None = None
     gateway_url: str = ""
     started: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    engine_flags: list[str] = field(default_factory=list)
     rng: random.Random = field(default_factory=lambda: random.Random(7))
 
     @property
@@ -123,6 +124,7 @@ class Fleet:
                 "sim-engine", "--port", str(self.http_port), "--events-port", str(self.events_port),
                 "--replay-port", str(self.replay_port), "--model", MODEL, "--block-size", str(BLOCK),
                 "--cache-blocks", str(CACHE_BLOCKS), "--time-scale", "0.01", "--seed", "1",
+                *self.engine_flags,
             ],
             "engine",
         )  # fmt: skip
@@ -331,3 +333,17 @@ def test_unrecoverable_gap_degrades_then_heals(fleet: Fleet) -> None:
         assert time.monotonic() < deadline, "the replica stayed degraded"
         fleet.workload(4)
     fleet.subset("after healing")
+
+
+def test_tagged_arrays_and_digest_hashes(fleet: Fleet) -> None:
+    """The older tagged-array encoding with 32-byte digest hashes, end to end."""
+    fleet.engine_flags = ["--event-encoding", "array", "--hash-format", "bytes"]
+    fleet.start_engine()
+    fleet.start_gateway()
+    fleet.start_agent()
+    fleet.workload(30)
+    fleet.converge("after the workload")
+    assert len(fleet.engine_keys()) > CACHE_BLOCKS // 2
+    fleet.faults(drop=2)
+    fleet.workload(6)
+    fleet.converge("after dropped events")
