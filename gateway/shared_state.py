@@ -162,6 +162,9 @@ class SharedState:
         # publishing (owner side); bounded: queue by publish_queue, dicts by the index's max_replicas
         self._queue: deque[_Pending] = deque()
         self._wake = asyncio.Event()
+        # set by stop(); every loop checks it, because a cancellation that lands inside a Redis
+        # client call can be absorbed by the client, and the loop must still end
+        self._stopping = asyncio.Event()
         self._seq: dict[str, int] = {}
         self._since_snapshot: dict[str, int] = {}
         self._refresh_asked: set[str] = set()
@@ -181,6 +184,8 @@ class SharedState:
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:
+            self._stopping.set()
+            self._wake.set()
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -248,7 +253,7 @@ class SharedState:
     # ------------------------------------------------------------------ supervision
     async def _supervise(self) -> None:
         attempt = 0
-        while True:
+        while not self._stopping.is_set():
             started = time.monotonic()
             try:
                 await self._session()
@@ -262,7 +267,12 @@ class SharedState:
                 attempt = 0  # the session lived: start the backoff over
             delay = min(self._cfg.reconnect_max_s, BACKOFF_BASE_S * 2**attempt)
             attempt = min(attempt + 1, 30)
-            await asyncio.sleep(delay * (0.5 + 0.5 * self._rng.random()))
+            await self._pause(delay * (0.5 + 0.5 * self._rng.random()))
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep ``seconds``, or less when stop() is called."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
 
     def _client(self) -> Redis:
         block_s = self._block_ms() / 1000
@@ -343,7 +353,7 @@ class SharedState:
     async def _publish_loop(self, client: Redis) -> None:
         keys = self._keys
         maxlen = self._cfg.stream_maxlen
-        while True:
+        while not self._stopping.is_set():
             if not self._queue:
                 self._wake.clear()
                 await self._wake.wait()
@@ -384,11 +394,11 @@ class SharedState:
     # ------------------------------------------------------------------ following
     async def _follow_loop(self, client: Redis) -> None:
         keys = self._keys
-        while True:
+        while not self._stopping.is_set():
             await self._discover(client)
             streams: dict[Any, Any] = {keys.stream(r): _id_text(f.pos) for r, f in self._follow.items()}
             if not streams:
-                await asyncio.sleep(self._cfg.load_interval_s)
+                await self._pause(self._cfg.load_interval_s)
                 continue
             reply = cast(
                 "_XReadReply | None", await client.xread(streams, count=READ_COUNT, block=self._block_ms())
@@ -540,13 +550,13 @@ class SharedState:
 
     # ------------------------------------------------------------------ load
     async def _load_loop(self, client: Redis) -> None:
-        while True:
+        while not self._stopping.is_set():
             await self._publish_load(client)
             await self._read_load(client)
             run_id = str((await client.info("server"))["run_id"])
             if run_id != self._run_id:
                 raise _Restarted(f"Redis restarted (run_id {self._run_id} -> {run_id})")
-            await asyncio.sleep(self._cfg.load_interval_s)
+            await self._pause(self._cfg.load_interval_s)
 
     async def _publish_load(self, client: Redis) -> None:
         figures: dict[str, bytes] = {}
