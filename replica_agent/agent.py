@@ -36,6 +36,7 @@ class AgentConfig:
     tls_ca: bytes | None = None
     model: str | None = None  # default: the engine's first model in /v1/models
     block_size: int | None = None  # default: the engine's /metrics, else the first event
+    key_block_size: int | None = None  # key granularity (the gateway's block size); default block_size
     capacity_blocks: int | None = None  # default: the engine's /metrics, else unknown
     advertise_url: str | None = None  # URL the gateway routes to (default engine_url)
     topic: str = ""
@@ -74,7 +75,7 @@ class Agent:
             replica_id=self.cfg.replica_id,
             url=self.cfg.advertise_url or self.cfg.engine_url,
             models=self.models,
-            block_size=inv.block_size,
+            block_size=inv.reported_block_size or inv.block_size,
             capacity_blocks=capacity,
             engine=engine,
             engine_version=self.engine_version,
@@ -166,7 +167,9 @@ class Agent:
                     if stop.is_set():
                         return
                     raise
-                self.inventory = AgentInventory(model, cfg.block_size, cfg.max_blocks, sink=self.outbox)
+                self.inventory = AgentInventory(
+                    model, cfg.block_size, cfg.max_blocks, sink=self.outbox, key_block_size=cfg.key_block_size
+                )
                 if self.load is not None and cfg.block_size is None and self.load.block_size:
                     self.inventory.block_size = self.load.block_size
 

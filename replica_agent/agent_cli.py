@@ -42,6 +42,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--capacity-blocks", type=int, default=None, help="engine KV capacity in blocks")
     parser.add_argument(
+        "--key-block-size",
+        type=int,
+        default=None,
+        help="tokens per key block when the gateway's block_size is a multiple of the engine's "
+        "(default: the engine's block size)",
+    )
+    parser.add_argument(
         "--advertise-url", default=None, help="URL the gateway should route to (default --engine-url)"
     )
     parser.add_argument("--topic", default="", help="ZMQ topic to subscribe to (default: all)")
@@ -63,9 +70,17 @@ def _check(args: argparse.Namespace) -> AgentConfig:
         raise UserInputError(f"--gateway: expected HOST:PORT, got {args.gateway!r}")
     if not args.engine_url.startswith(("http://", "https://")):
         raise UserInputError(f"--engine-url: expected http(s)://..., got {args.engine_url!r}")
-    for flag, value in (("--block-size", args.block_size), ("--capacity-blocks", args.capacity_blocks)):
+    for flag, value in (
+        ("--block-size", args.block_size),
+        ("--capacity-blocks", args.capacity_blocks),
+        ("--key-block-size", args.key_block_size),
+    ):
         if value is not None and value <= 0:
             raise UserInputError(f"{flag}: must be positive, got {value}")
+    if args.key_block_size and args.block_size and args.key_block_size % args.block_size:
+        raise UserInputError(
+            f"--key-block-size: {args.key_block_size} is not a multiple of --block-size {args.block_size}"
+        )
     if args.max_blocks <= 0:
         raise UserInputError("--max-blocks: must be positive")
     if args.reconnect_max <= 0:
@@ -89,6 +104,7 @@ def _check(args: argparse.Namespace) -> AgentConfig:
         tls_ca=tls_ca,
         model=args.model,
         block_size=args.block_size,
+        key_block_size=args.key_block_size,
         capacity_blocks=args.capacity_blocks,
         advertise_url=args.advertise_url,
         topic=args.topic,

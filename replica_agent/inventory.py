@@ -59,16 +59,32 @@ class InventoryStats:
 
 class AgentInventory:
     def __init__(
-        self, model: str, block_size: int | None, max_blocks: int, sink: InventorySink | None = None
+        self,
+        model: str,
+        block_size: int | None,
+        max_blocks: int,
+        sink: InventorySink | None = None,
+        key_block_size: int | None = None,
     ) -> None:
         if max_blocks <= 0:
             raise ValueError("max_blocks must be positive")
+        if key_block_size is not None and key_block_size <= 0:
+            raise ValueError("key_block_size must be positive")
         self.model = model
         self.block_size = block_size  # None until the engine or the first event tells
+        # Keys cover key_block_size tokens (the gateway's block size, a multiple of the engine's);
+        # None: the engine's block size. See _store_multi.
+        self.key_block_size = key_block_size
         self.max_blocks = max_blocks
         self.sink = sink
         self.stats = InventoryStats()
         self._map: OrderedDict[EngineHash | tuple[EngineHash, str], int] = OrderedDict()
+        # key_block_size > block_size: engine blocks that do not end a key block, with the chain
+        # state their children continue from (the last key, the tokens since it); bounded by
+        # max_blocks like _map
+        self._partial: OrderedDict[EngineHash | tuple[EngineHash, str], tuple[int, tuple[int, ...]]] = (
+            OrderedDict()
+        )
         self._refs: dict[int, int] = {}
         self._medium: dict[int, str] = {}
         self._roots: dict[tuple[str | None, str | None], int] = {}
@@ -96,6 +112,7 @@ class AgentInventory:
     def clear(self) -> None:
         """The engine's cache is (to be treated as) empty."""
         self._map.clear()
+        self._partial.clear()
         self._refs.clear()
         self._medium.clear()
         self.stats.clears += 1
@@ -131,12 +148,24 @@ class AgentInventory:
             key = self._roots[ns] = root_key(self.model, lora, salt)
         return key
 
+    @property
+    def reported_block_size(self) -> int | None:
+        """The block size the keys are computed at (what the agent's hello reports)."""
+        return self.key_block_size or self.block_size
+
     def _store(self, ev: BlockStored) -> None:
         bs = self.block_size
         if bs is None:
             bs = self.block_size = ev.block_size
         elif ev.block_size != bs:
             self.stats.block_size_mismatches += 1
+            return
+        kbs = self.key_block_size
+        if kbs is not None and kbs != bs:
+            if kbs % bs:
+                self.stats.block_size_mismatches += 1
+                return
+            self._store_multi(ev, bs, kbs // bs)
             return
         hashes = ev.block_hashes
         mapping = self._map
@@ -189,6 +218,74 @@ class AgentInventory:
         if len(mapping) > self.max_blocks:
             self._overflow()
 
+    def _store_multi(self, ev: BlockStored, bs: int, ratio: int) -> None:
+        """Keys over ``ratio`` engine blocks: the engine block that completes a key block holds
+        its key; the others only carry the chain state (last key, tokens since) for their
+        children. A key leaves the inventory when its completing engine block is removed (engines
+        evict leaf first, so an earlier member going first is rare; the index may then overstate
+        that replica's match by one key block)."""
+        hashes = ev.block_hashes
+        mapping = self._map
+        partial = self._partial
+        medium = ev.medium
+        gpu = medium == GPU
+        pending: tuple[int, ...] = ()
+        if ev.parent is None:
+            anchor = self._root(ev.lora_name, ev.cache_salt)
+        else:
+            found = mapping.get(ev.parent)
+            if found is None and not gpu:
+                found = mapping.get((ev.parent, medium))
+            if found is not None:
+                anchor = found
+            else:
+                state = partial.get(ev.parent)
+                if state is None and not gpu:
+                    state = partial.get((ev.parent, medium))
+                if state is None:
+                    self.stats.skipped_blocks += len(hashes)
+                    if self.degraded:
+                        self._rebuild_left = self.capacity_blocks or self.max_blocks
+                    return
+                anchor, pending = state
+        tokens = ev.token_ids
+        n = min(len(hashes), len(tokens) // bs)
+        kbs = bs * ratio
+        new_keys: list[int] = []
+        parent_key = anchor
+        for i in range(n):
+            h = hashes[i]
+            mk: EngineHash | tuple[EngineHash, str] = h if gpu else (h, medium)
+            pending = pending + tuple(tokens[i * bs : (i + 1) * bs])
+            if len(pending) < kbs:
+                partial[mk] = (anchor, pending)
+                continue
+            try:
+                k = chain_keys(anchor, pending, kbs)[0]
+            except (ValueError, TypeError, OverflowError):
+                self.stats.bad_tokens += 1
+                return
+            if not new_keys:
+                parent_key = anchor
+            anchor, pending = k, ()
+            old = mapping.get(mk)
+            if old == k:
+                continue
+            if old is not None:
+                self._unref(old, medium)
+            mapping[mk] = k
+            self._refs[k] = self._refs.get(k, 0) + 1
+            self._medium[k] = medium
+            new_keys.append(k)
+        self.stats.stored_blocks += n
+        if new_keys and self.sink is not None:
+            self.sink.stored(new_keys, parent_key, medium)
+        while len(partial) > self.max_blocks:
+            partial.popitem(last=False)
+            self.stats.overflow_evictions += 1
+        if len(mapping) > self.max_blocks:
+            self._overflow()
+
     def _overflow(self) -> None:
         mapping = self._map
         dropped: list[int] = []
@@ -222,9 +319,13 @@ class AgentInventory:
         refs = self._refs
         held = self._medium
         gone: list[int] = []
+        partial = self._partial
         for h in ev.block_hashes:
-            k = mapping.pop(h if gpu else (h, medium), None)
+            mk = h if gpu else (h, medium)
+            k = mapping.pop(mk, None)
             if k is None:
+                if partial and partial.pop(mk, None) is not None:
+                    continue  # an engine block inside a key block: it held no key
                 self.stats.unknown_removals += 1
                 continue
             r = refs[k] - 1

@@ -94,6 +94,9 @@ class Fleet:
     gateway_url: str = ""
     started: list[subprocess.Popen[bytes]] = field(default_factory=list)
     engine_flags: list[str] = field(default_factory=list)
+    agent_flags: list[str] = field(default_factory=list)
+    gateway_block: int = BLOCK
+    cache_blocks: int = CACHE_BLOCKS
     rng: random.Random = field(default_factory=lambda: random.Random(7))
 
     @property
@@ -123,7 +126,7 @@ class Fleet:
             [
                 "sim-engine", "--port", str(self.http_port), "--events-port", str(self.events_port),
                 "--replay-port", str(self.replay_port), "--model", MODEL, "--block-size", str(BLOCK),
-                "--cache-blocks", str(CACHE_BLOCKS), "--time-scale", "0.01", "--seed", "1",
+                "--cache-blocks", str(self.cache_blocks), "--time-scale", "0.01", "--seed", "1",
                 *self.engine_flags,
             ],
             "engine",
@@ -137,6 +140,7 @@ class Fleet:
                 "--events", f"tcp://127.0.0.1:{self.events_port}",
                 "--replay", f"tcp://127.0.0.1:{self.replay_port}",
                 "--gateway", f"127.0.0.1:{self.inventory_port}", "--reconnect-max", "0.5", "--log-level", "DEBUG",
+                *self.agent_flags,
             ],
             "agent",
             {"KVGATE_AGENT_TOKEN": AGENT_TOKEN},
@@ -146,7 +150,11 @@ class Fleet:
     def start_gateway(self) -> None:
         config = {
             "models": [
-                {"name": MODEL, "tokenizer": str(REPO / "assets/tokenizers/kvgate-tiny"), "block_size": BLOCK}
+                {
+                    "name": MODEL,
+                    "tokenizer": str(REPO / "assets/tokenizers/kvgate-tiny"),
+                    "block_size": self.gateway_block,
+                }
             ],
             "policy": {"name": "round_robin"},
             "index": {"max_blocks_per_replica": 10_000},
@@ -347,3 +355,29 @@ def test_tagged_arrays_and_digest_hashes(fleet: Fleet) -> None:
     fleet.faults(drop=2)
     fleet.workload(6)
     fleet.converge("after dropped events")
+
+
+def test_gateway_block_size_a_multiple_of_the_engines(fleet: Fleet) -> None:
+    """Gateway blocks of 32 tokens over engine blocks of 16 (--key-block-size 32): the index holds
+    the gateway's own keys of every cached prompt (a cache large enough that nothing is evicted)."""
+    from router_policies.block_keys import block_keys
+
+    fleet.gateway_block = 2 * BLOCK
+    fleet.cache_blocks = 4096
+    fleet.agent_flags = ["--key-block-size", str(2 * BLOCK)]
+    fleet.start_engine()
+    fleet.start_gateway()
+    fleet.start_agent()
+    prompts = [f"shared preamble {'lorem ipsum ' * 40} question {i} {'x y ' * (5 * i)}" for i in range(5)]
+    for p in prompts:
+        post_json(fleet.engine_url + "/v1/completions", {"model": MODEL, "prompt": p, "max_tokens": 4})
+    expected: set[int] = set()
+    for p in prompts:
+        tokens = post_json(fleet.engine_url + "/tokenize", {"model": MODEL, "prompt": p})["tokens"]
+        expected |= set(block_keys(tokens, 2 * BLOCK, MODEL))
+    assert len(expected) > 10
+    t0 = time.monotonic()
+    while not expected <= set(fleet.index_keys() or []):
+        assert time.monotonic() - t0 < CONVERGE_S, "the index lacks the gateway's keys of the prompts"
+        time.sleep(0.02)
+    assert fleet.replica()["block_size"] == 2 * BLOCK

@@ -137,3 +137,30 @@ def test_bad_token_ids_are_skipped_not_fatal() -> None:
     assert len(inv) == 0 and inv.stats.bad_tokens == 3
     inv.apply([stored([4], None, [1, 2])])
     assert len(inv) == 1
+
+
+def test_keys_at_a_multiple_of_the_engine_block_size() -> None:
+    """Gateway blocks of 4 tokens over engine blocks of 2: the same keys as the gateway computes."""
+    sink = RecordingSink()
+    inv = AgentInventory("m", 2, max_blocks=100, sink=sink, key_block_size=4)
+    assert inv.reported_block_size == 4
+    inv.apply([stored([1, 2, 3], None, [1, 2, 3, 4, 5, 6])])  # 1.5 key blocks
+    assert inv.keys() == block_keys([1, 2, 3, 4], 4, "m")
+    inv.apply([stored([4], 3, [7, 8]), stored([5], 3, [9, 9])])  # two children of the partial block
+    full_a = block_keys([1, 2, 3, 4, 5, 6, 7, 8], 4, "m")
+    full_b = block_keys([1, 2, 3, 4, 5, 6, 9, 9], 4, "m")
+    assert sorted(inv.keys()) == sorted({*full_a, *full_b})
+    assert sink.view == inv.snapshot()
+    inv.apply([BlockRemoved([4], "GPU")])  # the block completing one key block
+    assert sorted(inv.keys()) == sorted({*full_a[:1], *full_b})
+    inv.apply([BlockRemoved([3], "GPU")])  # a block inside a key block holds no key
+    assert inv.stats.unknown_removals == 0
+    assert sorted(inv.keys()) == sorted({*full_b})
+    inv.apply([AllBlocksCleared()])
+    assert len(inv) == 0 and inv._partial == {}
+
+
+def test_key_block_size_not_a_multiple_is_refused() -> None:
+    inv = AgentInventory("m", 3, max_blocks=10, key_block_size=4)
+    inv.apply([stored([1], None, [1, 2, 3], bs=3)])
+    assert len(inv) == 0 and inv.stats.block_size_mismatches == 1
