@@ -32,7 +32,6 @@ from replica_agent.engine_events import AllBlocksCleared, BlockRemoved, BlockSto
 from router_policies.block_keys import chain_keys, root_key
 
 GPU = "GPU"
-_MAX_ROOTS = 4096  # distinct (lora, salt) namespaces whose root key is cached
 
 
 class InventorySink(Protocol):
@@ -65,6 +64,7 @@ class AgentInventory:
         max_blocks: int,
         sink: InventorySink | None = None,
         key_block_size: int | None = None,
+        max_namespaces: int = 4096,
     ) -> None:
         if max_blocks <= 0:
             raise ValueError("max_blocks must be positive")
@@ -87,7 +87,9 @@ class AgentInventory:
         )
         self._refs: dict[int, int] = {}
         self._medium: dict[int, str] = {}
+        # root keys of the (LoRA, cache salt) namespaces seen, at most max_namespaces (then reset)
         self._roots: dict[tuple[str | None, str | None], int] = {}
+        self.max_namespaces = max_namespaces
         # Degraded: the inventory may miss blocks the engine holds (an unrecoverable event gap, or
         # the agent joined after the engine had cached blocks). Cleared once the engine has evicted
         # ``capacity`` blocks since then with no store skipped for want of a parent, or the engine's
@@ -143,7 +145,7 @@ class AgentInventory:
         ns = (lora, salt)
         key = self._roots.get(ns)
         if key is None:
-            if len(self._roots) >= _MAX_ROOTS:
+            if len(self._roots) >= self.max_namespaces:
                 self._roots.clear()
             key = self._roots[ns] = root_key(self.model, lora, salt)
         return key

@@ -164,3 +164,13 @@ def test_key_block_size_not_a_multiple_is_refused() -> None:
     inv = AgentInventory("m", 3, max_blocks=10, key_block_size=4)
     inv.apply([stored([1], None, [1, 2, 3], bs=3)])
     assert len(inv) == 0 and inv.stats.block_size_mismatches == 1
+
+
+def test_namespace_cache_is_bounded() -> None:
+    inv = AgentInventory("m", 2, max_blocks=1000, max_namespaces=3)
+    for i in range(10):
+        inv.apply([BlockStored([i], None, [1, 2], 2, "GPU", None, f"salt-{i}")])
+        assert len(inv._roots) <= 3
+    assert sorted(inv.keys()) == sorted(
+        block_keys([1, 2], 2, "m", cache_salt=f"salt-{i}")[0] for i in range(10)
+    )

@@ -288,3 +288,34 @@ async def test_publisher_disconnect_clears_at_once() -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await task
         ctx.destroy(linger=0)
+
+
+async def test_replay_answer_is_bounded() -> None:
+    """A replay longer than max_replay_batches is abandoned: the gap counts as unrecoverable."""
+    ctx = zmq.asyncio.Context()
+    pub = Publisher(ctx)
+    inv = AgentInventory("m", BS, max_blocks=100)
+    sub = EventSubscriber(
+        ctx,
+        f"tcp://127.0.0.1:{pub.pub_port}",
+        f"tcp://127.0.0.1:{pub.replay_port}",
+        inv,
+        max_replay_batches=5,
+    )
+    task = asyncio.create_task(sub.run())
+    try:
+        await asyncio.sleep(0.2)
+        await pub.publish([stored(1, None, [1, 2])])
+        await wait_for(lambda: sub.expected == 1)
+        for i in range(20):
+            pub.batch([stored(100 + i, None, [i, i])])
+        await pub.publish([stored(2, None, [3, 3])])
+        await wait_for(lambda: sub.expected == pub.seq)
+        assert sub.stats.unrecovered_gaps == 1 and inv.degraded
+        assert inv.keys() == [key(3, 3)]
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await pub.close()
+        ctx.destroy(linger=0)
