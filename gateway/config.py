@@ -127,6 +127,12 @@ class ProxyConfig(_Strict):
     """The HTTP proxy: limits, timeouts, retries, debug headers, tokenization."""
 
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Larger request bodies get 413.")
+    max_buffered_response_bytes: int = Field(
+        64 * 1024 * 1024,
+        gt=0,
+        description="A non-streaming response is held until complete (so a failure before it is retried) "
+        "up to this size; a larger one is passed through as it arrives.",
+    )
     connect_timeout_s: float = Field(2.0, gt=0, description="Upstream connect timeout.")
     request_timeout_s: float = Field(600.0, gt=0, description="Upstream total timeout per request.")
     retries: int = Field(2, ge=0, description="Retries on other replicas before the first byte.")

@@ -19,6 +19,28 @@ from gateway.metrics import GatewayMetrics
 SSE_TAIL_BYTES = 64 * 1024  # the usage event is the last or second-to-last event of a stream
 
 
+class SseTail:
+    """The last bytes of a stream: at most ``2 * limit`` held, at least the last ``limit`` kept."""
+
+    __slots__ = ("_buf", "_limit")
+
+    def __init__(self, first: bytes, limit: int = SSE_TAIL_BYTES) -> None:
+        self._limit = limit
+        self._buf = bytearray(first[-limit:])
+
+    def feed(self, chunk: bytes) -> None:
+        buf = self._buf
+        buf += chunk
+        if len(buf) > 2 * self._limit:  # trimmed in batches, not on every chunk
+            del buf[: -self._limit]
+
+    def __len__(self) -> int:
+        return len(self._buf)
+
+    def value(self) -> bytes:
+        return bytes(self._buf)
+
+
 def cached_tokens_of(doc: Any) -> int | None:
     if not isinstance(doc, dict):
         return None

@@ -32,12 +32,13 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.access_log import AccessLog
+from gateway.config import ProxyConfig
 from gateway.features.featurizer import Kind
 from gateway.fleet import Fleet, ReplicaRecord
 from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import RequestRejected, error_response, sse_error_event
 from gateway.prediction_audit import (
-    SSE_TAIL_BYTES,
+    SseTail,
     cached_tokens_in_body,
     cached_tokens_in_sse_tail,
     record_audit,
@@ -96,6 +97,19 @@ async def read_body(request: web.Request, limit: int) -> bytes:
         if len(buf) > limit:
             raise BodyTooLarge
     return bytes(buf)
+
+
+async def _read_bounded(up: aiohttp.ClientResponse, limit: int) -> tuple[bytes, bool]:
+    """The response body if it is at most ``limit`` bytes (True), else its first bytes (False)."""
+    length = up.content_length
+    if length is not None and length <= limit:
+        return await up.read(), True
+    buf = bytearray()
+    while chunk := await up.content.readany():
+        buf += chunk
+        if len(buf) > limit:
+            return bytes(buf), False
+    return bytes(buf), True
 
 
 class _Retry(Exception):
@@ -279,7 +293,7 @@ class Proxy:
             try:
                 resp = await self._attempt(
                     request, rec, choice, features, raw, fwd_headers, timeout, out_tokens,
-                    pcfg.debug_headers, attempt < pcfg.retries, t0, log,
+                    pcfg, attempt < pcfg.retries, t0, log,
                 )  # fmt: skip
             except _Retry as r:
                 last_error = str(r)
@@ -315,7 +329,7 @@ class Proxy:
         fwd_headers: CIMultiDict[str],
         timeout: aiohttp.ClientTimeout,
         out_tokens: int,
-        debug_headers: bool,
+        pcfg: ProxyConfig,
         may_retry: bool,
         t0: float,
         log: dict[str, Any],
@@ -348,12 +362,16 @@ class Proxy:
             if up.status == 503 and may_retry:
                 raise _Retry("503", f"{rec.id}: 503 Service Unavailable")
             headers = filter_headers(up.headers, _DROP_RESPONSE)
-            if debug_headers:
+            if pcfg.debug_headers:
                 headers["x-kvgate-replica"] = rec.id
                 headers["x-kvgate-matched-tokens"] = str(predicted)
             is_sse = up.headers.get("content-type", "").startswith("text/event-stream")
+            complete = False
             try:
-                first = await (up.content.readany() if is_sse else up.read())
+                if is_sse:
+                    first = await up.content.readany()
+                else:
+                    first, complete = await _read_bounded(up, pcfg.max_buffered_response_bytes)
             except TimeoutError:
                 self._fleet.proxy_failure(rec, "timed out before the first byte")
                 return self._error(
@@ -366,7 +384,7 @@ class Proxy:
             ttft = time.perf_counter() - t0
             self._metrics.ttft_seconds.labels(rec.id).observe(ttft)
             log["ttft_ms"] = round(ttft * 1000, 3)
-            if not is_sse:
+            if not is_sse and complete:
                 done = True
                 if up.status < 500:
                     self._fleet.proxy_success(rec)
@@ -379,7 +397,8 @@ class Proxy:
                         log["reported_cached_tokens"] = reported
                 self._metrics.e2e_seconds.labels(rec.id).observe(time.perf_counter() - t0)
                 return web.Response(status=up.status, body=first, headers=headers)
-            resp, done = await self._stream(request, rec, up, first, headers, predicted, t0, log)
+            # an SSE stream, or a body too large to hold: passed through as it arrives
+            resp, done = await self._stream(request, rec, up, first, headers, predicted, t0, log, is_sse)
             return resp
         finally:
             flight.end()
@@ -399,11 +418,15 @@ class Proxy:
         predicted: int,
         t0: float,
         log: dict[str, Any],
+        sse: bool,
     ) -> tuple[web.StreamResponse, bool]:
-        """Pass the SSE stream through; True when the upstream stream was read to its end."""
+        """Pass the response through as it arrives; True when the upstream was read to its end.
+
+        A failure mid-stream ends an SSE stream with an error event; any other body is cut (the
+        connection is closed, so the client sees a truncated response, not a complete one)."""
         resp = web.StreamResponse(status=up.status, headers=headers)
         await resp.prepare(request)
-        tail = bytearray(first[-SSE_TAIL_BYTES:])
+        tail = SseTail(first)
         chunk = first
         sent = 0
         complete = False
@@ -413,35 +436,31 @@ class Proxy:
                 sent += len(chunk)
                 try:
                     chunk = await up.content.readany()
-                except TimeoutError:
-                    log["error"] = "upstream timed out mid-stream"
-                    self._fleet.proxy_failure(rec, "timed out mid-stream")
-                    await resp.write(
-                        sse_error_event(504, f"replica {rec.id} timed out mid-stream", "upstream_timeout")
-                    )
+                except (TimeoutError, *_UPSTREAM_READ_ERRORS) as exc:
+                    timed_out = isinstance(exc, TimeoutError)
+                    what = "timed out" if timed_out else f"failed ({type(exc).__name__})"
+                    log["error"] = f"upstream {what} mid-stream"
+                    self._fleet.proxy_failure(rec, f"{what} mid-stream: {exc}")
+                    if not sse:
+                        # the client must not take a cut body for a whole one
+                        if request.transport is not None:
+                            request.transport.close()
+                        break
+                    status, code = (504, "upstream_timeout") if timed_out else (502, "upstream_error")
+                    await resp.write(sse_error_event(status, f"replica {rec.id} {what} mid-stream", code))
+                    await resp.write_eof()
                     break
-                except _UPSTREAM_READ_ERRORS as exc:
-                    log["error"] = f"upstream failed mid-stream: {type(exc).__name__}"
-                    self._fleet.proxy_failure(rec, f"{type(exc).__name__} mid-stream: {exc}")
-                    await resp.write(
-                        sse_error_event(
-                            502, f"replica {rec.id} failed mid-stream: {type(exc).__name__}", "upstream_error"
-                        )
-                    )
-                    break
-                if chunk:
-                    tail += chunk
-                    if len(tail) > 2 * SSE_TAIL_BYTES:
-                        del tail[:-SSE_TAIL_BYTES]
+                if chunk and sse:
+                    tail.feed(chunk)
             else:
                 complete = True
                 self._fleet.proxy_success(rec)
-                if up.status == 200:
-                    reported = cached_tokens_in_sse_tail(bytes(tail))
+                if sse and up.status == 200:
+                    reported = cached_tokens_in_sse_tail(tail.value())
                     if reported is not None:
                         record_audit(self._metrics, rec, predicted, reported)
                         log["reported_cached_tokens"] = reported
-            await resp.write_eof()
+                await resp.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             log["error"] = "client disconnected"
         log["bytes_out"] = sent

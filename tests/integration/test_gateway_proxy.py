@@ -54,6 +54,19 @@ def test_upstream_connections_are_reused_after_complete_streams(procs: Procs) ->
     assert stats["requests"] == 5 and stats["connections"] == 1
 
 
+def test_responses_over_the_buffer_bound_pass_through_unchanged(procs: Procs) -> None:
+    b = procs.backend("r0")
+    gw = procs.gateway(base_config(b, proxy={"max_buffered_response_bytes": 64}))
+    raw = json.dumps(
+        {"model": "m", "prompt": "a body larger than 64 bytes comes back", "max_tokens": 3}
+    ).encode()
+    s1, _, direct = http("POST", b.url + "/v1/completions", raw, JSON)
+    s2, headers, proxied = http("POST", gw.url + "/v1/completions", raw, JSON)
+    assert (s1, s2) == (200, 200) and len(direct) > 64
+    assert proxied == direct
+    assert headers["x-kvgate-replica"] == "r0"
+
+
 def test_debug_headers_can_be_switched_off(procs: Procs) -> None:
     b = procs.backend("r0")
     gw = procs.gateway(base_config(b, proxy={"debug_headers": False}))
