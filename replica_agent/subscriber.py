@@ -27,6 +27,7 @@ nothing a publisher sends can stop the subscriber.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
@@ -147,12 +148,17 @@ class EventSubscriber:
             self.stats.replayed_batches += 1
 
     async def _drain(self, sub: zmq.asyncio.Socket) -> None:
-        """Handle every frame already queued on ``sub``, without waiting for more."""
+        """Handle every frame already queued on ``sub``, without waiting for more (yielding to the
+        event loop every 256 frames, so that a flood cannot starve the gateway stream)."""
+        handled = 0
         while True:
             try:
                 frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
+            handled += 1
+            if handled % 256 == 0:
+                await asyncio.sleep(0)
             try:
                 await self.handle_frames(frames)
             except Exception:
