@@ -22,7 +22,10 @@ tool results that dominate the transcript; sessions of about a dozen turns):
   tenants 16, head = system U[500, 1500] + tools U[500, 2000] tokens; sessions 400 arriving at
   0.5/s; turns 1 + geometric (mean 12, at most 40); first user message log-normal (median 300,
   sigma 0.6); tool result per turn log-normal (median 900, sigma 0.9, at most 8,000); reply
-  log-normal (median 200, sigma 0.8, 8..2,000); gap log-normal (median 6 s, sigma 0.8); block size 64.
+  log-normal (median 200, sigma 0.8, 8..2,000); gap between a turn's arrival and the next one
+  log-normal (median 15 s, sigma 1.0): the previous reply itself takes ~4 s to stream (~270
+  tokens at ~15 ms per decode step on the GPU profile), then the tool runs (a file read takes
+  milliseconds, a build or a test run tens of seconds); block size 64.
 """
 
 from __future__ import annotations
@@ -79,8 +82,8 @@ class AgentSpec:
     reply_median: float = 200.0
     reply_sigma: float = 0.8
     reply_range: tuple[int, int] = (8, 2000)
-    gap_median_s: float = 6.0
-    gap_sigma: float = 0.8
+    gap_median_s: float = 15.0
+    gap_sigma: float = 1.0
     block_size: int = 64
 
 
