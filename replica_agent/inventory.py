@@ -126,6 +126,12 @@ class AgentInventory:
         self.degraded_reason = reason
         self._rebuild_left = self.capacity_blocks or self.max_blocks
 
+    def _skip(self, blocks: int) -> None:
+        """A stored block's parent is unknown: events were missed, the inventory is incomplete (and
+        the rebuild count starts over)."""
+        self.stats.skipped_blocks += blocks
+        self.mark_degraded(self.degraded_reason if self.degraded else "a stored block's parent is unknown")
+
     def mark_complete(self) -> None:
         self.degraded = False
         self.degraded_reason = ""
@@ -178,9 +184,7 @@ class AgentInventory:
             if found is None and ev.medium != GPU:
                 found = mapping.get((ev.parent, ev.medium))
             if found is None:
-                self.stats.skipped_blocks += len(hashes)
-                if self.degraded:
-                    self._rebuild_left = self.capacity_blocks or self.max_blocks
+                self._skip(len(hashes))
                 return
             parent_key = found
         tokens = ev.token_ids
@@ -245,9 +249,7 @@ class AgentInventory:
                 if state is None and not gpu:
                     state = partial.get((ev.parent, medium))
                 if state is None:
-                    self.stats.skipped_blocks += len(hashes)
-                    if self.degraded:
-                        self._rebuild_left = self.capacity_blocks or self.max_blocks
+                    self._skip(len(hashes))
                     return
                 anchor, pending = state
         tokens = ev.token_ids

@@ -60,6 +60,7 @@ def test_unmapped_parent_is_skipped_and_counted() -> None:
     inv.apply([stored([20, 21], 999, [1, 2, 3, 4])])
     assert len(inv) == 0
     assert inv.stats.skipped_blocks == 2
+    assert inv.degraded  # events were missed: the inventory is incomplete
     inv.apply([BlockRemoved([20, 777], "GPU")])
     assert inv.stats.unknown_removals == 2
 
