@@ -62,12 +62,15 @@ from gateway.inventory_server import InventoryServer
 from gateway.inventory_sink import AgentHello
 from gateway.shared_state_codec import (
     CodecError,
+    Header,
     Keys,
     LoadFigures,
     SnapshotBoundError,
+    decode_header,
     decode_load,
     decode_ops,
     decode_snapshot,
+    encode_header,
     encode_load,
     encode_ops,
     encode_snapshot,
@@ -84,11 +87,10 @@ PUBLISH_BATCH = 256  # entries per pipeline round trip
 READ_COUNT = 256  # entries per stream per XREAD
 BACKOFF_BASE_S = 0.1
 
-# KEYS: stream, snapshot hash, replicas set. ARGV: maxlen, origin, n, ts, payload, replica id.
-# One script so that the snapshot hash always names the stream id of its own marker.
+# KEYS: stream, snapshot hash, replicas set. ARGV: maxlen, origin, n, ts, payload, replica id,
+# marker header. One script, so that the snapshot hash always names the stream id of its marker.
 _SNAPSHOT_LUA = """
-local id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*',
-                      'o', ARGV[2], 'n', ARGV[3], 'ts', ARGV[4], 't', 'S')
+local id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'h', ARGV[7])
 redis.call('HSET', KEYS[2], 'id', id, 'o', ARGV[2], 'n', ARGV[3], 'ts', ARGV[4], 'p', ARGV[5])
 redis.call('SADD', KEYS[3], ARGV[6])
 return id
@@ -153,6 +155,7 @@ class SharedState:
         self._fleet = fleet
         self._inventory = inventory
         self.metrics = SharedStateMetrics(registry)
+        self._applied_delta = self.metrics.applied.labels("delta")  # per entry: skip the lookup
         self.instance_id = instance_id or default_instance_id()
         self._origin = self.instance_id.encode()
         self._clock = clock
@@ -366,7 +369,7 @@ class SharedState:
                 if item.kind == "delta":
                     pipe.xadd(
                         keys.stream(item.replica),
-                        {"o": origin, "n": item.n, "ts": repr(item.ts), "t": "d", "p": item.payload},
+                        {"h": encode_header(Header(b"d", item.n, item.ts, origin)), "p": item.payload},
                         maxlen=maxlen,
                         approximate=True,
                     )
@@ -383,13 +386,16 @@ class SharedState:
                         repr(item.ts),
                         item.payload,
                         item.replica,
+                        encode_header(Header(b"S", item.n, item.ts, origin)),
                     )
                 else:
                     pipe.hset(keys.replica(item.replica), mapping={"hello": item.payload, "o": origin})
                     pipe.sadd(keys.replicas, item.replica)
             await pipe.execute()
-            for item in batch:
-                self.metrics.published.labels(item.kind).inc()
+            for kind in ("delta", "snapshot", "hello"):
+                sent = sum(1 for item in batch if item.kind == kind)
+                if sent:
+                    self.metrics.published.labels(kind).inc(sent)
 
     # ------------------------------------------------------------------ following
     async def _follow_loop(self, client: Redis) -> None:
@@ -490,17 +496,18 @@ class SharedState:
             pos = parse_stream_id(raw_id)
             if pos <= follow.pos:
                 continue  # covered by a snapshot loaded meanwhile
-            kind = fields.get(b"t")
-            if kind == b"S":
+            try:
+                head = decode_header(fields.get(b"h", b""))
+            except CodecError as exc:
+                self.metrics.errors.labels("decode").inc()
+                log.warning("shared state: entry %s of %r: %s", raw_id, replica, exc)
+                head = Header(b"d", -1, 0.0, b"")  # treated as a gap
+            if head.kind == b"S":
                 await self._reload(client, replica, follow, "marker")
                 if follow.pos < pos:
                     follow.pos = pos
                 continue
-            origin = fields.get(b"o", b"")
-            try:
-                n = int(fields.get(b"n", b"0"))
-            except ValueError:
-                n = -1
+            origin, n = head.origin, head.n
             in_order = follow.synced and origin == follow.origin and n == follow.n + 1
             if not in_order and follow.synced:
                 # entries were lost (dropped by the owner, trimmed, or a new owner): a snapshot
@@ -519,7 +526,7 @@ class SharedState:
             # no await since the ownership check above: inventory_hello drops a replica from
             # self._follow synchronously when its agent connects here
             self._apply_delta(replica, follow, fields.get(b"p", b""))
-            self._observe_lag(fields.get(b"ts"))
+            self.metrics.lag.set(max(0.0, self._clock() - head.ts))
 
     def _apply_delta(self, replica: str, follow: _Follow, payload: bytes) -> None:
         index = self._index
@@ -541,7 +548,7 @@ class SharedState:
             log.warning("shared state: delta of %r refused by the index: %s", replica, exc)
             follow.synced = False
             return
-        self.metrics.applied.labels("delta").inc()
+        self._applied_delta.inc()
 
     def _observe_lag(self, ts: bytes | None) -> None:
         if ts:

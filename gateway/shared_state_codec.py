@@ -177,6 +177,33 @@ def decode_load(data: bytes) -> LoadFigures:
         raise CodecError(f"malformed load value {data[:60]!r}: {exc}") from None
 
 
+# ---------------------------------------------------------------------- stream entries
+@dataclass(frozen=True, slots=True)
+class Header:
+    """A stream entry's header: kind (``d`` delta, ``S`` snapshot marker), the owner's per-replica
+    counter, the owner's wall clock when it applied the mutation, and the owner's instance id."""
+
+    kind: bytes
+    n: int
+    ts: float
+    origin: bytes
+
+
+def encode_header(h: Header) -> bytes:
+    # one field instead of four: the reader's RESP parsing is per field, and dominates following
+    return b"%s %d %r %s" % (h.kind, h.n, h.ts, h.origin)
+
+
+def decode_header(raw: bytes) -> Header:
+    parts = raw.split(b" ", 3)
+    if len(parts) != 4 or parts[0] not in (b"d", b"S"):
+        raise CodecError(f"malformed entry header {raw[:60]!r}")
+    try:
+        return Header(parts[0], int(parts[1]), float(parts[2]), parts[3])
+    except ValueError:
+        raise CodecError(f"malformed entry header {raw[:60]!r}") from None
+
+
 # ---------------------------------------------------------------------- stream ids
 def parse_stream_id(raw: bytes | str) -> tuple[int, int]:
     text = raw.decode() if isinstance(raw, bytes) else raw

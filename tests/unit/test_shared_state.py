@@ -25,13 +25,16 @@ from gateway.inventory_sink import AgentHello
 from gateway.shared_state import SharedState
 from gateway.shared_state_codec import (
     CodecError,
+    Header,
     Keys,
     LoadFigures,
     Op,
     SnapshotBoundError,
+    decode_header,
     decode_load,
     decode_ops,
     decode_snapshot,
+    encode_header,
     encode_load,
     encode_ops,
     encode_snapshot,
@@ -89,6 +92,14 @@ def test_load_round_trip_and_refusals() -> None:
     for bad in (b"1,2,3", b"a,b,c,d,e,f,g", b"\xff"):
         with pytest.raises(CodecError):
             decode_load(bad)
+
+
+def test_entry_header_round_trip_and_refusals() -> None:
+    h = Header(b"d", 42, 1764400000.125, b"gw-7 with spaces")
+    assert decode_header(encode_header(h)) == h
+    for bad in (b"", b"x 1 2.0 o", b"d one 2.0 o", b"S 1 later o", b"d 1 2.0"):
+        with pytest.raises(CodecError):
+            decode_header(bad)
 
 
 def test_stream_ids_order_numerically() -> None:

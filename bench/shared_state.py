@@ -1,0 +1,169 @@
+"""Shared-state benchmark (not a test; prints figures): what publishing an agent's deltas to Redis
+costs the owning gateway, and how fast and how soon a second instance follows.
+
+    python bench/shared_state.py [--batches 20000] [--keys 16] [--probes 200]
+
+Starts its own redis-server on a free loopback port (no persistence) and two ``SharedState``
+instances in one process and event loop (so both share one core: the throughput is a lower bound
+of two processes). Figures:
+
+  hook cost          the owner's synchronous hook per agent batch (encode + enqueue), next to
+                     ``PrefixIndex.store`` of the same batch (what the inventory server already pays)
+  follow throughput  batches/s and keys/s from the owner's hook until the follower's index holds them
+  propagation        one batch at a time on an idle pair: hook -> follower index, p50 / p99
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry
+
+from gateway.config import GatewayConfig, parse_config
+from gateway.fleet import Fleet
+from gateway.inventory_server import InventoryServer
+from gateway.inventory_sink import AgentHello
+from gateway.shared_state import SharedState
+from proto.kvgate.v1 import inventory_pb2 as pb
+from router_policies.prefix_index import PrefixIndex
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _instance(config: GatewayConfig, name: str) -> tuple[PrefixIndex, SharedState]:
+    index = PrefixIndex(config.index)
+    fleet = Fleet(config, index)
+    registry = CollectorRegistry()
+    inventory = InventoryServer(index, fleet, token=None, registry=registry)
+    shared = SharedState(config.shared_state, index, fleet, inventory, registry, instance_id=name)
+    inventory.observer = shared
+    return index, shared
+
+
+async def _until(check: Callable[[], bool], timeout_s: float = 120.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > end:
+            raise TimeoutError("the follower did not catch up")
+        await asyncio.sleep(0.0005)
+
+
+async def _run(url: str, batches: int, nkeys: int, probes: int) -> None:
+    config = parse_config(
+        {
+            "models": [{"name": "m"}],
+            "index": {"max_blocks_per_replica": 2_000_000, "max_total_blocks": 8_000_000},
+            # a queue that holds the whole burst: this measures throughput, not drops
+            "shared_state": {"redis_url": url, "key_prefix": "bench", "publish_queue": batches + 10},
+        }
+    )
+    _, a = _instance(config, "a")
+    idx_b, b = _instance(config, "b")
+    await a.start()
+    await b.start()
+    try:
+        await _until(lambda: a.up and b.up, 30)
+        a.inventory_hello(AgentHello("r0", "http://127.0.0.1:9", ("m",), 16, 0, "bench", "", ""))
+        a.inventory_snapshot("r0", {})
+        await _until(lambda: "r0" in b.status()["following"], 30)  # type: ignore[operator]
+
+        events = [
+            [pb.Event(stored=pb.Stored(keys=range(i * nkeys + 1, (i + 1) * nkeys + 1)))]
+            for i in range(batches)
+        ]
+        # hook cost, next to the index apply the inventory server already does for the same batch
+        scratch = PrefixIndex(config.index)
+        scratch.store("warm", [1, 2, 3])  # compile the index's kernels before timing
+        t0 = time.perf_counter()
+        for evs in events:
+            scratch.store("r0", evs[0].stored.keys)
+        store_s = time.perf_counter() - t0
+        hook_s = 0.0
+        t0 = time.perf_counter()
+        for i in range(0, batches, 100):
+            # the agent's messages arrive one by one: let the loop run between bursts of 100
+            t1 = time.perf_counter()
+            for evs in events[i : i + 100]:
+                a.inventory_events("r0", evs)
+            hook_s += time.perf_counter() - t1
+            await asyncio.sleep(0)
+        await _until(lambda: idx_b.precise_count("r0") == batches * nkeys)
+        follow_s = time.perf_counter() - t0
+
+        lat: list[float] = []
+        base = batches * nkeys + 1
+        for p in range(probes):
+            keys = range(base + p * nkeys, base + (p + 1) * nkeys)
+            want = idx_b.precise_count("r0") + nkeys
+            t1 = time.perf_counter()
+            a.inventory_events("r0", [pb.Event(stored=pb.Stored(keys=keys))])
+            await _until(lambda want=want: idx_b.precise_count("r0") >= want)  # type: ignore[misc]
+            lat.append(time.perf_counter() - t1)
+        lat.sort()
+    finally:
+        await a.stop()
+        await b.stop()
+
+    print(f"batches {batches} x {nkeys} keys, one process (owner and follower share a core)")
+    print(
+        f"hook cost           {hook_s / batches * 1e6:8.1f} us/batch   "
+        f"(PrefixIndex.store of the batch: {store_s / batches * 1e6:.1f} us; ratio {hook_s / store_s:.2f})"
+    )
+    print(
+        f"follow throughput   {batches / follow_s:8.0f} batches/s  {batches * nkeys / follow_s:,.0f} keys/s"
+    )
+    print(
+        f"propagation         p50 {lat[len(lat) // 2] * 1e3:.2f} ms   "
+        f"p99 {lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3:.2f} ms   ({probes} probes)"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, default=20000)
+    ap.add_argument("--keys", type=int, default=16, help="keys per stored batch")
+    ap.add_argument("--probes", type=int, default=200)
+    args = ap.parse_args()
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise SystemExit("redis-server is not installed (apt-get install -y redis-server)")
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.Popen(
+            [
+                exe,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                tmp,
+            ],
+            stdout=subprocess.DEVNULL,
+        )
+        try:
+            time.sleep(0.3)
+            asyncio.run(_run(f"redis://127.0.0.1:{port}/0", args.batches, args.keys, args.probes))
+        finally:
+            proc.terminate()
+            proc.wait(10)
+
+
+if __name__ == "__main__":
+    main()
