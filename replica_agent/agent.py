@@ -2,7 +2,7 @@
 
 Tasks and their owner (``Agent.run``), stopped in this order when ``stop`` is set: the gateway
 stream (so the gateway sees the stream end before anything else), the load probe, the event
-subscriber; then the ZMQ context and the HTTP session are closed.
+subscriber; then the ZMQ context, the optional metrics endpoint and the HTTP session are closed.
 """
 
 from __future__ import annotations
@@ -14,8 +14,11 @@ from dataclasses import dataclass, field
 
 import aiohttp
 import zmq.asyncio
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proto.kvgate.v1 import inventory_pb2 as pb
+from replica_agent.agent_metrics import agent_registry
 from replica_agent.gateway_client import GatewayClient, HelloInfo
 from replica_agent.inventory import AgentInventory
 from replica_agent.load_probe import EngineLoad, MetricsParseError, parse_engine_metrics
@@ -47,6 +50,8 @@ class AgentConfig:
     seed: int = 0
     backoff_max_s: float = 1.0
     engine_kind: str = field(default="")
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # serve the agent's Prometheus metrics (0: any free port)
 
 
 class Agent:
@@ -61,6 +66,7 @@ class Agent:
         self.load: EngineLoad | None = None
         self.probe_errors = 0
         self.ready = asyncio.Event()  # subscribed to the engine's events
+        self.metrics_address = ""  # HOST:PORT of /metrics once served
 
     # ------------------------------------------------------------------ providers for the client
     def _hello(self) -> HelloInfo | None:
@@ -151,12 +157,30 @@ class Agent:
                 log.debug("load probe failed: %s", exc)
             await asyncio.sleep(self.cfg.load_interval_s)
 
+    async def _serve_metrics(self) -> web.AppRunner:
+        registry = agent_registry(self)
+
+        async def metrics(_request: web.Request) -> web.Response:
+            return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.cfg.metrics_host, self.cfg.metrics_port)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        self.metrics_address = f"{host}:{port}"
+        return runner
+
     # ------------------------------------------------------------------ run
     async def run(self, stop: asyncio.Event) -> None:
         cfg = self.cfg
         timeout = aiohttp.ClientTimeout(total=5.0, connect=2.0)
         ctx = zmq.asyncio.Context()
         tasks: list[asyncio.Task[None]] = []
+        # the metrics endpoint lives longest: started first, cleaned up last
+        metrics_runner = await self._serve_metrics() if cfg.metrics_port is not None else None
         async with aiohttp.ClientSession(timeout=timeout) as http:
             try:
                 # the probe first: it may tell the block size before the engine has sent any event
@@ -203,7 +227,7 @@ class Agent:
                 # the readiness line scripts and tests wait for (stdout, one line)
                 print(
                     f"kvgate agent ready replica={cfg.replica_id} model={model} events={cfg.events} "
-                    f"gateway={cfg.gateway}",
+                    f"gateway={cfg.gateway} metrics={self.metrics_address or '-'}",
                     flush=True,
                 )
                 log.info(
@@ -231,3 +255,5 @@ class Agent:
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await t
                 ctx.destroy(linger=0)
+                if metrics_runner is not None:
+                    await metrics_runner.cleanup()

@@ -58,6 +58,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--reconnect-max", type=float, default=1.0, help="longest wait between gateway reconnects, seconds"
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve the agent's Prometheus /metrics here (0: any port)",
+    )
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="address of --metrics-port")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
@@ -81,6 +88,8 @@ def _check(args: argparse.Namespace) -> AgentConfig:
         raise UserInputError(
             f"--key-block-size: {args.key_block_size} is not a multiple of --block-size {args.block_size}"
         )
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise UserInputError(f"--metrics-port: not a port: {args.metrics_port}")
     if args.max_blocks <= 0:
         raise UserInputError("--max-blocks: must be positive")
     if args.reconnect_max <= 0:
@@ -112,6 +121,8 @@ def _check(args: argparse.Namespace) -> AgentConfig:
         load_interval_s=args.load_interval,
         seed=args.seed,
         backoff_max_s=args.reconnect_max,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
     )
 
 

@@ -92,6 +92,7 @@ class Fleet:
     agent: subprocess.Popen[bytes] | None = None
     gateway: subprocess.Popen[bytes] | None = None
     gateway_url: str = ""
+    agent_metrics: str = ""
     started: list[subprocess.Popen[bytes]] = field(default_factory=list)
     engine_flags: list[str] = field(default_factory=list)
     agent_flags: list[str] = field(default_factory=list)
@@ -145,7 +146,8 @@ class Fleet:
             "agent",
             {"KVGATE_AGENT_TOKEN": AGENT_TOKEN},
         )  # fmt: skip
-        wait_line(self.agent, r"kvgate agent ready")
+        m = wait_line(self.agent, r"kvgate agent ready .* metrics=(\S+)")
+        self.agent_metrics = m.group(1)
 
     def start_gateway(self) -> None:
         config = {
@@ -346,6 +348,7 @@ def test_unrecoverable_gap_degrades_then_heals(fleet: Fleet) -> None:
 def test_tagged_arrays_and_digest_hashes(fleet: Fleet) -> None:
     """The older tagged-array encoding with 32-byte digest hashes, end to end."""
     fleet.engine_flags = ["--event-encoding", "array", "--hash-format", "bytes"]
+    fleet.agent_flags = ["--metrics-port", "0"]
     fleet.start_engine()
     fleet.start_gateway()
     fleet.start_agent()
@@ -355,6 +358,14 @@ def test_tagged_arrays_and_digest_hashes(fleet: Fleet) -> None:
     fleet.faults(drop=2)
     fleet.workload(6)
     fleet.converge("after dropped events")
+    # the agent's own metrics
+    status, _, body = http("GET", f"http://{fleet.agent_metrics}/metrics")
+    text = body.decode()
+    assert status == 200
+    assert 'kvgate_agent_engine_gaps_total{outcome="recovered"} 1.0' in text
+    assert "kvgate_agent_gateway_connected 1.0" in text
+    applied = re.search(r'kvgate_agent_engine_batches_total\{outcome="applied"\} (\S+)', text)
+    assert applied is not None and float(applied.group(1)) > 0
 
 
 def test_gateway_block_size_a_multiple_of_the_engines(fleet: Fleet) -> None:
