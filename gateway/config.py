@@ -181,6 +181,13 @@ class SharedStateConfig(_Strict):
     reconnect_max_s: float = Field(5.0, gt=0, description="Cap of the jittered reconnect backoff.")
     seed: int = Field(0, description="Seed of the reconnect backoff's jitter.")
 
+    @model_validator(mode="after")
+    def _ttl_outlives_interval(self) -> SharedStateConfig:
+        # a load key that expires before its next refresh would make the instance's load flicker
+        if self.load_ttl_s <= self.load_interval_s:
+            raise ValueError("load_ttl_s must exceed load_interval_s")
+        return self
+
 
 class TelemetryConfig(_Strict):
     """Metrics, traces and logs."""
