@@ -317,3 +317,10 @@ async def test_redis_down_at_start_then_up(tmp_path: Path, started: list[Instanc
         assert a.sample("kvgate_shared_state_up") == 0.0
     finally:
         server.stop()
+
+
+def test_config_refuses_a_load_ttl_not_longer_than_the_interval() -> None:
+    from gateway.config import ConfigError
+
+    with pytest.raises(ConfigError, match="load_ttl_s must exceed load_interval_s"):
+        parse_config({"shared_state": {"load_interval_s": 2.0, "load_ttl_s": 2.0}})
