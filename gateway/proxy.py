@@ -293,7 +293,7 @@ class Proxy:
             try:
                 resp = await self._attempt(
                     request, rec, choice, features, raw, fwd_headers, timeout, out_tokens,
-                    pcfg, attempt < pcfg.retries, t0, log,
+                    pcfg, attempt < pcfg.retries, not info.approximate, t0, log,
                 )  # fmt: skip
             except _Retry as r:
                 last_error = str(r)
@@ -331,6 +331,7 @@ class Proxy:
         out_tokens: int,
         pcfg: ProxyConfig,
         may_retry: bool,
+        audit: bool,
         t0: float,
         log: dict[str, Any],
     ) -> web.StreamResponse:
@@ -390,7 +391,7 @@ class Proxy:
                     self._fleet.proxy_success(rec)
                 elif up.status != 503:
                     self._fleet.proxy_failure(rec, f"answered {up.status}")
-                if up.status == 200:
+                if audit and up.status == 200:
                     reported = cached_tokens_in_body(first) if up.content_type == "application/json" else None
                     if reported is not None:
                         record_audit(self._metrics, rec, predicted, reported)
@@ -398,7 +399,9 @@ class Proxy:
                 self._metrics.e2e_seconds.labels(rec.id).observe(time.perf_counter() - t0)
                 return web.Response(status=up.status, body=first, headers=headers)
             # an SSE stream, or a body too large to hold: passed through as it arrives
-            resp, done = await self._stream(request, rec, up, first, headers, predicted, t0, log, is_sse)
+            resp, done = await self._stream(
+                request, rec, up, first, headers, predicted if audit else None, t0, log, is_sse
+            )
             return resp
         finally:
             flight.end()
@@ -415,7 +418,7 @@ class Proxy:
         up: aiohttp.ClientResponse,
         first: bytes,
         headers: CIMultiDict[str],
-        predicted: int,
+        predicted: int | None,
         t0: float,
         log: dict[str, Any],
         sse: bool,
@@ -423,7 +426,9 @@ class Proxy:
         """Pass the response through as it arrives; True when the upstream was read to its end.
 
         A failure mid-stream ends an SSE stream with an error event; any other body is cut (the
-        connection is closed, so the client sees a truncated response, not a complete one)."""
+        connection is closed, so the client sees a truncated response, not a complete one).
+        ``predicted`` is None when the request is not audited (approximate character keys predict
+        no engine tokens)."""
         resp = web.StreamResponse(status=up.status, headers=headers)
         await resp.prepare(request)
         tail = SseTail(first)
@@ -455,7 +460,7 @@ class Proxy:
             else:
                 complete = True
                 self._fleet.proxy_success(rec)
-                if sse and up.status == 200:
+                if sse and predicted is not None and up.status == 200:
                     reported = cached_tokens_in_sse_tail(tail.value())
                     if reported is not None:
                         record_audit(self._metrics, rec, predicted, reported)

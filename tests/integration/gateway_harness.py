@@ -27,6 +27,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_BACKEND = Path(__file__).resolve().parent / "fake_backend.py"
+TOKENIZER = REPO / "assets" / "tokenizers" / "kvgate-tiny"
 ADMIN_TOKEN = "test-admin-token"
 AGENT_TOKEN = "test-agent-token"
 START_TIMEOUT_S = 30.0
@@ -200,7 +201,8 @@ def wait_until(check: Any, timeout_s: float = 15.0, what: str = "condition") -> 
 def base_config(*backends: Backend, **extra: Any) -> dict[str, Any]:
     models = sorted({b.model for b in backends}) or ["m"]
     cfg: dict[str, Any] = {
-        "models": [{"name": m} for m in models],
+        # exact token features (the repository's test tokenizer), as in production
+        "models": [{"name": m, "tokenizer": str(TOKENIZER)} for m in models],
         "replicas": [{"id": b.replica, "url": b.url, "models": [b.model]} for b in backends],
         "policy": {"name": "round_robin", "seed": 0},
         "health": {"interval_s": 0.2, "timeout_s": 1.0, "unhealthy_after": 1, "healthy_after": 1},

@@ -229,3 +229,15 @@ def test_spans_are_exported_over_otlp(procs: Procs) -> None:
         assert "kvgate.predicted_cached_tokens" in attrs
     finally:
         server.stop(None)
+
+
+def test_approximate_requests_are_not_audited(procs: Procs) -> None:
+    b = procs.backend("r0")
+    cfg = base_config(b)
+    cfg["models"] = [{"name": "m", "tokenizer": None}]  # character blocks only
+    gw = procs.gateway(cfg)
+    assert _post(gw, {"model": "m", "prompt": "p" * 500, "fake_cached_tokens": 7})[0] == 200
+    m = gw.metrics()
+    assert 'kvgate_features_total{approximate="true",mode="chars"} 1.0' in m
+    assert "kvgate_prediction_audit_total{" not in m
+    assert gw.replicas()["r0"]["prediction_audit"]["total"] == 0
