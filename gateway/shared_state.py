@@ -86,6 +86,9 @@ log = logging.getLogger("kvgate.shared_state")
 PUBLISH_BATCH = 256  # entries per pipeline round trip
 READ_COUNT = 256  # entries per stream per XREAD
 BACKOFF_BASE_S = 0.1
+# A replica's keys (stream, snapshot, registration) live this long after the last instance holding
+# its agent refreshed them (every load round): a replica gone for good leaves nothing behind.
+REPLICA_KEYS_TTL_S = 3600
 
 # KEYS: stream, snapshot hash, replicas set. ARGV: maxlen, origin, n, ts, payload, replica id,
 # marker header. One script, so that the snapshot hash always names the stream id of its marker.
@@ -220,6 +223,11 @@ class SharedState:
     def inventory_snapshot(self, replica: str, entries: Mapping[int, str]) -> None:
         self._since_snapshot[replica] = 0
         self._refresh_asked.discard(replica)
+        hello = self._hellos.get(replica)
+        if hello is not None:
+            # the registration again (snapshots are rare): a Hello dropped from a full queue, or
+            # expired keys, come back with the next snapshot
+            self._enqueue("hello", replica, _encode_hello(hello))
         self._enqueue("snapshot", replica, encode_snapshot(entries))
 
     def inventory_events(self, replica: str, events: Sequence[pb.Event]) -> None:
@@ -436,7 +444,10 @@ class SharedState:
         """Make the replica routable here from its shared registration (a no-op for one we know)."""
         raw = cast("bytes | None", await client.hget(self._keys.replica(replica), "hello"))
         if raw is None:
-            return self._fleet.get(replica) is not None  # a static replica of both configs
+            # its keys expired (no agent anywhere for REPLICA_KEYS_TTL_S): forget the id; an owner
+            # publishes the Hello (HSET, then SADD) before anything else of a replica
+            await client.srem(self._keys.replicas, replica)
+            return False
         try:
             hello = _decode_hello(raw)
         except CodecError as exc:
@@ -588,6 +599,10 @@ class SharedState:
             pipe.hset(key, mapping=figures)  # type: ignore[arg-type]
             pipe.pexpire(key, int(self._cfg.load_ttl_s * 1000))
         pipe.sadd(self._keys.instances, self.instance_id)
+        keys = self._keys
+        for replica in self._inventory.connected_replicas():
+            for name in (keys.stream(replica), keys.snapshot(replica), keys.replica(replica)):
+                pipe.expire(name, REPLICA_KEYS_TTL_S)
         await pipe.execute()
 
     async def _read_load(self, client: Redis) -> None:

@@ -249,6 +249,7 @@ def test_two_gateways_share_index_and_load_and_survive_redis_outage(
             assert status == 200, body
     assert "Redis unreachable" in pair.b.stderr()
     # B still routes by what it learned before the outage
+    wait_until(b_idle, CONVERGE_S, "B idle")
     doc = explain(pair.b.url, pair.b_headers, PROMPTS[5])
     assert doc["decision"]["replica"] == landed[PROMPTS[5]]
 

@@ -9,19 +9,22 @@ both converge on what the agent said last. The owner asks its agent for a fresh 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import grpc.aio
 import pytest
+import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
 from gateway.config import parse_config
 from gateway.fleet import Fleet
 from gateway.inventory_server import InventoryServer
-from gateway.shared_state import SharedState
+from gateway.shared_state import REPLICA_KEYS_TTL_S, SharedState
+from gateway.shared_state_codec import Keys
 from proto.kvgate.v1 import inventory_pb2 as pb
 from router_policies.prefix_index import PrefixIndex
 from tests.integration.test_shared_state import RedisServer
@@ -156,8 +159,25 @@ class Agent:
         await asyncio.gather(self._reader, return_exceptions=True)
 
 
-async def test_ownership_moves_with_the_agent_stream(nodes: tuple[Node, Node]) -> None:
+async def _ttl_set(client: aioredis.Redis, name: str) -> bool:
+    ttl = await client.ttl(name)
+    return bool(0 < ttl <= REPLICA_KEYS_TTL_S)
+
+
+async def until_async(check: Callable[[], Awaitable[bool]], what: str) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + WAIT_S
+    while not await check():
+        if loop.time() > end:
+            raise TimeoutError(f"{what} not reached after {WAIT_S}s")
+        await asyncio.sleep(0.02)
+
+
+async def test_ownership_moves_with_the_agent_stream(
+    nodes: tuple[Node, Node], redis_server: RedisServer
+) -> None:
     a, b = nodes
+    redis_url = redis_server.url
     agent = Agent(a, "r5")
     await agent.hello()
     await agent.snapshot([1, 2, 3])
@@ -165,6 +185,14 @@ async def test_ownership_moves_with_the_agent_stream(nodes: tuple[Node, Node]) -
     await until(lambda: a.keys("r5") == [1, 2, 3, 4] == b.keys("r5"), "B follows A's agent")
     rec = b.fleet.get("r5")
     assert rec is not None and rec.shared_inventory and not rec.agent_connected
+    # the owner keeps the replica's keys alive while it holds the agent (they expire otherwise)
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        keys = Keys("streams")
+        for name in (keys.stream("r5"), keys.snapshot("r5"), keys.replica("r5")):
+            await until_async(functools.partial(_ttl_set, client, name), f"TTL on {name}")
+    finally:
+        await client.aclose()
 
     # the agent reconnects to B (A went away behind the Service): B now writes r5, A follows B
     await agent.close()

@@ -166,6 +166,7 @@ def removed(keys: list[int]) -> pb.Event:
 
 
 HELLO = AgentHello("r9", "http://127.0.0.1:19", ("m",), 16, 1000, "sim", "1", "test")
+HELLO_R0 = AgentHello("r0", "http://127.0.0.1:9", ("m",), 16, 1000, "sim", "1", "test")
 
 
 @pytest.fixture
@@ -227,6 +228,7 @@ async def test_publish_queue_drops_oldest_and_a_snapshot_heals_the_gap(
     a = make_instance(redis_server.url, "a", publish_queue=8)
     b = make_instance(redis_server.url, "b")
     await start(started, a, b)
+    a.shared.inventory_hello(HELLO_R0)  # the inventory server always says hello first
     a.shared.inventory_snapshot("r0", {1: "GPU"})
     await until(lambda: b.index.precise_keys("r0") == [1], "B follows r0")
     # 50 batches without yielding to the loop: the publisher cannot run, the queue holds 8
@@ -245,6 +247,7 @@ async def test_publish_queue_drops_oldest_and_a_snapshot_heals_the_gap(
 async def test_stream_length_is_bounded(redis_server: RedisServer, started: list[Instance]) -> None:
     a = make_instance(redis_server.url, "a", stream_maxlen=16)
     await start(started, a)
+    a.shared.inventory_hello(HELLO_R0)
     a.shared.inventory_snapshot("r0", {})
     for k in range(200):
         a.shared.inventory_events("r0", [stored([k])])
@@ -264,6 +267,7 @@ async def test_follower_refuses_a_snapshot_over_its_bound(
     a = make_instance(redis_server.url, "a")
     b = make_instance(redis_server.url, "b", index={"max_blocks_per_replica": 5})
     await start(started, a, b)
+    a.shared.inventory_hello(HELLO_R0)  # the inventory server always says hello first
     a.shared.inventory_snapshot("r0", {k: "GPU" for k in range(10)})
     await until(lambda: b.sample("kvgate_shared_state_errors_total", {"kind": "index_bound"}) >= 1, "refusal")
     assert b.index.precise_keys("r0") == []
@@ -324,3 +328,22 @@ def test_config_refuses_a_load_ttl_not_longer_than_the_interval() -> None:
 
     with pytest.raises(ConfigError, match="load_ttl_s must exceed load_interval_s"):
         parse_config({"shared_state": {"load_interval_s": 2.0, "load_ttl_s": 2.0}})
+
+
+async def test_a_replica_without_registration_is_forgotten(
+    redis_server: RedisServer, started: list[Instance]
+) -> None:
+    keys = Keys("unit")
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await client.sadd(keys.replicas, "ghost")  # its registration expired long ago
+        b = make_instance(redis_server.url, "b")
+        await start(started, b)
+        for _ in range(200):
+            if not await client.sismember(keys.replicas, "ghost"):
+                break
+            await asyncio.sleep(0.02)
+        assert not await client.sismember(keys.replicas, "ghost")
+    finally:
+        await client.aclose()
+    assert b.fleet.get("ghost") is None and "ghost" not in b.index.replicas
