@@ -299,7 +299,12 @@ def main(argv: list[str] | None = None) -> int:
         "--routers", nargs="+", default=["kvgate_kv_aware", "sglang_cache_aware", "vllm_router_best"]
     )
     ap.add_argument("--replicas", type=int, default=4)
-    ap.add_argument("--cache-blocks", type=int, default=1500, help="KV blocks per engine (16 tokens each)")
+    ap.add_argument(
+        "--cache-blocks",
+        type=int,
+        default=400,
+        help="KV blocks per engine (16 tokens each): small, so caches evict",
+    )
     ap.add_argument("--max-blocks", type=int, default=48, help="trace blocks per prompt at most")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--speedup", type=float, default=4.0)
