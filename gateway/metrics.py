@@ -8,6 +8,7 @@ hot path never maintains them.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -20,6 +21,24 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 _TOKEN_BUCKETS = (0, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 _ERROR_BUCKETS = (-4096, -1024, -256, -64, -16, -1, 0, 1, 16, 64, 256, 1024, 4096)
+
+
+class Children:
+    """A labelled metric's children cached by label values: ``labels()`` costs several
+    microseconds per call, on every request. Bounded by the label values themselves (policies,
+    replicas, statuses, outcomes), which the metric keeps children for anyway."""
+
+    __slots__ = ("_cache", "_metric")
+
+    def __init__(self, metric: Any) -> None:
+        self._metric = metric
+        self._cache: dict[tuple[str, ...], Any] = {}
+
+    def __call__(self, *values: str) -> Any:
+        child = self._cache.get(values)
+        if child is None:
+            child = self._cache[values] = self._metric.labels(*values)
+        return child
 
 
 class _StateCollector(Collector):
@@ -161,4 +180,13 @@ class GatewayMetrics:
         self.reloads = Counter(
             "kvgate_config_reloads", "Config reloads by result.", ["result"], registry=registry
         )
+        # request-path access to the labelled metrics, through cached children
+        self.requests_by = Children(self.requests)
+        self.retries_by = Children(self.retries)
+        self.predicted_by = Children(self.predicted_tokens)
+        self.ttft_by = Children(self.ttft_seconds)
+        self.e2e_by = Children(self.e2e_seconds)
+        self.audit_by = Children(self.audit)
+        self.audit_error_by = Children(self.audit_error)
+        self.features_by = Children(self.features)
         registry.register(_StateCollector(index, fleet, cache_stats))

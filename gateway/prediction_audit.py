@@ -85,5 +85,5 @@ def record_audit(metrics: GatewayMetrics, record: ReplicaRecord, predicted: int,
         outcome = "exact"
     else:
         outcome = "over" if diff > 0 else "under"
-    metrics.audit.labels(record.id, outcome).inc()
-    metrics.audit_error.labels(record.id).observe(diff)
+    metrics.audit_by(record.id, outcome).inc()
+    metrics.audit_error_by(record.id).observe(diff)

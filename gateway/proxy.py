@@ -203,9 +203,9 @@ class Proxy:
             log["status"] = status
             log["duration_ms"] = round((time.perf_counter() - t0) * 1000, 3)
             if "replica" not in log:
-                self._metrics.requests.labels(state.policy.name, "none", str(status)).inc()
+                self._metrics.requests_by(state.policy.name, "none", str(status)).inc()
             else:
-                self._metrics.requests.labels(state.policy.name, log["replica"], str(status)).inc()
+                self._metrics.requests_by(state.policy.name, log["replica"], str(status)).inc()
             if span is not None:
                 span.set_attribute("http.status_code", status)
                 span.end()
@@ -262,7 +262,7 @@ class Proxy:
             return self._error(log, exc.status, exc.message, param=exc.param, code=exc.code), body
         td = time.perf_counter()
         self._metrics.features_seconds.observe(td - tf)
-        self._metrics.features.labels(info.mode, "true" if info.approximate else "false").inc()
+        self._metrics.features_by(info.mode, "true" if info.approximate else "false").inc()
         if info.approximate:
             log["approximate"] = True
         match = self._router.match(features)
@@ -285,7 +285,7 @@ class Proxy:
                 return self._error(log, 502, f"upstream failed: {last_error}", code="upstream_error"), body
             if attempt == 0:
                 self._metrics.decision_seconds.observe(time.perf_counter() - td)
-                self._metrics.predicted_tokens.labels(state.policy.name).observe(choice.predicted_tokens)
+                self._metrics.predicted_by(state.policy.name).observe(choice.predicted_tokens)
             self._annotate(log, span, features, choice)  # a retry's choice overwrites the first
             rec = choice.record
             log["replica"] = rec.id
@@ -297,7 +297,7 @@ class Proxy:
                 )  # fmt: skip
             except _Retry as r:
                 last_error = str(r)
-                self._metrics.retries.labels(r.reason).inc()
+                self._metrics.retries_by(r.reason).inc()
                 log["retries"] = attempt + 1
                 continue
             return resp, body
@@ -383,7 +383,7 @@ class Proxy:
                 raise _Retry("disconnect", f"{rec.id}: {type(exc).__name__} before the first byte") from None
             flight.first_byte()
             ttft = time.perf_counter() - t0
-            self._metrics.ttft_seconds.labels(rec.id).observe(ttft)
+            self._metrics.ttft_by(rec.id).observe(ttft)
             log["ttft_ms"] = round(ttft * 1000, 3)
             if not is_sse and complete:
                 done = True
@@ -396,7 +396,7 @@ class Proxy:
                     if reported is not None:
                         record_audit(self._metrics, rec, predicted, reported)
                         log["reported_cached_tokens"] = reported
-                self._metrics.e2e_seconds.labels(rec.id).observe(time.perf_counter() - t0)
+                self._metrics.e2e_by(rec.id).observe(time.perf_counter() - t0)
                 return web.Response(status=up.status, body=first, headers=headers)
             # an SSE stream, or a body too large to hold: passed through as it arrives
             resp, done = await self._stream(
@@ -469,5 +469,5 @@ class Proxy:
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             log["error"] = "client disconnected"
         log["bytes_out"] = sent
-        self._metrics.e2e_seconds.labels(rec.id).observe(time.perf_counter() - t0)
+        self._metrics.e2e_by(rec.id).observe(time.perf_counter() - t0)
         return resp, complete
