@@ -10,10 +10,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from gateway.local_fleet import FleetOptions, LocalFleet, http_text
 from tests.integration.gateway_harness import http, wait_until
 
 JSON = {"content-type": "application/json"}
+
+pytestmark = pytest.mark.slow  # whole fleets of engines and agents: `make test` runs them, test-fast not
 
 
 def _chat(url: str, body: dict[str, Any]) -> tuple[dict[str, str], str, dict[str, Any]]:
