@@ -275,7 +275,15 @@ class EventSubscriber:
         dealer.connect(self.replay_endpoint)
         out: list[tuple[int, bytes]] = []
         try:
-            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            try:
+                # a DEALER's send waits for a connected peer: bound it, or a replay endpoint that
+                # is down (or wrong) would stop the subscriber for good
+                await asyncio.wait_for(
+                    dealer.send_multipart([b"", start.to_bytes(8, "big")]), self.replay_timeout_s
+                )
+            except TimeoutError:
+                log.warning("replay endpoint %s not reachable", self.replay_endpoint)
+                return None
             while len(out) <= self.max_replay_batches:
                 if not await dealer.poll(int(self.replay_timeout_s * 1000)):
                     log.warning("replay from seq %d timed out after %d batches", start, len(out))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -313,6 +314,35 @@ async def test_replay_answer_is_bounded() -> None:
         await wait_for(lambda: sub.expected == pub.seq)
         assert sub.stats.unrecovered_gaps == 1 and inv.degraded
         assert inv.keys() == [key(3, 3)]
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await pub.close()
+        ctx.destroy(linger=0)
+
+
+async def test_unreachable_replay_endpoint_does_not_stall() -> None:
+    """A replay endpoint nobody listens on: the start-up catch-up and a gap give up after the
+    timeout, the gap counts as unrecoverable, and live events keep flowing."""
+    ctx = zmq.asyncio.Context()
+    pub = Publisher(ctx)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    inv = AgentInventory("m", BS, max_blocks=100)
+    sub = EventSubscriber(
+        ctx, f"tcp://127.0.0.1:{pub.pub_port}", f"tcp://127.0.0.1:{dead}", inv, replay_timeout_s=0.3
+    )
+    task = asyncio.create_task(sub.run())
+    try:
+        await asyncio.sleep(0.6)
+        await pub.publish([stored(1, None, [1, 2])])
+        pub.batch([stored(2, 1, [3, 4])])  # lost
+        await pub.publish([stored(3, None, [5, 6])])
+        await wait_for(lambda: sub.expected == pub.seq)
+        assert sub.stats.unrecovered_gaps == 1
+        assert inv.keys() == [key(5, 6)]
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
