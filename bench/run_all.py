@@ -40,7 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     if "overhead" in args.parts:
         overhead.main(
             ["--out", str(res / "overhead.json")]
-            + (["--requests", "200", "--sizes", "8192", "--concurrency", "32", "--backends", "2"] if q else [])
+            + (
+                ["--requests", "200", "--sizes", "8192", "--concurrency", "32", "--backends", "2"]
+                if q
+                else []
+            )
             + (["--no-peers"] if args.no_peers else [])
         )
     if "live" in args.parts:
