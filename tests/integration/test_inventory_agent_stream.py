@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import random
 import shutil
 import socket
 import subprocess
@@ -40,11 +42,21 @@ class Fleet:
         self.states.append((replica_id, connected, degraded))
 
 
+# The gateway restarts at the same port while the agent keeps reconnecting: take it below the
+# ephemeral range so that a reconnect cannot self-connect to it (see test_inventory_e2e.free_port).
+_PORTS = random.Random(os.getpid() + 1)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    for _ in range(200):
+        port = _PORTS.randrange(20_000, 32_000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in [20000, 32000)")
 
 
 async def until(cond: Callable[[], bool]) -> None:

@@ -6,8 +6,8 @@ and reordered events (recovered through replay), an engine restart (seq reset), 
 a gateway restart. An unrecoverable gap is reported as degraded and heals.
 
 Ports: each process binds port 0 except where a restart must come back at the same address (the
-engine's three sockets, the gateway's inventory port); those are free ports read back from a bind
-to port 0 just before the first start.
+engine's three sockets, the gateway's inventory port); those are checked free just before the
+first start, below the ephemeral port range (see ``free_port``).
 """
 
 from __future__ import annotations
@@ -43,11 +43,24 @@ START_S = 60.0  # only bounds a hang while a process starts on a busy machine
 pytestmark = pytest.mark.timeout(600)
 
 
+# Ports that must survive a restart are taken below the kernel's ephemeral range (32768+ here):
+# while the engine is down its agent keeps reconnecting, and a TCP connect to a free port inside
+# that range can be given the same port as its source and connect to itself, leaving the port
+# busy for the restarted engine's socket. The generator is seeded with the pid so that concurrent
+# runs try different ports; each is checked free by binding it.
+_PORTS = random.Random(os.getpid())
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    for _ in range(200):
+        port = _PORTS.randrange(20_000, 32_000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in [20000, 32000)")
 
 
 def wait_line(proc: subprocess.Popen[bytes], pattern: str, timeout_s: float = START_S) -> re.Match[str]:
