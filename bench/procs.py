@@ -148,6 +148,20 @@ class Procs:
                 proc.wait()
         self.started = [(n, p) for n, p in self.started if p is not proc]
 
-    def stop_all(self) -> None:
-        for _name, proc in reversed(list(self.started)):
-            self.stop(proc)
+    def stop_all(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM every process, newest first (clients before the servers they use), then wait
+        for each; one still alive after ``timeout_s`` gets SIGKILL."""
+        procs = [p for _n, p in reversed(self.started)]
+        for proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for proc in procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.started = []
