@@ -22,7 +22,8 @@ is longer than the match, which scatters shared prefixes over the fleet and, und
 more recomputation than the queue it avoids. In queueing terms a unit of work at a server busy a
 fraction rho of the time delays about rho / (1 - rho) later requests; 4 = 1 + 3 is rho = 0.75.
 In the simulator (docs/simulator.md) miss_weight 1 keeps 0.65-0.76 of the oracle hit rate on the
-Mooncake synthetic trace and 4 keeps 0.91-0.94, with the same or lower TTFT p99.
+Mooncake synthetic trace and 4 keeps 0.91-0.94, with TTFT p99 2.5 % higher at load 0.5 and lower
+at 0.8 and 1.0.
 
 Hot-spot guard: a replica is a candidate only while
     load_r <= balance_rel x mean_load + balance_abs
