@@ -234,7 +234,9 @@ def k_rehash(
 def as_keys(keys: Any) -> U64:
     """Block keys (any sequence of ints in [0, 2**64), or a uint64 array) as a uint64 array."""
     if isinstance(keys, np.ndarray) and keys.dtype == np.uint64:
-        return keys
+        # the kernels are compiled (and warmed) for writable C-contiguous arrays; another layout
+        # would compile a second specialisation inside the first call that passes one
+        return keys if keys.flags.c_contiguous and keys.flags.writeable else keys.copy()
     # array.array converts a list of ints in one C loop, faster than np.array's generic path
     return np.frombuffer(array.array("Q", keys), dtype=np.uint64)
 
@@ -375,3 +377,9 @@ class BlockTable:
         if slot >> 6 >= self.words:
             return np.empty(0, dtype=np.uint64)
         return k_keys_with(self.keys, self.state, self.masks, slot >> 6, np.uint64(1 << (slot & 63)))
+
+
+# Load (on a fresh checkout: compile, then cache on disk) every kernel once at import, on a
+# throw-away table: the first table built afterwards — inside a request, or inside a timed test —
+# must not pay the ~0.3-1 s of loading machine code. Nothing is kept.
+BlockTable()

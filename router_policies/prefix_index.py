@@ -253,7 +253,7 @@ class PrefixIndex:
         if batch.size == 0:
             return
         approx = rep.approx
-        rev_arr = batch[::-1]
+        rev_arr = batch[::-1].copy()  # contiguous: the layout the kernels are compiled for
         rev = rev_arr.tolist()
         held = self._table.has(rev_arr, rep.slot)
         fresh: list[int]
