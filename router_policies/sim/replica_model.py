@@ -16,6 +16,7 @@ API (stable; ``replica_agent``'s simulated engine builds on it)::
     res.events                        # [BlockStored | BlockRemoved | AllBlocksCleared], in order
     model.metrics()                   # EngineMetrics: running, waiting, kv_usage, prefix counters
     model.clear()                     # reset the prefix cache (False while blocks are pinned)
+    model.abort(request_id)           # drop a waiting/running request (client gone); False if unknown
 
 ``step(t)`` applies the step's state changes at once and reports when its outputs exist
 (``res.end``); the caller treats tokens and KV events as happening at ``res.end`` and calls
