@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -69,7 +71,12 @@ def _requests(seed: int) -> list[tuple[str, dict[str, Any]]]:
 def capture(python: Path, model_dir: Path, out_dir: Path, name: str, int_hashes: bool, seed: int) -> Path:
     procs = ProcessSet(ROOT / "out/capture-logs" / name)
     spec = vllm_replica.new_spec(
-        "vllm-capture", core=0, kv_cache_bytes=2 * 1024 * 1024, int_hashes=int_hashes, max_model_len=1024
+        "vllm-capture",
+        core=0,
+        kv_cache_bytes=2 * 1024 * 1024,
+        rng=random.Random(os.getpid()),
+        int_hashes=int_hashes,
+        max_model_len=1024,
     )
     tap: EventTap | None = None
     try:

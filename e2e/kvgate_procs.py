@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import random
 import sys
 import time
 from collections.abc import Sequence
@@ -35,6 +36,7 @@ class Gateway:
     model: str
     tokenizer: Path
     replicas: Sequence[tuple[str, ReplicaSpec]]
+    rng: random.Random
     http_port: int = 0
     inventory_port: int = 0
     child: Child | None = None
@@ -42,8 +44,8 @@ class Gateway:
 
     def __post_init__(self) -> None:
         # Fixed for the gateway's lifetime across restarts, so agents reconnect to the same port.
-        self.http_port = free_port()
-        self.inventory_port = free_port()
+        self.http_port = free_port(self.rng)
+        self.inventory_port = free_port(self.rng)
 
     @property
     def url(self) -> str:

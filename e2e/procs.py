@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -24,12 +25,33 @@ from pathlib import Path
 from typing import IO
 
 
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago (bind port 0, read it back)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(rng: random.Random) -> int:
+    """A TCP port free on 127.0.0.1 a moment ago, below the kernel's ephemeral range.
+
+    Engines and the gateway come back at the same ports after a restart, and meanwhile agents and
+    taps keep reconnecting to them. A connect to a free port inside the ephemeral range can be
+    given that very port as its source and connect to itself, holding the port the restarted
+    listener needs; below the range that cannot happen. ``rng`` is seeded by the caller (with the
+    pid, so that concurrent runs try different ports); each port is checked free by binding it.
+    """
+    high = _ephemeral_low()
+    low = max(1024, high - 12_768)
+    for _ in range(500):
+        port = rng.randrange(low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in [{low}, {high})")
 
 
 @dataclass

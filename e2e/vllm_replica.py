@@ -9,6 +9,7 @@ for HTTP, KV events and replay, and a KV budget in bytes small enough to force e
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,15 +44,20 @@ class ReplicaSpec:
 
 
 def new_spec(
-    name: str, core: int, kv_cache_bytes: int, int_hashes: bool = True, max_model_len: int = 2048
+    name: str,
+    core: int,
+    kv_cache_bytes: int,
+    rng: random.Random,
+    int_hashes: bool = True,
+    max_model_len: int = 2048,
 ) -> ReplicaSpec:
     return ReplicaSpec(
         name=name,
         core=core,
         kv_cache_bytes=kv_cache_bytes,
-        http_port=free_port(),
-        events_port=free_port(),
-        replay_port=free_port(),
+        http_port=free_port(rng),
+        events_port=free_port(rng),
+        replay_port=free_port(rng),
         int_hashes=int_hashes,
         max_model_len=max_model_len,
     )
