@@ -216,10 +216,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated policies")
     p.add_argument("--cache-blocks", type=int, default=1024, help="KV blocks per engine (default 1024)")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--profile", default="small-cpu", help="engine cost profile (default small-cpu)")
-    p.add_argument(
-        "--time-scale", type=float, default=0.1, help="engine step-cost multiplier (default 0.1: 10x faster)"
-    )
+    p.add_argument("--profile", default="llama3-8b-h100", help="engine cost profile (default llama3-8b-h100)")
+    p.add_argument("--time-scale", type=float, default=1.0, help="engine step-cost multiplier (default 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the runs as JSON here")
     p.add_argument(

@@ -226,6 +226,7 @@ class Fleet:
                     kv_usage=rec.kv_usage,
                     matched_blocks=matched.get(rec.id, 0),
                     match_score=scores.get(rec.id, 0.0),
+                    held_blocks=self._index.held_count(rec.id),
                 )
                 for rec in candidates
             )

@@ -36,6 +36,7 @@ class ReplicaState:
     kv_usage: float = 0.0  # 0..1
     matched_blocks: int = 0  # leading request blocks this replica holds (index match)
     match_score: float = 0.0  # matched_blocks weighted by medium
+    held_blocks: int = 0  # how full the index believes its cache is (PrefixIndex.held_count)
 
 
 @dataclass(frozen=True, slots=True)

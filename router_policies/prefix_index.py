@@ -234,6 +234,16 @@ class PrefixIndex:
         rep = self._replicas.get(replica)
         return rep.precise_count if rep else 0
 
+    def held_count(self, replica: str) -> int:
+        """How full the index believes ``replica``'s cache is: its precise entries (what the
+        engine reported) or, for a replica no agent reports for, its approximate ones. Precise
+        replicas ignore approximate entries here because those track recent routing (load), not
+        what the cache holds."""
+        rep = self._replicas.get(replica)
+        if rep is None:
+            return 0
+        return rep.precise_count or len(rep.approx)
+
     # ---------------------------------------------------------------- approximate
     def touch_approximate(self, replica: str, keys: Sequence[int], now: float) -> None:
         """Record that a request with the leading blocks ``keys`` was routed to ``replica``.

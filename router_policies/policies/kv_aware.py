@@ -10,7 +10,9 @@ timing constant is needed):
     uncached_r = prompt_tokens - matched_r                      (prefill this request adds)
     queue_r    = pending_prefill_tokens_r                        (prefill already routed there)
                  + request_cost_tokens x load_r                  (each request ahead slows steps)
-    cost_r     = queue_r + miss_weight x uncached_r
+    fill_r     = held_blocks_r / max over healthy replicas of held_blocks   (0 when none hold any)
+    spread_r   = 1 + fill_weight x (fill_r - min over healthy replicas of fill)
+    cost_r     = queue_r + miss_weight x uncached_r x spread_r
 
 The replica with the smallest cost_r wins; ties rotate deterministically (a cursor advanced per
 decision, started at the seed) so that an idle fleet spreads new prefixes.
@@ -24,6 +26,16 @@ fraction rho of the time delays about rho / (1 - rho) later requests; 4 = 1 + 3 
 In the simulator (docs/simulator.md) miss_weight 1 keeps 0.65-0.76 of the oracle hit rate on the
 Mooncake synthetic trace and 4 keeps 0.91-0.94, with TTFT p99 2.5 % higher at load 0.5 and lower
 at 0.8 and 1.0.
+
+Why spread_r (fill_weight, default 0.5): the uncached tokens a request brings are new content that
+the chosen replica's cache must absorb, evicting what it holds. Load alone cannot see this: with
+requests arriving one at a time every replica's load is 0, so a short prefix shared by every
+session (a system prompt) would draw every new session to the one replica that first cached it,
+until its cache thrashes while the others sit empty (observed on real vLLM in ``make e2e-vllm``).
+The term makes new content cost more on the replica whose cache the index already fills most,
+relative to the emptiest one, so new sessions spread over the fleet's caches, while a deep match
+(few uncached tokens) still wins. When every replica holds about as much (a warm fleet, the
+steady state) spread_r is ~1 for all and the rule is unchanged.
 
 Hot-spot guard: a replica is a candidate only while
     load_r <= balance_rel x mean_load + balance_abs
@@ -67,6 +79,12 @@ class KvAwareParams(BaseModel):
         description="Weight of each uncached prompt token: 1 for the request itself, plus the delay "
         "its recomputation adds to the requests queued behind it.",
     )
+    fill_weight: float = Field(
+        0.5,
+        ge=0.0,
+        description="Extra cost of uncached tokens on a replica whose cache the index fills most, "
+        "relative to the emptiest (0 disables): spreads new content over the fleet's caches.",
+    )
 
 
 class KvAware:
@@ -86,6 +104,9 @@ class KvAware:
         min_match = p.min_match_ratio * prompt
         start = self._cursor % n
         self._cursor += 1
+        most_held = max(r.held_blocks for r in healthy)
+        fills = [r.held_blocks / most_held if most_held else 0.0 for r in healthy]
+        least_fill = min(fills)
         best: ReplicaState | None = None
         best_cost = 0.0
         scores: dict[str, float] = {}
@@ -98,7 +119,7 @@ class KvAware:
             cost = (
                 r.pending_prefill_tokens
                 + p.request_cost_tokens * loads[idx]
-                + p.miss_weight * (prompt - matched)
+                + p.miss_weight * (prompt - matched) * (1.0 + p.fill_weight * (fills[idx] - least_fill))
             )
             scores[r.id] = cost
             if loads[idx] > limit:

@@ -250,6 +250,7 @@ def simulate(
                     kv_usage=kv_usage,
                     matched_blocks=m.blocks.get(name, 0),
                     match_score=m.scores.get(name, 0.0),
+                    held_blocks=index.held_count(name),
                 )
             )
         feats = RequestFeatures(

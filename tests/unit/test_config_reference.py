@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from gateway.config import GatewayConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,8 +33,9 @@ def test_reference_lists_every_leaf_field() -> None:
         assert needle in out
 
 
-def test_docs_reference_is_current() -> None:
-    res = _run("--check", str(ROOT / "docs" / "gateway.md"))
+@pytest.mark.parametrize("doc", ["docs/gateway.md", "README.md"])
+def test_docs_reference_is_current(doc: str) -> None:
+    res = _run("--check", str(ROOT / doc))
     assert res.returncode == 0, res.stderr
 
 

@@ -252,3 +252,49 @@ class OutOfTree:
 def test_out_of_tree_policy() -> None:
     p = build_policy(f"{__name__}:OutOfTree")
     assert p.choose(req(), fleet(R("z"), R("y"))).replica == "z"
+
+
+def test_kv_aware_fill_term_sends_new_content_to_the_emptier_cache() -> None:
+    # a holds a 2-block shared head and a full cache; b is nearly empty; load is 0 everywhere
+    new_session = req(prompt=165, keys=[1, 2, *range(100, 103)])
+    f = fleet(R("a", matched_blocks=2, held_blocks=96), R("b", held_blocks=10))
+    assert build_policy("kv_aware").choose(new_session, f).replica == "b"
+    # without the fill term the shared head decides, whatever a's cache holds
+    assert build_policy("kv_aware", {"fill_weight": 0}).choose(new_session, f).replica == "a"
+    # a deep match still wins on the fuller replica
+    deep = fleet(R("a", matched_blocks=9, held_blocks=96), R("b", held_blocks=10))
+    assert build_policy("kv_aware").choose(req(10), deep).replica == "a"
+
+
+def _sequential_sessions(fill_weight: float | None) -> dict[str, int]:
+    """Sessions arriving one at a time (load always 0) that share one head block, served by real
+    index entries: count first turns per replica."""
+    from router_policies.prefix_index import PrefixIndex
+
+    ix = PrefixIndex()
+    names = ["r0", "r1", "r2", "r3"]
+    for n in names:
+        ix.add_replica(n)
+    p = build_policy("kv_aware", {} if fill_weight is None else {"fill_weight": fill_weight})
+    first: dict[str, int] = dict.fromkeys(names, 0)
+    for s in range(16):
+        keys = [7]
+        for turn in range(4):
+            keys = [*keys, *(10_000 * (s + 1) + turn * 10 + b for b in range(3))]
+            m = ix.match(keys)
+            snap = fleet(
+                *(R(n, matched_blocks=m.blocks.get(n, 0), held_blocks=ix.held_count(n)) for n in names)
+            )
+            choice = p.choose(req(prompt=len(keys) * BS, keys=keys), snap).replica
+            ix.store(choice, keys)  # the engine caches the prompt's blocks
+            if turn == 0:
+                first[choice] += 1
+    return first
+
+
+def test_kv_aware_does_not_pile_sequential_sessions_onto_one_replica() -> None:
+    spread = _sequential_sessions(fill_weight=None)  # the default
+    assert max(spread.values()) <= 8, spread  # 16 sessions over 4 replicas
+    assert min(spread.values()) >= 2, spread
+    # the same traffic without the fill term piles every session where the head first landed
+    assert max(_sequential_sessions(fill_weight=0.0).values()) == 16
