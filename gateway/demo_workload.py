@@ -12,7 +12,6 @@ test tokenizer. The same seed always yields the same requests at the same offset
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from dataclasses import dataclass, field
@@ -116,11 +115,3 @@ def agent_sessions(model: str, spec: AgentWorkloadSpec) -> list[Session]:
             messages = [*messages, {"role": "assistant", "content": words.text(spec.reply_words)}]
         out.append(Session(start_s=t, session_id=f"s{s}", turns=tuple(turns)))
     return out
-
-
-def dump_jsonl(sessions: list[Session], path: Path) -> None:
-    with path.open("w", encoding="utf-8") as f:
-        for s in sessions:
-            for i, turn in enumerate(s.turns):
-                row = {"start_s": s.start_s, "session_id": s.session_id, "turn": i, "think_s": turn.think_s}
-                f.write(json.dumps({**row, "body": turn.body}) + "\n")

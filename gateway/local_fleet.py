@@ -262,9 +262,6 @@ class LocalFleet:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
 
-    def engine_process(self, i: int) -> subprocess.Popen[bytes]:
-        return self._engines[i]
-
     def stop(self) -> None:
         self.stop_process(self._gateway)
         for p in self._agents:
