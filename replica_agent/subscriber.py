@@ -91,6 +91,7 @@ class EventSubscriber:
         self.stats = SubscriberStats()
         self.expected: int | None = None  # next seq; None until the first batch
         self.last_ts = float("-inf")  # engine timestamp of the newest batch applied
+        self._rejoin = False  # the engine went away: catch up from replay when it is back
         self._on_applied = on_applied
 
     async def run(self) -> None:
@@ -99,7 +100,7 @@ class EventSubscriber:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 1_000_000)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         sub.connect(self.events_endpoint)
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
@@ -120,6 +121,16 @@ class EventSubscriber:
                     if event["event"] == zmq.EVENT_DISCONNECTED:
                         await self._drain(sub)  # everything the engine sent before it went away
                         self.engine_gone()
+                    elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED and self._rejoin:
+                        # Connected to the engine that came back. What it published before our
+                        # subscription reached it was dropped by its PUB socket (and if it then
+                        # went quiet, no later seq would reveal the gap): take it from replay.
+                        self._rejoin = False
+                        if self.replay_endpoint is not None:
+                            try:
+                                await self.catch_up()
+                            except Exception:
+                                self._internal_error()
         finally:
             with contextlib.suppress(zmq.ZMQError):
                 sub.disable_monitor()
@@ -179,6 +190,7 @@ class EventSubscriber:
         self.inventory.clear()
         self.inventory.mark_complete()
         self.expected = None
+        self._rejoin = True
 
     async def handle_frames(self, frames: list[bytes]) -> None:
         self.stats.frames += 1

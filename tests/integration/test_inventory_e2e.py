@@ -292,12 +292,6 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
         f.stop_all()
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known intermittent bug, not yet found: after a sim-engine restart on the same ports the "
-    "agent is connected to the new publisher (ss shows the TCP session) yet receives none of its "
-    "events; seen in about half the runs since the last agent/sim-engine changes (README, known issues)",
-)
 def test_index_equals_engine_through_faults(fleet: Fleet) -> None:
     fleet.start_engine()
     fleet.start_gateway()
