@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -31,6 +33,26 @@ TOKENIZER = REPO / "assets" / "tokenizers" / "kvgate-tiny"
 ADMIN_TOKEN = "test-admin-token"
 AGENT_TOKEN = "test-agent-token"
 START_TIMEOUT_S = 30.0
+
+
+# Ports for processes that restart at the same address while a client keeps reconnecting to them:
+# taken below the kernel's ephemeral range (32768-60999 here), since a TCP connect to a free port
+# inside it can be given that port as its source and connect to itself, leaving the port busy for
+# the process that comes back. One generator for the whole test process (seeded with the pid so
+# that concurrent runs try different ports); each port is checked free by binding it.
+_LOW_PORTS = random.Random(os.getpid())
+
+
+def low_free_port() -> int:
+    for _ in range(200):
+        port = _LOW_PORTS.randrange(20_000, 32_000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in [20000, 32000)")
 
 
 def read_line(

@@ -7,7 +7,7 @@ a gateway restart. An unrecoverable gap is reported as degraded and heals.
 
 Ports: each process binds port 0 except where a restart must come back at the same address (the
 engine's three sockets, the gateway's inventory port); those are checked free just before the
-first start, below the ephemeral port range (see ``free_port``).
+first start, below the ephemeral port range (see ``gateway_harness.low_free_port``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import random
 import re
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,7 +29,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.integration.gateway_harness import ADMIN_TOKEN, AGENT_TOKEN, http, kill_group
+from tests.integration.gateway_harness import ADMIN_TOKEN, AGENT_TOKEN, http, kill_group, low_free_port
 
 REPO = Path(__file__).resolve().parents[2]
 KVGATE = [sys.executable, "-m", "gateway.cli"]
@@ -41,26 +40,6 @@ CONVERGE_S = 2.0  # the issue's bound: index == engine within 2 s of a fault end
 START_S = 60.0  # only bounds a hang while a process starts on a busy machine
 
 pytestmark = pytest.mark.timeout(600)
-
-
-# Ports that must survive a restart are taken below the kernel's ephemeral range (32768+ here):
-# while the engine is down its agent keeps reconnecting, and a TCP connect to a free port inside
-# that range can be given the same port as its source and connect to itself, leaving the port
-# busy for the restarted engine's socket. The generator is seeded with the pid so that concurrent
-# runs try different ports; each is checked free by binding it.
-_PORTS = random.Random(os.getpid())
-
-
-def free_port() -> int:
-    for _ in range(200):
-        port = _PORTS.randrange(20_000, 32_000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in [20000, 32000)")
 
 
 def wait_line(proc: subprocess.Popen[bytes], pattern: str, timeout_s: float = START_S) -> re.Match[str]:
@@ -97,10 +76,10 @@ def post_json(url: str, doc: Any) -> Any:
 @dataclass
 class Fleet:
     tmp: Path
-    http_port: int = field(default_factory=free_port)
-    events_port: int = field(default_factory=free_port)
-    replay_port: int = field(default_factory=free_port)
-    inventory_port: int = field(default_factory=free_port)
+    http_port: int = field(default_factory=low_free_port)
+    events_port: int = field(default_factory=low_free_port)
+    replay_port: int = field(default_factory=low_free_port)
+    inventory_port: int = field(default_factory=low_free_port)
     engine: subprocess.Popen[bytes] | None = None
     agent: subprocess.Popen[bytes] | None = None
     gateway: subprocess.Popen[bytes] | None = None

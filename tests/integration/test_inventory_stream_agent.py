@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import random
 import shutil
-import socket
 import subprocess
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -24,6 +21,7 @@ from replica_agent.gateway_client import GatewayClient, HelloInfo
 from replica_agent.inventory import AgentInventory
 from replica_agent.outbox import Outbox
 from router_policies.prefix_index import PrefixIndex
+from tests.integration.gateway_harness import low_free_port
 
 TOKEN = "t0ken"
 
@@ -40,23 +38,6 @@ class Fleet:
 
     def agent_state(self, replica_id: str, *, connected: bool, degraded: bool) -> None:
         self.states.append((replica_id, connected, degraded))
-
-
-# The gateway restarts at the same port while the agent keeps reconnecting: take it below the
-# ephemeral range so that a reconnect cannot self-connect to it (see test_inventory_e2e.free_port).
-_PORTS = random.Random(os.getpid() + 1)
-
-
-def free_port() -> int:
-    for _ in range(200):
-        port = _PORTS.randrange(20_000, 32_000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in [20000, 32000)")
 
 
 async def until(cond: Callable[[], bool]) -> None:
@@ -117,7 +98,7 @@ async def stopped() -> AsyncIterator[list[InventoryServer]]:
 
 
 async def test_snapshot_deltas_resync_and_gateway_restart(stopped: list[InventoryServer]) -> None:
-    port = free_port()
+    port = low_free_port()
     index = PrefixIndex()
     server = await serve(index, port)
     stopped.append(server)
@@ -149,7 +130,7 @@ async def test_snapshot_deltas_resync_and_gateway_restart(stopped: list[Inventor
 
 
 async def test_wrong_token_never_touches_the_index(stopped: list[InventoryServer]) -> None:
-    port = free_port()
+    port = low_free_port()
     index = PrefixIndex()
     stopped.append(await serve(index, port))
     agent = Agent(port, token="wrong")
@@ -171,7 +152,7 @@ async def test_tls(tmp_path: Path, stopped: list[InventoryServer]) -> None:
          "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key), "-out", str(cert)],
         check=True, capture_output=True,
     )  # fmt: skip
-    port = free_port()
+    port = low_free_port()
     index = PrefixIndex()
     stopped.append(await serve(index, port, tls_cert=str(cert), tls_key=str(key)))
     agent = Agent(port, tls_ca=cert.read_bytes())
