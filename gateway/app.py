@@ -70,6 +70,9 @@ def _featurizer_inputs(config: GatewayConfig) -> tuple[object, ...]:
         p.tokenize_cache_entries,
         p.tokenize_threads,
         p.tokenize_offload_chars,
+        p.tokenize_defer_chars,
+        p.tokenize_seen_entries,
+        p.tokenize_defer_backlog_chars,
         p.session_header,
     )
 

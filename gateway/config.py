@@ -146,6 +146,20 @@ class ProxyConfig(_Strict):
     tokenize_offload_chars: int = Field(
         16384, ge=0, description="Uncached prompt characters above which encoding leaves the event loop."
     )
+    tokenize_defer_chars: int = Field(
+        2048,
+        ge=0,
+        description="Uncached prompt characters from which text this gateway never saw after the same "
+        "prefix is routed on the cached prefix and encoded after routing (0: always encode first).",
+    )
+    tokenize_seen_entries: int = Field(
+        65536, ge=0, description="Bound of the record of texts seen (one fingerprint per new text)."
+    )
+    tokenize_defer_backlog_chars: int = Field(
+        4_000_000,
+        ge=0,
+        description="Characters waiting to be encoded after routing; beyond it the oldest are dropped.",
+    )
 
 
 class HealthConfig(_Strict):

@@ -65,6 +65,21 @@ class _StateCollector(Collector):
             )
             c.add_metric([], cache.get(name, 0))
             yield c
+        for name, what in (
+            ("deferred", "Requests routed on their cached prefix, their new text encoded after routing."),
+            ("deferred_encoded", "Deferred encodes done (their segments are now cached)."),
+            ("deferred_dropped", "Deferred encodes dropped from a full backlog."),
+        ):
+            c = CounterMetricFamily(f"kvgate_tokenize_{name}", what)
+            c.add_metric([], cache.get(name, 0))
+            yield c
+        for name, what in (
+            ("deferred_backlog_chars", "Characters waiting to be encoded after routing."),
+            ("seen_entries", "Fingerprints in the record of texts seen."),
+        ):
+            g = GaugeMetricFamily(f"kvgate_tokenize_{name}", what)
+            g.add_metric([], cache.get(name, 0))
+            yield g
         keys = GaugeMetricFamily("kvgate_index_keys", "Distinct block keys in the prefix index.")
         keys.add_metric([], len(self._index))
         yield keys

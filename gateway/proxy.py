@@ -265,6 +265,8 @@ class Proxy:
         self._metrics.features_by(info.mode, "true" if info.approximate else "false").inc()
         if info.approximate:
             log["approximate"] = True
+        if info.deferred_chars:
+            log["deferred_chars"] = info.deferred_chars
         match = self._router.match(features)
         log["prompt_tokens"] = features.prompt_tokens
 
@@ -293,7 +295,7 @@ class Proxy:
             try:
                 resp = await self._attempt(
                     request, rec, choice, features, raw, fwd_headers, timeout, out_tokens,
-                    pcfg, attempt < pcfg.retries, not info.approximate, t0, log,
+                    pcfg, attempt < pcfg.retries, info.exact, t0, log,
                 )  # fmt: skip
             except _Retry as r:
                 last_error = str(r)

@@ -13,6 +13,13 @@ Per model, ``tokenizer`` chooses the mode:
 - null: approximate keys on character blocks (``mode="chars"``, ``approximate=True``).
 A completions prompt given as token ids is exact in every mode (the ids are the tokens).
 
+New text is routed before it is encoded (``proxy.tokenize_defer_chars``): when at least that
+many characters of a prompt are not in the segment cache and the text from the first uncached
+segment on has never reached this gateway after the same prefix (``SeenTexts``), no replica can
+hold it through us, so ``features`` keys only the exact cached prefix, estimates the rest's
+token count from this tokenizer's characters per token so far, and leaves the encoding to
+``DeferredEncodes`` (off the request path). ``features_sync`` never defers.
+
 Key namespace: the ``model`` field may name a configured model or one of its ``lora_adapters``;
 keys are then ``block_keys(tokens, block_size, base_model, lora=adapter, cache_salt=body's
 cache_salt)``. ``RequestFeatures.model`` is the base model (replicas are listed by base model).
@@ -41,6 +48,8 @@ from gateway.features.chat_request import (
     truncation_of,
 )
 from gateway.features.chat_template import ChatTemplate, TemplateRenderError, make_environment
+from gateway.features.deferred import DeferredEncodes
+from gateway.features.novelty import SeenTexts
 from gateway.features.remote_tokenizer import RemoteTokenizeError, RemoteTokenizer, UrlChooser
 from gateway.features.segment_encoder import BoundedLRU, EncodePlan, SegmentEncoder, TokenArray
 from gateway.features.tokenizer_files import FeatureConfigError, TokenizerFiles, load_tokenizer_files
@@ -67,7 +76,13 @@ class FeatureInfo:
     segments_cached: int
     encoded_chars: int  # characters actually encoded for this request
     offloaded: bool  # the encode ran on a worker thread
-    token_ids: TokenArray | None  # the prompt's tokens (None when approximate)
+    token_ids: TokenArray | None  # the prompt's tokens (None when approximate or deferred)
+    deferred_chars: int = 0  # trailing characters routed on an estimate, encoded later
+
+    @property
+    def exact(self) -> bool:
+        """Keys and token count are the engine's: the prediction can be audited."""
+        return not self.approximate and self.deferred_chars == 0
 
     @property
     def cache_hit(self) -> bool:
@@ -127,6 +142,9 @@ class Featurizer:
         cache_entries: int,
         threads: int = 2,
         offload_chars: int = 16384,
+        defer_chars: int = 0,
+        seen_entries: int = 65536,
+        defer_backlog_chars: int = 4_000_000,
         remote: UrlChooser | None = None,
         base_dir: Path | None = None,
         session_header: str = "x-session-id",
@@ -144,6 +162,9 @@ class Featurizer:
         self._slots = asyncio.Semaphore(self.offload_bound) if threads > 0 else None
         self.offload_queued = 0  # encodes handed to the pool and not finished (<= offload_bound)
         self.offload_queued_max = 0
+        self._defer_chars = defer_chars
+        self._seen = SeenTexts(seen_entries)
+        self.deferred = DeferredEncodes(defer_backlog_chars, self._pool)
         self._remote = RemoteTokenizer(remote) if remote is not None else None
         env = make_environment()
         loaded: dict[Path, _Local] = {}
@@ -211,6 +232,9 @@ class Featurizer:
             cache_entries=config.proxy.tokenize_cache_entries,
             threads=config.proxy.tokenize_threads,
             offload_chars=config.proxy.tokenize_offload_chars,
+            defer_chars=config.proxy.tokenize_defer_chars,
+            seen_entries=config.proxy.tokenize_seen_entries,
+            defer_backlog_chars=config.proxy.tokenize_defer_backlog_chars,
             remote=remote,
             base_dir=base_dir,
             session_header=config.proxy.session_header,
@@ -229,6 +253,11 @@ class Featurizer:
             "hits": c.hits,
             "misses": c.misses,
             "evictions": c.evictions,
+            "deferred": self.deferred.submitted,
+            "deferred_encoded": self.deferred.encoded,
+            "deferred_dropped": self.deferred.dropped,
+            "deferred_backlog_chars": self.deferred.queued_chars,
+            "seen_entries": len(self._seen),
         }
 
     def features_sync(
@@ -267,19 +296,20 @@ class Featurizer:
         if prep.text is not None and prep.model.local is not None:
             enc = prep.model.local.encoder
             plan = enc.plan(prep.text, add_special_tokens=prep.add_special_tokens)
+            start = self._deferrable(prep, enc, plan)
+            if start is not None:
+                return self._finish_deferred(prep, enc, plan, start, session_id)
             offload = plan.missing_chars >= self._offload_chars and self._slots is not None
             if offload:
                 assert self._slots is not None
                 async with self._slots:
-                    if self._executor is None:
-                        self._executor = ThreadPoolExecutor(
-                            self._threads, thread_name_prefix="kvgate-tokenize"
-                        )
+                    pool = self._pool()
+                    assert pool is not None
                     self.offload_queued += 1
                     self.offload_queued_max = max(self.offload_queued_max, self.offload_queued)
                     try:
                         done = await asyncio.get_running_loop().run_in_executor(
-                            self._executor,
+                            pool,
                             lambda: enc.encode_missing(plan, add_special_tokens=prep.add_special_tokens),
                         )
                     finally:
@@ -299,7 +329,9 @@ class Featurizer:
         return features
 
     async def close(self) -> None:
-        """Stop the worker threads (waiting for running encodes) and close the HTTP session."""
+        """Stop the deferred encodes, then the worker threads (waiting for running encodes), then
+        close the HTTP session."""
+        await self.deferred.close()
         if self._remote is not None:
             await self._remote.close()
         if self._executor is not None:
@@ -307,6 +339,44 @@ class Featurizer:
             await asyncio.get_running_loop().run_in_executor(None, executor.shutdown)
 
     # -- steps -----------------------------------------------------------------------------------
+
+    def _pool(self) -> ThreadPoolExecutor | None:
+        """The worker threads, started on first use (None when configured with none)."""
+        if self._executor is None and self._threads > 0:
+            self._executor = ThreadPoolExecutor(self._threads, thread_name_prefix="kvgate-tokenize")
+        return self._executor
+
+    def _deferrable(self, prep: _Prepared, enc: SegmentEncoder, plan: EncodePlan) -> int | None:
+        """The character offset from which ``prep.text`` is routed unencoded, or None to encode it
+        all now. Truncated prompts are always encoded (their kept tokens depend on the count)."""
+        if not self._defer_chars or prep.truncate is not None or plan.missing_chars < self._defer_chars:
+            return None
+        assert prep.text is not None
+        start = 0 if plan.whole is not None else plan.start_of(plan.missing[0])
+        if self._seen.check_and_add(SeenTexts.fingerprint(enc.seed, prep.text, start)):
+            return None  # this text came before: a replica may hold it, so match it exactly
+        return start
+
+    def _finish_deferred(
+        self, prep: _Prepared, enc: SegmentEncoder, plan: EncodePlan, start: int, session_id: str | None
+    ) -> tuple[RequestFeatures, FeatureInfo]:
+        assert prep.text is not None
+        prefix = enc.prefix_tokens(plan, add_special_tokens=prep.add_special_tokens)
+        rest = len(prep.text) - start
+        if plan.whole is None:  # whole-text encodes are not cached: nothing to do later
+            self.deferred.submit(enc, plan)
+        prep.source = "local"
+        return self._exact(
+            prep,
+            prefix,
+            len(prefix) + enc.estimate_tokens(rest),
+            segments=plan.segments,
+            cached=plan.cached_segments,
+            encoded_chars=0,
+            offloaded=False,
+            deferred_chars=rest,
+            session_id=session_id,
+        )
 
     def _resolve(self, body: Mapping[str, Any]) -> tuple[_Model, str | None, str]:
         name = body.get("model")
@@ -423,30 +493,17 @@ class Featurizer:
                     if prep.truncation_side == "left"
                     else tokens[: prep.truncate]
                 )
-            keys = block_keys(tokens, mc.block_size, base, prep.lora, prep.salt)
-            features = RequestFeatures(
-                model=base,
-                block_keys=keys,
-                prompt_tokens=len(tokens),
-                block_size=mc.block_size,
-                session_id=session_id,
-            )
-            info = FeatureInfo(
-                model=prep.requested,
-                base_model=base,
-                lora=prep.lora,
-                mode=prep.source,
-                approximate=False,
-                fallback_reason=None,
-                prompt_tokens=len(tokens),
+            return self._exact(
+                prep,
+                tokens,
+                len(tokens),
                 segments=segments,
-                segments_cached=cached,
+                cached=cached,
                 encoded_chars=encoded_chars,
                 offloaded=offloaded,
-                token_ids=tokens,
+                deferred_chars=0,
+                session_id=session_id,
             )
-            self.mode_counts[prep.source] += 1
-            return features, info
         text = prep.chars or ""
         keys = char_block_keys(text, mc.char_block_size, base, prep.lora, prep.salt)
         n = estimated_tokens(text)
@@ -474,4 +531,46 @@ class Featurizer:
         self.mode_counts["chars"] += 1
         if prep.fallback_kind is not None:
             self.fallback_counts[prep.fallback_kind] = self.fallback_counts.get(prep.fallback_kind, 0) + 1
+        return features, info
+
+    def _exact(
+        self,
+        prep: _Prepared,
+        tokens: TokenArray,
+        prompt_tokens: int,
+        *,
+        segments: int,
+        cached: int,
+        encoded_chars: int,
+        offloaded: bool,
+        deferred_chars: int,
+        session_id: str | None,
+    ) -> tuple[RequestFeatures, FeatureInfo]:
+        """Features keyed on engine tokens: all of the prompt's, or its exact prefix when the
+        rest is deferred (``prompt_tokens`` then counts the estimated rest too)."""
+        base = prep.model.config.name
+        block_size = prep.model.config.block_size
+        features = RequestFeatures(
+            model=base,
+            block_keys=block_keys(tokens, block_size, base, prep.lora, prep.salt),
+            prompt_tokens=prompt_tokens,
+            block_size=block_size,
+            session_id=session_id,
+        )
+        info = FeatureInfo(
+            model=prep.requested,
+            base_model=base,
+            lora=prep.lora,
+            mode=prep.source,
+            approximate=False,
+            fallback_reason=None,
+            prompt_tokens=prompt_tokens,
+            segments=segments,
+            segments_cached=cached,
+            encoded_chars=encoded_chars,
+            offloaded=offloaded,
+            token_ids=None if deferred_chars else tokens,
+            deferred_chars=deferred_chars,
+        )
+        self.mode_counts[prep.source] += 1
         return features, info

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
+import xxhash
 from tokenizers import Tokenizer
 
 TokenArray = npt.NDArray[np.uint32]
@@ -55,6 +56,10 @@ class BoundedLRU:
 
     def __len__(self) -> int:
         return len(self._data)
+
+    def __contains__(self, key: SegmentKey) -> bool:
+        """Membership without counting a hit or miss and without refreshing the entry."""
+        return key in self._data
 
     def get(self, key: SegmentKey) -> TokenArray | None:
         value = self._data.get(key)
@@ -104,6 +109,10 @@ class EncodePlan:
     def cached_segments(self) -> int:
         return 0 if self.whole is not None else len(self.keys) - self.empty - len(self.missing)
 
+    def start_of(self, i: int) -> int:
+        """Character offset of segment ``i`` in the planned text."""
+        return sum(len(k[2]) for k in self.keys[:i]) + sum(len(sep) for sep in self.separators[:i])
+
 
 class SegmentEncoder:
     def __init__(self, tokenizer: Tokenizer, cache: BoundedLRU, namespace: str) -> None:
@@ -112,6 +121,7 @@ class SegmentEncoder:
         self.tokenizer = tokenizer
         self.cache = cache
         self.namespace = namespace
+        self.seed = xxhash.xxh3_64_intdigest(namespace.encode("utf-8", "surrogatepass"))
         added = tokenizer.get_added_tokens_decoder()
         raw_tokens = [
             t
@@ -126,6 +136,10 @@ class SegmentEncoder:
             re.compile("(" + "|".join(re.escape(c) for c in contents) + ")") if self.splittable else None
         )
         self._affixes = self._probe_affixes()
+        # characters and tokens of every encode so far, to estimate the tokens of text routed
+        # before it is encoded (prior: 4 characters a token, weighing as 4,096 characters)
+        self.chars_seen = 4096
+        self.tokens_seen = 1024
 
     def _probe_affixes(self) -> tuple[list[int], list[int]] | None:
         """(prefix, suffix) the post-processor adds with ``add_special_tokens=True``, or None
@@ -175,6 +189,51 @@ class SegmentEncoder:
                 missing.append(i)
         return EncodePlan(keys=keys, found=found, separators=separators, missing=missing, empty=empty)
 
+    def _learn(self, plan: EncodePlan, encoded: Sequence[TokenArray]) -> None:
+        self.chars_seen += plan.missing_chars
+        self.tokens_seen += sum(len(ids) for ids in encoded)
+
+    def estimate_tokens(self, chars: int) -> int:
+        return round(chars * self.tokens_seen / self.chars_seen)
+
+    def prefix_tokens(self, plan: EncodePlan, *, add_special_tokens: bool) -> TokenArray:
+        """The exact leading tokens of a planned text, up to its first segment to encode: the
+        cached segments before it and the added tokens after each (a prompt's tokens only depend
+        on what precedes them within these, see the module docstring)."""
+        parts: list[TokenArray] = []
+        if add_special_tokens and self._affixes and self._affixes[0]:
+            parts.append(np.asarray(self._affixes[0], dtype=np.uint32))
+        if plan.whole is None:
+            stop = plan.missing[0] if plan.missing else len(plan.keys)
+            for i in range(stop):
+                seg = plan.found[i]
+                assert seg is not None
+                parts.append(seg)
+                if i < len(plan.separators):
+                    parts.append(self._id_arrays[plan.separators[i]])
+        return np.concatenate(parts) if parts else _EMPTY
+
+    def remember(self, plan: EncodePlan, encoded: Sequence[TokenArray]) -> None:
+        """Put encoded segments in the cache (event loop thread)."""
+        self._learn(plan, encoded)
+        if plan.whole is not None:
+            return
+        for i, ids in zip(plan.missing, encoded, strict=True):
+            plan.found[i] = ids
+            self.cache.put(plan.keys[i], ids)
+
+    def still_missing(self, plan: EncodePlan) -> EncodePlan:
+        """The plan's segments that are still not cached (another request may have encoded some
+        since it was made)."""
+        missing = [i for i in plan.missing if plan.keys[i] not in self.cache]
+        return EncodePlan(
+            keys=plan.keys,
+            found=list(plan.found),
+            separators=plan.separators,
+            missing=missing,
+            empty=plan.empty,
+        )
+
     # -- encoding (any thread) -----------------------------------------------------------------
 
     def encode_missing(self, plan: EncodePlan, *, add_special_tokens: bool) -> list[TokenArray]:
@@ -207,10 +266,9 @@ class SegmentEncoder:
         self, plan: EncodePlan, encoded: Sequence[TokenArray], *, add_special_tokens: bool
     ) -> TokenArray:
         if plan.whole is not None:
+            self._learn(plan, encoded)
             return encoded[0]
-        for i, ids in zip(plan.missing, encoded, strict=True):
-            plan.found[i] = ids
-            self.cache.put(plan.keys[i], ids)
+        self.remember(plan, encoded)
         parts: list[TokenArray] = []
         if add_special_tokens and self._affixes and self._affixes[0]:
             parts.append(np.asarray(self._affixes[0], dtype=np.uint32))

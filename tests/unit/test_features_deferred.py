@@ -1,0 +1,186 @@
+"""Routing before encoding new text: the keys are always a prefix of the exact keys, the new text
+is encoded after routing into the segment cache, text seen before is encoded first, and the
+record of seen texts and the backlog of deferred encodes are bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gateway.config import ModelConfig
+from gateway.features import Featurizer
+from gateway.features.deferred import DeferredEncodes
+from gateway.features.novelty import SeenTexts
+from gateway.features.segment_encoder import BoundedLRU, SegmentEncoder
+from gateway.features.tokenizer_files import load_tokenizer_files
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "assets/tokenizers/kvgate-tiny")
+WORDS = (ROOT / "assets/corpus/stdlib_docstrings.txt").read_text(encoding="utf-8").split()[:5000]
+SYSTEM = "You are a careful assistant. " * 20
+
+
+def text(seed: int, words: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def make(defer_chars: int = 1000, **kw: Any) -> Featurizer:
+    return Featurizer(
+        [ModelConfig(name="tiny", tokenizer=TINY, block_size=16)],
+        cache_entries=kw.pop("cache_entries", 1000),
+        defer_chars=defer_chars,
+        **kw,
+    )
+
+
+def chat(*contents: str) -> dict[str, Any]:
+    roles = ["system"] + ["user", "assistant"] * len(contents)
+    return {
+        "model": "tiny",
+        "messages": [{"role": r, "content": c} for r, c in zip(roles, contents, strict=False)],
+    }
+
+
+async def test_new_text_routes_on_the_exact_cached_prefix_and_is_encoded_after() -> None:
+    fz = make()
+    exact = make(defer_chars=0)
+    try:
+        await fz.features("chat", chat(SYSTEM, "hi"))  # caches the system prompt's segment
+        await fz.deferred.drain()
+        body = chat(SYSTEM, text(1, 600))
+        want, want_info = await exact.features("chat", body)
+        got, info = await fz.features("chat", body)
+        assert info.deferred_chars > 1000 and not info.exact and info.token_ids is None
+        assert want_info.exact and want_info.deferred_chars == 0
+        keys = list(got.block_keys)
+        assert 0 < len(keys) < len(want.block_keys)
+        assert keys == list(want.block_keys)[: len(keys)]  # never a wrong key, only fewer
+        # the estimate comes from this tokenizer's characters per token so far
+        assert 0.6 * want.prompt_tokens < got.prompt_tokens < 1.4 * want.prompt_tokens
+        assert fz.cache_stats()["deferred"] == 1
+        await fz.deferred.drain()
+        assert fz.cache_stats()["deferred_encoded"] == 1
+        # the next turn repeats the message: now encoded exactly, from the cache
+        again, again_info = await fz.features("chat", body)
+        assert again_info.exact and again_info.cache_hit and again_info.encoded_chars == 0
+        assert list(again.block_keys) == list(want.block_keys)
+        assert again.prompt_tokens == want.prompt_tokens
+    finally:
+        await fz.close()
+        await exact.close()
+
+
+async def test_text_seen_before_is_encoded_before_routing() -> None:
+    fz = make(threads=1)
+    try:
+        body = {"model": "tiny", "prompt": text(2, 700)}
+        _, first = await fz.features("completions", body)
+        # the same text again, before or after the deferred encode: exact either way
+        _, second = await fz.features("completions", body)
+        assert first.deferred_chars > 0 and second.exact and second.encoded_chars > 0
+        # a new text sharing its first PROBE_CHARS characters counts as seen (it may share more)
+        shared = body["prompt"][:400] + text(3, 300)
+        _, third = await fz.features("completions", {"model": "tiny", "prompt": shared})
+        assert third.exact
+    finally:
+        await fz.close()
+
+
+async def test_short_truncated_or_disabled_never_defer() -> None:
+    fz = make(defer_chars=5000)
+    off = make(defer_chars=0)
+    try:
+        _, short = await fz.features("completions", {"model": "tiny", "prompt": text(4, 300)})
+        assert short.exact
+        long = {"model": "tiny", "prompt": text(5, 2000)}
+        _, trunc = await fz.features("completions", {**long, "truncate_prompt_tokens": 100})
+        assert trunc.exact and trunc.prompt_tokens == 100
+        _, disabled = await off.features("completions", long)
+        assert disabled.exact
+        _, sync = fz.features_sync("completions", {"model": "tiny", "prompt": text(6, 2000)})
+        assert sync.exact
+    finally:
+        await fz.close()
+        await off.close()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    turns=st.lists(st.integers(min_value=0, max_value=500), min_size=1, max_size=5),
+    cached=st.integers(min_value=0, max_value=5),
+    seed=st.integers(min_value=0, max_value=10**6),
+)
+def test_deferred_keys_are_a_prefix_of_the_exact_keys(turns: list[int], cached: int, seed: int) -> None:
+    async def run() -> None:
+        fz = make(defer_chars=1)
+        exact = make(defer_chars=0)
+        try:
+            contents = [text(seed + i, n) for i, n in enumerate(turns)]
+            # some leading messages were seen (and encoded) in an earlier turn
+            if cached:
+                await fz.features("chat", chat(SYSTEM, *contents[:cached]))
+                await fz.deferred.drain()
+            body = chat(SYSTEM, *contents)
+            got, _ = await fz.features("chat", body)
+            want, _ = await exact.features("chat", body)
+            assert list(got.block_keys) == list(want.block_keys)[: len(got.block_keys)]
+        finally:
+            await fz.close()
+            await exact.close()
+
+    asyncio.run(run())
+
+
+def test_seen_texts_are_bounded_and_refreshed() -> None:
+    seen = SeenTexts(3)
+    assert [seen.check_and_add(k) for k in (1, 2, 3)] == [False, False, False]
+    assert seen.check_and_add(1)  # refreshed: 2 is now the oldest
+    assert not seen.check_and_add(4)
+    assert len(seen) == 3
+    assert not seen.check_and_add(2)  # forgotten
+    assert seen.check_and_add(1) and seen.check_and_add(4)
+    never = SeenTexts(0)
+    assert not never.check_and_add(7) and not never.check_and_add(7) and len(never) == 0
+    with pytest.raises(ValueError):
+        SeenTexts(-1)
+    a = SeenTexts.fingerprint(1, "abc" + "x" * 300, 3)
+    assert a == SeenTexts.fingerprint(1, "abc" + "x" * 256 + "y", 3)  # only PROBE_CHARS after
+    assert a != SeenTexts.fingerprint(2, "abc" + "x" * 300, 3)  # seeded per tokenizer
+
+
+async def test_backlog_is_bounded_in_characters_and_drops_the_oldest() -> None:
+    tok = load_tokenizer_files(Path(TINY), where="t").tokenizer
+    cache = BoundedLRU(100)
+    enc = SegmentEncoder(tok, cache, "t")
+    deferred = DeferredEncodes(2500, lambda: None)
+    try:
+        plans = [enc.plan(text(10 + i, 150) + "<|im_end|>", add_special_tokens=False) for i in range(4)]
+        sizes = [p.missing_chars for p in plans]
+        assert all(700 < n < 1250 for n in sizes)
+        for p in plans:  # no await in between: the worker has not run yet
+            deferred.submit(enc, p)
+        assert deferred.queued_chars <= 2500 and deferred.dropped == 2
+        deferred.submit(enc, enc.plan(text(20, 2000), add_special_tokens=False))  # larger than it all
+        assert deferred.dropped == 3
+        await deferred.drain()
+        assert deferred.encoded == 2 and deferred.queued_chars == 0
+        assert sum(p.keys[0] in cache for p in plans) == 2
+        assert all(p.keys[0] in cache for p in plans[2:])  # the newest were kept
+    finally:
+        await deferred.close()
+
+
+async def test_close_cancels_the_worker_and_discards_the_backlog() -> None:
+    fz = make(defer_chars=1)
+    await fz.features("chat", chat(SYSTEM, text(30, 400)))
+    assert fz.deferred._worker is not None
+    await fz.close()
+    assert fz.deferred._worker is None and fz.deferred.queued_chars == 0
+    assert fz._executor is None
