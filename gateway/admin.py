@@ -128,6 +128,7 @@ class Admin:
                     "mode": info.mode,
                     "approximate": info.approximate,
                     "fallback_reason": info.fallback_reason,
+                    "deferred_chars": info.deferred_chars,
                 },
                 "decision": decision,
                 "replicas": [

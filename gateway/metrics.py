@@ -68,6 +68,7 @@ class _StateCollector(Collector):
         for name, what in (
             ("deferred", "Requests routed on their cached prefix, their new text encoded after routing."),
             ("deferred_encoded", "Deferred encodes done (their segments are now cached)."),
+            ("deferred_expedited", "Deferred encodes taken over by a request carrying the same new text."),
             ("deferred_dropped", "Deferred encodes dropped from a full backlog."),
         ):
             c = CounterMetricFamily(f"kvgate_tokenize_{name}", what)

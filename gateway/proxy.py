@@ -22,6 +22,7 @@ released or closed in a ``finally``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -290,6 +291,9 @@ class Proxy:
                 self._metrics.predicted_by(state.policy.name).observe(choice.predicted_tokens)
             self._annotate(log, span, features, choice)  # a retry's choice overwrites the first
             rec = choice.record
+            if info.deferred is not None:
+                # the prompt's full keys become this replica's speculative entries once encoded
+                info.deferred.on_keys = functools.partial(self._router.touch, state, rec.id)
             log["replica"] = rec.id
             tried.append(rec.id)
             try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.config import GatewayConfig
@@ -75,10 +76,13 @@ class Router:
         matched = match.blocks.get(decision.replica, 0)
         predicted = predicted_cached_tokens(matched, features.prompt_tokens, features.block_size)
         if not explain and features.block_keys:
-            self._touch(state, decision.replica, features)
+            self.touch(state, decision.replica, features.block_keys)
         return Choice(decision, record, snap, predicted)
 
-    def _touch(self, state: RoutingState, replica: str, features: RequestFeatures) -> None:
+    def touch(self, state: RoutingState, replica: str, keys: Sequence[int]) -> None:
+        """Record the speculative entries of a request routed to ``replica`` with ``keys``."""
+        if self._fleet.get(replica) is None:
+            return  # left the fleet since (a deferred encode finishing late)
         now = time.monotonic()
         idx_cfg = self._index.config
         if self._fleet.has_agent(replica):
@@ -87,4 +91,4 @@ class Router:
             # index's approximate_ttl_s (one replica's entries keep a consistent age offset, so
             # the index's oldest-first expiry order holds).
             now -= max(0.0, idx_cfg.approximate_ttl_s - state.config.proxy.speculative_ttl_s)
-        self._index.touch_approximate(replica, features.block_keys, now)
+        self._index.touch_approximate(replica, keys, now)

@@ -1,12 +1,21 @@
 """Encoding new prompt text after the request was routed (ARCHITECTURE.md §10: tokenization is
 the largest cost on the request path).
 
-The featurizer routes a request whose trailing text is new on its cached prefix and hands the
-new segments here; they are encoded on a worker thread (``tokenizers`` releases the GIL in
-``encode_batch``) and put in the segment cache, so that the next turn of the conversation, which
-repeats them, finds them encoded. The backlog is bounded in characters: when requests bring new
-text faster than it can be encoded, the oldest waiting jobs are dropped (their text is encoded on
-the request path if it ever comes back); a job only holds the segments it encodes. Owned by the ``Featurizer``; ``close`` cancels the worker before the
+The featurizer routes a request whose trailing text is new on its cached prefix and hands its
+text here as a ``DeferredJob``. The job is encoded on a worker thread (``tokenizers`` releases
+the GIL in ``encode_batch``), its new segments go into the segment cache, where the
+conversation's next turn finds them, and, once the proxy has said where the request went
+(``on_keys``), the whole prompt's keys become that replica's speculative index entries, as an
+encoded-first request's would have.
+
+A request carrying the same new text while the first one's job is still waiting (a burst of
+requests on one new document) takes the job over (``expedite``): it is encoded at once and its
+entries are recorded before the second request is matched, so the burst finds the first
+request's replica instead of scattering the document's prefill over the fleet.
+
+The backlog is bounded in characters: when requests bring new text faster than it can be
+encoded, the oldest waiting jobs are dropped (their text is encoded on the request path if it
+ever comes back). Owned by the ``Featurizer``; ``close`` cancels the worker before the
 featurizer's threads shut down.
 """
 
@@ -19,18 +28,43 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
 
-from gateway.features.segment_encoder import EncodePlan, SegmentEncoder
+from gateway.features.segment_encoder import EncodePlan, SegmentEncoder, TokenArray
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class _Job:
-    encoder: SegmentEncoder
-    plan: EncodePlan  # only the segments to encode
-    chars: int
+class DeferredJob:
+    """One request's text to encode after routing. The proxy sets ``on_keys`` once it has chosen
+    a replica; it is called (on the event loop) with the prompt's block keys when encoded."""
+
+    __slots__ = (
+        "add_special_tokens",
+        "chars",
+        "encoder",
+        "fingerprint",
+        "finished",
+        "keys_of",
+        "on_keys",
+        "plan",
+    )
+
+    def __init__(
+        self,
+        encoder: SegmentEncoder,
+        plan: EncodePlan,
+        add_special_tokens: bool,
+        fingerprint: int,
+        keys_of: Callable[[TokenArray], list[int]],
+    ) -> None:
+        self.encoder = encoder
+        self.plan = plan
+        self.add_special_tokens = add_special_tokens
+        self.fingerprint = fingerprint
+        self.keys_of = keys_of
+        self.on_keys: Callable[[list[int]], None] | None = None
+        self.chars = sum(len(k[2]) for k in plan.keys) if plan.whole is None else len(plan.whole)
+        self.finished = asyncio.Event()
 
 
 class DeferredEncodes:
@@ -41,43 +75,63 @@ class DeferredEncodes:
         self.backlog_chars = backlog_chars
         self.queued_chars = 0
         self._executor = executor
-        self._jobs: deque[_Job] = deque()
+        self._jobs: deque[DeferredJob] = deque()
+        self._pending: dict[int, DeferredJob] = {}  # by fingerprint, while queued or being encoded
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()  # set while nothing is queued or being encoded
         self._idle.set()
         self._worker: asyncio.Task[None] | None = None
         self.submitted = 0
-        self.encoded = 0  # jobs finished (segments now cached)
+        self.encoded = 0  # jobs finished (segments cached, entries recorded)
+        self.expedited = 0  # jobs taken over by a request carrying the same text
         self.dropped = 0  # jobs dropped from a full backlog
         self.failed = 0  # jobs whose encode raised (a bug; logged)
 
     def __len__(self) -> int:
         return len(self._jobs)
 
-    def submit(self, encoder: SegmentEncoder, plan: EncodePlan) -> None:
-        """Queue ``plan``'s missing segments (event loop thread; never blocks)."""
+    def submit(self, job: DeferredJob) -> None:
+        """Queue ``job`` (event loop thread; never blocks)."""
         self.submitted += 1
-        keys = [plan.keys[i] for i in plan.missing]
-        job = _Job(
-            encoder,
-            EncodePlan(keys=keys, found=[None] * len(keys), separators=[], missing=list(range(len(keys)))),
-            plan.missing_chars,
-        )
         if job.chars > self.backlog_chars:
             self.dropped += 1
             return
         while self.queued_chars + job.chars > self.backlog_chars:
-            self.queued_chars -= self._jobs.popleft().chars
+            self._forget(self._jobs.popleft())
             self.dropped += 1
         self._jobs.append(job)
+        self._pending[job.fingerprint] = job
         self.queued_chars += job.chars
         self._idle.clear()
         self._wake.set()
         if self._worker is None:
             self._worker = asyncio.get_running_loop().create_task(self._run(), name="kvgate-deferred-encode")
 
+    def pending(self, fingerprint: int) -> bool:
+        return fingerprint in self._pending
+
+    async def expedite(self, fingerprint: int) -> None:
+        """Finish the job of ``fingerprint`` now: encode it here if it is still queued, or wait
+        for the worker that is encoding it."""
+        job = self._pending.get(fingerprint)
+        if job is None:
+            return
+        self.expedited += 1
+        try:
+            self._jobs.remove(job)
+        except ValueError:  # being encoded by the worker
+            await job.finished.wait()
+            return
+        self.queued_chars -= job.chars
+        await self._run_job(job)
+
+    def _forget(self, job: DeferredJob) -> None:
+        self.queued_chars -= job.chars
+        if self._pending.get(job.fingerprint) is job:
+            del self._pending[job.fingerprint]
+        job.finished.set()
+
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             if not self._jobs:
                 self._idle.set()
@@ -86,21 +140,34 @@ class DeferredEncodes:
                 continue
             job = self._jobs.popleft()
             self.queued_chars -= job.chars
-            enc, plan = job.encoder, job.encoder.still_missing(job.plan)
-            try:
-                if plan.missing:
-                    pool = self._executor()
-                    if pool is None:
-                        done = enc.encode_missing(plan, add_special_tokens=False)
-                    else:
-                        done = await loop.run_in_executor(
-                            pool, functools.partial(enc.encode_missing, plan, add_special_tokens=False)
-                        )
-                    enc.remember(plan, done)
-                self.encoded += 1
-            except Exception:  # one bad job must not stop the worker
-                self.failed += 1
-                log.exception("deferred encode failed")
+            await self._run_job(job)
+
+    async def _run_job(self, job: DeferredJob) -> None:
+        try:
+            enc = job.encoder
+            plan = enc.still_missing(job.plan)
+            done: list[TokenArray] = []
+            if plan.whole is not None or plan.missing:
+                encode = functools.partial(
+                    enc.encode_missing, plan, add_special_tokens=job.add_special_tokens
+                )
+                pool = self._executor()
+                done = (
+                    encode()
+                    if pool is None
+                    else await asyncio.get_running_loop().run_in_executor(pool, encode)
+                )
+            tokens = enc.finish(plan, done, add_special_tokens=job.add_special_tokens)
+            if job.on_keys is not None:
+                job.on_keys(job.keys_of(tokens))
+            self.encoded += 1
+        except Exception:  # one bad job must not stop the worker
+            self.failed += 1
+            log.exception("deferred encode failed")
+        finally:
+            if self._pending.get(job.fingerprint) is job:
+                del self._pending[job.fingerprint]
+            job.finished.set()
 
     async def drain(self) -> None:
         """Until every queued job is done."""
@@ -108,8 +175,8 @@ class DeferredEncodes:
 
     async def close(self) -> None:
         """Cancel the worker; queued jobs are discarded."""
-        self._jobs.clear()
-        self.queued_chars = 0
+        while self._jobs:
+            self._forget(self._jobs.popleft())
         self._idle.set()
         if self._worker is not None:
             worker, self._worker = self._worker, None

@@ -48,7 +48,7 @@ from gateway.features.chat_request import (
     truncation_of,
 )
 from gateway.features.chat_template import ChatTemplate, TemplateRenderError, make_environment
-from gateway.features.deferred import DeferredEncodes
+from gateway.features.deferred import DeferredEncodes, DeferredJob
 from gateway.features.novelty import SeenTexts
 from gateway.features.remote_tokenizer import RemoteTokenizeError, RemoteTokenizer, UrlChooser
 from gateway.features.segment_encoder import BoundedLRU, EncodePlan, SegmentEncoder, TokenArray
@@ -78,6 +78,7 @@ class FeatureInfo:
     offloaded: bool  # the encode ran on a worker thread
     token_ids: TokenArray | None  # the prompt's tokens (None when approximate or deferred)
     deferred_chars: int = 0  # trailing characters routed on an estimate, encoded later
+    deferred: DeferredJob | None = None  # that later encode (the proxy sets its ``on_keys``)
 
     @property
     def exact(self) -> bool:
@@ -255,6 +256,7 @@ class Featurizer:
             "evictions": c.evictions,
             "deferred": self.deferred.submitted,
             "deferred_encoded": self.deferred.encoded,
+            "deferred_expedited": self.deferred.expedited,
             "deferred_dropped": self.deferred.dropped,
             "deferred_backlog_chars": self.deferred.queued_chars,
             "seen_entries": len(self._seen),
@@ -296,9 +298,16 @@ class Featurizer:
         if prep.text is not None and prep.model.local is not None:
             enc = prep.model.local.encoder
             plan = enc.plan(prep.text, add_special_tokens=prep.add_special_tokens)
-            start = self._deferrable(prep, enc, plan)
-            if start is not None:
-                return self._finish_deferred(prep, enc, plan, start, session_id)
+            probe = self._deferrable(prep, enc, plan)
+            if probe is not None:
+                start, fingerprint = probe
+                if not self._seen.check_and_add(fingerprint):
+                    return self._finish_deferred(prep, enc, plan, start, fingerprint, session_id)
+                # this text came before, so a replica may hold it: match it exactly, after the
+                # earlier request's deferred encode (if still waiting) has recorded its entries
+                if self.deferred.pending(fingerprint):
+                    await self.deferred.expedite(fingerprint)
+                    plan = enc.plan(prep.text, add_special_tokens=prep.add_special_tokens)
             offload = plan.missing_chars >= self._offload_chars and self._slots is not None
             if offload:
                 assert self._slots is not None
@@ -346,25 +355,43 @@ class Featurizer:
             self._executor = ThreadPoolExecutor(self._threads, thread_name_prefix="kvgate-tokenize")
         return self._executor
 
-    def _deferrable(self, prep: _Prepared, enc: SegmentEncoder, plan: EncodePlan) -> int | None:
-        """The character offset from which ``prep.text`` is routed unencoded, or None to encode it
-        all now. Truncated prompts are always encoded (their kept tokens depend on the count)."""
+    def _deferrable(self, prep: _Prepared, enc: SegmentEncoder, plan: EncodePlan) -> tuple[int, int] | None:
+        """(character offset of the first uncached segment, fingerprint of the text up to it and
+        of the new text's start) when enough of ``prep.text`` is uncached to route it before
+        encoding, else None. Truncated prompts are always encoded first (their kept tokens
+        depend on the count)."""
         if not self._defer_chars or prep.truncate is not None or plan.missing_chars < self._defer_chars:
             return None
         assert prep.text is not None
         start = 0 if plan.whole is not None else plan.start_of(plan.missing[0])
-        if self._seen.check_and_add(SeenTexts.fingerprint(enc.seed, prep.text, start)):
-            return None  # this text came before: a replica may hold it, so match it exactly
-        return start
+        return start, SeenTexts.fingerprint(enc.seed, prep.text, start)
 
     def _finish_deferred(
-        self, prep: _Prepared, enc: SegmentEncoder, plan: EncodePlan, start: int, session_id: str | None
+        self,
+        prep: _Prepared,
+        enc: SegmentEncoder,
+        plan: EncodePlan,
+        start: int,
+        fingerprint: int,
+        session_id: str | None,
     ) -> tuple[RequestFeatures, FeatureInfo]:
         assert prep.text is not None
         prefix = enc.prefix_tokens(plan, add_special_tokens=prep.add_special_tokens)
         rest = len(prep.text) - start
-        if plan.whole is None:  # whole-text encodes are not cached: nothing to do later
-            self.deferred.submit(enc, plan)
+        block_size, base, lora, salt = (
+            prep.model.config.block_size,
+            prep.model.config.name,
+            prep.lora,
+            prep.salt,
+        )
+        job = DeferredJob(
+            enc,
+            plan,
+            prep.add_special_tokens,
+            fingerprint,
+            lambda tokens: block_keys(tokens, block_size, base, lora, salt),
+        )
+        self.deferred.submit(job)
         prep.source = "local"
         return self._exact(
             prep,
@@ -374,6 +401,7 @@ class Featurizer:
             cached=plan.cached_segments,
             encoded_chars=0,
             offloaded=False,
+            deferred=job,
             deferred_chars=rest,
             session_id=session_id,
         )
@@ -501,6 +529,7 @@ class Featurizer:
                 cached=cached,
                 encoded_chars=encoded_chars,
                 offloaded=offloaded,
+                deferred=None,
                 deferred_chars=0,
                 session_id=session_id,
             )
@@ -543,6 +572,7 @@ class Featurizer:
         cached: int,
         encoded_chars: int,
         offloaded: bool,
+        deferred: DeferredJob | None,
         deferred_chars: int,
         session_id: str | None,
     ) -> tuple[RequestFeatures, FeatureInfo]:
@@ -571,6 +601,7 @@ class Featurizer:
             offloaded=offloaded,
             token_ids=None if deferred_chars else tokens,
             deferred_chars=deferred_chars,
+            deferred=deferred,
         )
         self.mode_counts[prep.source] += 1
         return features, info

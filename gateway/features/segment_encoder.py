@@ -57,9 +57,9 @@ class BoundedLRU:
     def __len__(self) -> int:
         return len(self._data)
 
-    def __contains__(self, key: SegmentKey) -> bool:
-        """Membership without counting a hit or miss and without refreshing the entry."""
-        return key in self._data
+    def peek(self, key: SegmentKey) -> TokenArray | None:
+        """The entry, without counting a hit or miss and without refreshing it."""
+        return self._data.get(key)
 
     def get(self, key: SegmentKey) -> TokenArray | None:
         value = self._data.get(key)
@@ -223,15 +223,20 @@ class SegmentEncoder:
             self.cache.put(plan.keys[i], ids)
 
     def still_missing(self, plan: EncodePlan) -> EncodePlan:
-        """The plan's segments that are still not cached (another request may have encoded some
-        since it was made)."""
-        missing = [i for i in plan.missing if plan.keys[i] not in self.cache]
+        """A copy of ``plan`` whose segments cached since it was made (by another request) are
+        filled in from the cache, and only the others left to encode."""
+        if plan.whole is not None:
+            return plan
+        found = list(plan.found)
+        missing = []
+        for i in plan.missing:
+            hit = self.cache.peek(plan.keys[i])
+            if hit is None:
+                missing.append(i)
+            else:
+                found[i] = hit
         return EncodePlan(
-            keys=plan.keys,
-            found=list(plan.found),
-            separators=plan.separators,
-            missing=missing,
-            empty=plan.empty,
+            keys=plan.keys, found=found, separators=plan.separators, missing=missing, empty=plan.empty
         )
 
     # -- encoding (any thread) -----------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Routing before encoding new text: the keys are always a prefix of the exact keys, the new text
-is encoded after routing into the segment cache, text seen before is encoded first, and the
-record of seen texts and the backlog of deferred encodes are bounded."""
+is encoded after routing into the segment cache and its keys handed to the proxy, a request
+bringing the same text again takes the waiting encode over and is matched exactly, and the record
+of seen texts and the backlog of deferred encodes are bounded."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 
 from gateway.config import ModelConfig
 from gateway.features import Featurizer
-from gateway.features.deferred import DeferredEncodes
+from gateway.features.deferred import DeferredEncodes, DeferredJob
 from gateway.features.novelty import SeenTexts
 from gateway.features.segment_encoder import BoundedLRU, SegmentEncoder
 from gateway.features.tokenizer_files import load_tokenizer_files
@@ -84,13 +85,41 @@ async def test_text_seen_before_is_encoded_before_routing() -> None:
         _, first = await fz.features("completions", body)
         # the same text again, before or after the deferred encode: exact either way
         _, second = await fz.features("completions", body)
-        assert first.deferred_chars > 0 and second.exact and second.encoded_chars > 0
+        assert first.deferred_chars > 0 and second.exact
         # a new text sharing its first PROBE_CHARS characters counts as seen (it may share more)
         shared = body["prompt"][:400] + text(3, 300)
         _, third = await fz.features("completions", {"model": "tiny", "prompt": shared})
-        assert third.exact
+        assert third.exact and third.encoded_chars > 0
     finally:
         await fz.close()
+
+
+async def test_a_burst_on_new_text_finds_the_first_requests_entries() -> None:
+    """The second request of a burst takes the first one's waiting encode over: the first
+    request's replica gets the whole prompt's keys before the second is matched."""
+    fz = make(threads=1)
+    exact = make(defer_chars=0)
+    try:
+        doc = text(40, 800)
+        first_body = chat(SYSTEM, doc)
+        _, first = await fz.features("chat", first_body)
+        assert first.deferred is not None
+        recorded: list[list[int]] = []
+        first.deferred.on_keys = recorded.append  # what the proxy does once it has routed
+        second, second_info = await fz.features("chat", first_body)  # no await in between
+        assert second_info.exact and fz.cache_stats()["deferred_expedited"] == 1
+        want, _ = await exact.features("chat", first_body)
+        assert recorded == [list(want.block_keys)] == [list(second.block_keys)]
+        # a job finished normally also hands over its keys, once
+        _, third = await fz.features("chat", chat(SYSTEM, text(41, 800)))
+        assert third.deferred is not None
+        later: list[list[int]] = []
+        third.deferred.on_keys = later.append
+        await fz.deferred.drain()
+        assert len(later) == 1 and len(later[0]) > 20
+    finally:
+        await fz.close()
+        await exact.close()
 
 
 async def test_short_truncated_or_disabled_never_defer() -> None:
@@ -160,19 +189,23 @@ async def test_backlog_is_bounded_in_characters_and_drops_the_oldest() -> None:
     cache = BoundedLRU(100)
     enc = SegmentEncoder(tok, cache, "t")
     deferred = DeferredEncodes(2500, lambda: None)
+
+    def job(plan_text: str, fingerprint: int) -> DeferredJob:
+        plan = enc.plan(plan_text, add_special_tokens=False)
+        return DeferredJob(enc, plan, False, fingerprint, lambda tokens: [len(tokens)])
+
     try:
-        plans = [enc.plan(text(10 + i, 150) + "<|im_end|>", add_special_tokens=False) for i in range(4)]
-        sizes = [p.missing_chars for p in plans]
-        assert all(700 < n < 1250 for n in sizes)
-        for p in plans:  # no await in between: the worker has not run yet
-            deferred.submit(enc, p)
+        jobs = [job(text(10 + i, 150) + "<|im_end|>", i) for i in range(4)]
+        assert all(700 < j.chars < 1250 for j in jobs)
+        for j in jobs:  # no await in between: the worker has not run yet
+            deferred.submit(j)
         assert deferred.queued_chars <= 2500 and deferred.dropped == 2
-        deferred.submit(enc, enc.plan(text(20, 2000), add_special_tokens=False))  # larger than it all
-        assert deferred.dropped == 3
+        assert [deferred.pending(i) for i in range(4)] == [False, False, True, True]
+        deferred.submit(job(text(20, 2000), 9))  # larger than the whole backlog
+        assert deferred.dropped == 3 and not deferred.pending(9)
         await deferred.drain()
-        assert deferred.encoded == 2 and deferred.queued_chars == 0
-        assert sum(p.keys[0] in cache for p in plans) == 2
-        assert all(p.keys[0] in cache for p in plans[2:])  # the newest were kept
+        assert deferred.encoded == 2 and deferred.queued_chars == 0 and not deferred.pending(3)
+        assert [cache.peek(j.plan.keys[0]) is not None for j in jobs] == [False, False, True, True]
     finally:
         await deferred.close()
 
