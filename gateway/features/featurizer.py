@@ -28,6 +28,9 @@ cache_salt)``. ``RequestFeatures.model`` is the base model (replicas are listed 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -49,7 +52,7 @@ from gateway.features.chat_request import (
 )
 from gateway.features.chat_template import ChatTemplate, TemplateRenderError, make_environment
 from gateway.features.deferred import DeferredEncodes, DeferredJob
-from gateway.features.novelty import SeenTexts
+from gateway.features.novelty import PROBE_CHARS, SeenTexts
 from gateway.features.remote_tokenizer import RemoteTokenizeError, RemoteTokenizer, UrlChooser
 from gateway.features.segment_encoder import BoundedLRU, EncodePlan, SegmentEncoder, TokenArray
 from gateway.features.tokenizer_files import FeatureConfigError, TokenizerFiles, load_tokenizer_files
@@ -135,6 +138,12 @@ class _Prepared:
     truncation_side: str = "left"
 
 
+def lower_thread_priority() -> None:
+    """Give the calling thread the lowest scheduling priority (Linux: per-thread nice 19)."""
+    with contextlib.suppress(AttributeError, OSError):  # not Linux, or not permitted
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
 class Featurizer:
     def __init__(
         self,
@@ -164,8 +173,12 @@ class Featurizer:
         self.offload_queued = 0  # encodes handed to the pool and not finished (<= offload_bound)
         self.offload_queued_max = 0
         self._defer_chars = defer_chars
+        # a request sharing this many blocks of new text with a waiting deferred encode takes
+        # it over (a burst); one sharing less (a common head) does not
+        self._anchor_blocks = max(1, -(-defer_chars // PROBE_CHARS))
         self._seen = SeenTexts(seen_entries)
-        self.deferred = DeferredEncodes(defer_backlog_chars, self._pool)
+        self._background: ThreadPoolExecutor | None = None
+        self.deferred = DeferredEncodes(defer_backlog_chars, self._background_pool)
         self._remote = RemoteTokenizer(remote) if remote is not None else None
         env = make_environment()
         loaded: dict[Path, _Local] = {}
@@ -300,14 +313,19 @@ class Featurizer:
             plan = enc.plan(prep.text, add_special_tokens=prep.add_special_tokens)
             probe = self._deferrable(prep, enc, plan)
             if probe is not None:
-                start, fingerprint = probe
-                if not self._seen.check_and_add(fingerprint):
-                    return self._finish_deferred(prep, enc, plan, start, fingerprint, session_id)
-                # this text came before, so a replica may hold it: match it exactly, after the
-                # earlier request's deferred encode (if still waiting) has recorded its entries
-                if self.deferred.pending(fingerprint):
-                    await self.deferred.expedite(fingerprint)
+                start, fingerprints = probe
+                seen = self._seen.seen_run(fingerprints)
+                a = min(len(fingerprints), self._anchor_blocks) - 1
+                if seen > a and self.deferred.pending(fingerprints[a]):
+                    # a burst on the same new text: the earlier request's encode records its
+                    # replica's entries first, then this one is encoded and matched exactly
+                    await self.deferred.expedite(fingerprints[a])
                     plan = enc.plan(prep.text, add_special_tokens=prep.add_special_tokens)
+                elif seen < len(fingerprints):
+                    return self._finish_deferred(
+                        prep, enc, plan, start, seen * PROBE_CHARS, fingerprints[a], session_id
+                    )
+                # else all of it came before, so a replica may hold all of it: encode it now
             offload = plan.missing_chars >= self._offload_chars and self._slots is not None
             if offload:
                 assert self._slots is not None
@@ -341,6 +359,9 @@ class Featurizer:
         """Stop the deferred encodes, then the worker threads (waiting for running encodes), then
         close the HTTP session."""
         await self.deferred.close()
+        if self._background is not None:
+            background, self._background = self._background, None
+            await asyncio.get_running_loop().run_in_executor(None, background.shutdown)
         if self._remote is not None:
             await self._remote.close()
         if self._executor is not None:
@@ -349,22 +370,32 @@ class Featurizer:
 
     # -- steps -----------------------------------------------------------------------------------
 
+    def _background_pool(self) -> ThreadPoolExecutor:
+        """One worker thread at the lowest CPU priority for deferred encodes: they are work for a
+        later request, so they yield the CPU to requests being routed and to co-located engines."""
+        if self._background is None:
+            self._background = ThreadPoolExecutor(
+                1, thread_name_prefix="kvgate-deferred", initializer=lower_thread_priority
+            )
+        return self._background
+
     def _pool(self) -> ThreadPoolExecutor | None:
         """The worker threads, started on first use (None when configured with none)."""
         if self._executor is None and self._threads > 0:
             self._executor = ThreadPoolExecutor(self._threads, thread_name_prefix="kvgate-tokenize")
         return self._executor
 
-    def _deferrable(self, prep: _Prepared, enc: SegmentEncoder, plan: EncodePlan) -> tuple[int, int] | None:
-        """(character offset of the first uncached segment, fingerprint of the text up to it and
-        of the new text's start) when enough of ``prep.text`` is uncached to route it before
-        encoding, else None. Truncated prompts are always encoded first (their kept tokens
-        depend on the count)."""
+    def _deferrable(
+        self, prep: _Prepared, enc: SegmentEncoder, plan: EncodePlan
+    ) -> tuple[int, list[int]] | None:
+        """(character offset of the first uncached segment, fingerprints of the text from there)
+        when enough of ``prep.text`` is uncached to route it before encoding it all, else None.
+        Truncated prompts are always encoded first (their kept tokens depend on the count)."""
         if not self._defer_chars or prep.truncate is not None or plan.missing_chars < self._defer_chars:
             return None
         assert prep.text is not None
         start = 0 if plan.whole is not None else plan.start_of(plan.missing[0])
-        return start, SeenTexts.fingerprint(enc.seed, prep.text, start)
+        return start, SeenTexts.fingerprints(enc.seed, prep.text, start)
 
     def _finish_deferred(
         self,
@@ -372,12 +403,19 @@ class Featurizer:
         enc: SegmentEncoder,
         plan: EncodePlan,
         start: int,
-        fingerprint: int,
+        seen_chars: int,
+        anchor: int,
         session_id: str | None,
     ) -> tuple[RequestFeatures, FeatureInfo]:
+        """Key the exact cached prefix plus the exact tokens of the new text's leading part seen
+        before (within its first segment); estimate the rest and encode it all in the background."""
         assert prep.text is not None
-        prefix = enc.prefix_tokens(plan, add_special_tokens=prep.add_special_tokens)
-        rest = len(prep.text) - start
+        tokens = enc.prefix_tokens(plan, add_special_tokens=prep.add_special_tokens)
+        covered = 0
+        if seen_chars and (plan.whole is None or enc.can_cut_whole(prep.add_special_tokens)):
+            head, covered = enc.head_tokens(plan, seen_chars)
+            tokens = np.concatenate([tokens, head])
+        rest = len(prep.text) - start - covered
         block_size, base, lora, salt = (
             prep.model.config.block_size,
             prep.model.config.name,
@@ -388,18 +426,18 @@ class Featurizer:
             enc,
             plan,
             prep.add_special_tokens,
-            fingerprint,
-            lambda tokens: block_keys(tokens, block_size, base, lora, salt),
+            anchor,
+            lambda t: block_keys(t, block_size, base, lora, salt),
         )
         self.deferred.submit(job)
         prep.source = "local"
         return self._exact(
             prep,
-            prefix,
-            len(prefix) + enc.estimate_tokens(rest),
+            tokens,
+            len(tokens) + enc.estimate_tokens(rest),
             segments=plan.segments,
             cached=plan.cached_segments,
-            encoded_chars=0,
+            encoded_chars=covered,
             offloaded=False,
             deferred=job,
             deferred_chars=rest,

@@ -1,27 +1,33 @@
-"""Which prompt texts the gateway has seen before, to decide whether new text is worth encoding
+"""Which prompt texts the gateway has seen before, to decide how much new text is worth encoding
 before routing.
 
-A replica can only hold KV blocks of text some request sent it. If the text that follows a
-prompt's cached segments has never reached this gateway after that same prefix, no replica holds
-blocks for it through us, and encoding it before routing would only give the policy keys that
-match nowhere. The featurizer then routes on the cached prefix and encodes the new text in the
-background. The record is a bounded set of fingerprints: ``xxh3_64`` of the prompt text up to the
-first new segment plus the first ``PROBE_CHARS`` characters after it, seeded per tokenizer.
+A replica can only hold KV blocks of text some request sent it. Text that follows a prompt's
+cached segments and never reached this gateway after that same prefix is in no replica's cache
+through us: encoding it before routing would only give the policy keys that match nowhere. So the
+new text is fingerprinted in blocks of ``PROBE_CHARS`` characters, chained (each fingerprint
+covers the text up to the end of its block, seeded per tokenizer and by the text before the new
+part), and the featurizer encodes before routing only the leading blocks seen before; the rest is
+routed on an estimate and encoded in the background.
 
-Forgetting (the set is bounded, oldest first) only ever makes text look new: the request is then
-routed on its cached prefix, which is still a correct, if shorter, match.
+The record is a bounded set of fingerprints, least recently seen dropped first. Forgetting only
+ever makes text look new: the request is then routed on less of its prefix, which is still a
+correct, if shorter, match.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import xxhash
 
-PROBE_CHARS = 256  # characters of the new text that identify it
+PROBE_CHARS = 256  # characters per fingerprinted block of new text
+
+_xxh3 = xxhash.xxh3_64_intdigest
 
 
 class SeenTexts:
-    """At most ``capacity`` fingerprints, least recently seen dropped first (0: nothing is ever
-    seen, so new text is always deferred)."""
+    """At most ``capacity`` fingerprints (0: nothing is ever seen, so new text is always
+    routed before it is encoded)."""
 
     def __init__(self, capacity: int) -> None:
         if capacity < 0:
@@ -33,16 +39,28 @@ class SeenTexts:
         return len(self._seen)
 
     @staticmethod
-    def fingerprint(seed: int, text: str, start: int) -> int:
-        """Of ``text`` up to ``start`` plus ``PROBE_CHARS`` characters of what follows."""
-        return xxhash.xxh3_64_intdigest(text[: start + PROBE_CHARS].encode("utf-8", "surrogatepass"), seed)
+    def fingerprints(seed: int, text: str, start: int) -> list[int]:
+        """One per ``PROBE_CHARS`` block of ``text[start:]`` (the last may be shorter), each
+        covering everything before it."""
+        h = _xxh3(text[:start].encode("utf-8", "surrogatepass"), seed)
+        out = []
+        for i in range(start, len(text), PROBE_CHARS):
+            h = _xxh3(text[i : i + PROBE_CHARS].encode("utf-8", "surrogatepass"), h)
+            out.append(h)
+        return out
 
-    def check_and_add(self, fingerprint: int) -> bool:
-        """Whether ``fingerprint`` was seen before; records it either way."""
+    def seen_run(self, fingerprints: list[int]) -> int:
+        """How many leading ``fingerprints`` were seen before; records them all."""
         seen = self._seen
-        known = seen.pop(fingerprint, 0) is None  # popped to re-insert as the most recent
+        run = 0
+        while run < len(fingerprints) and fingerprints[run] in seen:
+            run += 1
         if self.capacity:
-            seen[fingerprint] = None
-            if len(seen) > self.capacity:
-                del seen[next(iter(seen))]
-        return known
+            for fp in fingerprints:
+                seen.pop(fp, None)  # re-inserted as the most recent
+                seen[fp] = None
+            excess = len(seen) - self.capacity
+            if excess > 0:  # one pass over the oldest, not one iterator per key
+                for fp in list(itertools.islice(seen, excess)):
+                    del seen[fp]
+        return run

@@ -213,6 +213,45 @@ class SegmentEncoder:
                     parts.append(self._id_arrays[plan.separators[i]])
         return np.concatenate(parts) if parts else _EMPTY
 
+    def can_cut_whole(self, add_special_tokens: bool) -> bool:
+        """Whether a whole-text plan's leading tokens are known without encoding it all (the
+        post-processor's prefix is known, or none is added)."""
+        return not add_special_tokens or self._affixes is not None
+
+    def head_tokens(self, plan: EncodePlan, chars: int) -> tuple[TokenArray, int]:
+        """The exact leading tokens of the plan's first segment to encode, from encoding only its
+        first ``chars`` characters; and how many characters they cover.
+
+        Encoding a cut text is exact up to the pre-tokenizer's words that end before the cut: a
+        word is split off the text by its own characters and at most one after it (the
+        pre-tokenizers' lookahead), and BPE never merges across words. So the tokens of the cut
+        text's last word are dropped, and those of the word before it as a margin for splitting
+        rules that look further ahead (a property test checks byte-level and SentencePiece-style
+        pre-tokenizers). A tokenizer without a pre-tokenizer has one word,
+        and nothing is kept (the request is then routed on less of its prefix, never wrongly).
+        Event loop thread (it runs before routing)."""
+        if plan.whole is not None:
+            prev, text = "", plan.whole[:chars]
+        else:
+            _, prev, seg, _ = plan.keys[plan.missing[0]]
+            text = prev + seg[:chars]
+        enc = self.tokenizer.encode(text, add_special_tokens=False)
+        ids, words, offsets = enc.ids, enc.word_ids, enc.offsets
+        lo = 0
+        if prev:
+            if not ids or ids[0] != self._ids[prev]:
+                raise AssertionError(f"segment context token changed while encoding {prev!r}")
+            lo = 1
+        last = max((w for w in words[lo:] if w is not None), default=-1)
+        n = lo
+        while n < len(ids):
+            w = words[n]
+            if w is None or w >= last - 1:
+                break
+            n += 1
+        covered = offsets[n - 1][1] - len(prev) if n > lo else 0
+        return np.asarray(ids[lo:n], dtype=np.uint32), covered
+
     def remember(self, plan: EncodePlan, encoded: Sequence[TokenArray]) -> None:
         """Put encoded segments in the cache (event loop thread)."""
         self._learn(plan, encoded)

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from gateway.config import ModelConfig
 from gateway.features import Featurizer
@@ -25,6 +26,19 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "assets/tokenizers/kvgate-tiny")
 WORDS = (ROOT / "assets/corpus/stdlib_docstrings.txt").read_text(encoding="utf-8").split()[:5000]
 SYSTEM = "You are a careful assistant. " * 20
+
+
+def _metaspace() -> Tokenizer:
+    """A SentencePiece-style BPE (Metaspace pre-tokenizer, NFC), with the test's added token."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(
+        vocab_size=800, special_tokens=["<unk>", "<|im_start|>"], show_progress=False
+    )
+    tok.train_from_iterator([" ".join(WORDS)], trainer)
+    return tok
 
 
 def text(seed: int, words: int) -> str:
@@ -80,18 +94,24 @@ async def test_new_text_routes_on_the_exact_cached_prefix_and_is_encoded_after()
 
 async def test_text_seen_before_is_encoded_before_routing() -> None:
     fz = make(threads=1)
+    exact = make(defer_chars=0)
     try:
         body = {"model": "tiny", "prompt": text(2, 700)}
         _, first = await fz.features("completions", body)
         # the same text again, before or after the deferred encode: exact either way
         _, second = await fz.features("completions", body)
-        assert first.deferred_chars > 0 and second.exact
-        # a new text sharing its first PROBE_CHARS characters counts as seen (it may share more)
-        shared = body["prompt"][:400] + text(3, 300)
-        _, third = await fz.features("completions", {"model": "tiny", "prompt": shared})
-        assert third.exact and third.encoded_chars > 0
+        assert first.deferred_chars > 0 and first.encoded_chars == 0 and second.exact
+        # a new text sharing its first 1,000 characters: those are encoded (they may be cached
+        # somewhere), the rest is routed on an estimate
+        shared = {"model": "tiny", "prompt": body["prompt"][:1000] + text(3, 500)}
+        got, third = await fz.features("completions", shared)
+        want, _ = await exact.features("completions", shared)
+        assert 700 < third.encoded_chars <= 1000 and third.deferred_chars > 2000
+        assert 700 // 4 // 16 < len(got.block_keys) <= 1000 // 16
+        assert list(got.block_keys) == list(want.block_keys)[: len(got.block_keys)]
     finally:
         await fz.close()
+        await exact.close()
 
 
 async def test_a_burst_on_new_text_finds_the_first_requests_entries() -> None:
@@ -144,9 +164,12 @@ async def test_short_truncated_or_disabled_never_defer() -> None:
 @given(
     turns=st.lists(st.integers(min_value=0, max_value=500), min_size=1, max_size=5),
     cached=st.integers(min_value=0, max_value=5),
+    shared=st.integers(min_value=0, max_value=4000),
     seed=st.integers(min_value=0, max_value=10**6),
 )
-def test_deferred_keys_are_a_prefix_of_the_exact_keys(turns: list[int], cached: int, seed: int) -> None:
+def test_deferred_keys_are_a_prefix_of_the_exact_keys(
+    turns: list[int], cached: int, shared: int, seed: int
+) -> None:
     async def run() -> None:
         fz = make(defer_chars=1)
         exact = make(defer_chars=0)
@@ -156,6 +179,9 @@ def test_deferred_keys_are_a_prefix_of_the_exact_keys(turns: list[int], cached: 
             if cached:
                 await fz.features("chat", chat(SYSTEM, *contents[:cached]))
                 await fz.deferred.drain()
+            # and an earlier request shared the start of the last message (not encoded)
+            if shared:
+                await fz.features("chat", chat(SYSTEM, *contents[:-1], contents[-1][:shared] + "!"))
             body = chat(SYSTEM, *contents)
             got, _ = await fz.features("chat", body)
             want, _ = await exact.features("chat", body)
@@ -167,21 +193,66 @@ def test_deferred_keys_are_a_prefix_of_the_exact_keys(turns: list[int], cached: 
     asyncio.run(run())
 
 
+def _no_pretokenizer() -> Tokenizer:
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<|im_start|>"], show_progress=False
+    )
+    tok.train_from_iterator([" ".join(WORDS[:2000])], trainer)
+    return tok
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(min_value=0, max_value=10**6),
+    cut=st.integers(min_value=0, max_value=3000),
+    which=st.sampled_from(["tiny", "metaspace"]),
+)
+def test_head_tokens_are_the_exact_leading_tokens(seed: int, cut: int, which: str) -> None:
+    """Encoding a cut segment keeps only tokens the whole segment has in the same places, for
+    byte-level and SentencePiece-style pre-tokenizers, with odd whitespace and punctuation."""
+    tok = load_tokenizer_files(Path(TINY), where="t").tokenizer if which == "tiny" else _metaspace()
+    enc = SegmentEncoder(tok, BoundedLRU(10), "t")
+    rng = random.Random(seed)
+    pieces = [
+        rng.choice(WORDS) + rng.choice(["", " ", "  ", "\n", ", ", "...", "\t", "  \n\n"]) for _ in range(500)
+    ]
+    body = "<|im_start|>" + "".join(pieces)
+    plan = enc.plan(body, add_special_tokens=False)
+    assert len(plan.missing) == 1
+    full = enc.encode(body, add_special_tokens=False)[1:]  # drop <|im_start|>
+    head, covered = enc.head_tokens(plan, cut)
+    assert list(head) == list(full[: len(head)])
+    assert covered <= cut
+    if cut > 100:
+        assert len(head) > 0
+
+
+def test_head_tokens_keep_nothing_without_a_pre_tokenizer() -> None:
+    enc = SegmentEncoder(_no_pretokenizer(), BoundedLRU(10), "t")
+    plan = enc.plan("<|im_start|>" + text(9, 300), add_special_tokens=False)
+    head, covered = enc.head_tokens(plan, 1000)
+    assert len(head) == 0 and covered == 0
+
+
 def test_seen_texts_are_bounded_and_refreshed() -> None:
     seen = SeenTexts(3)
-    assert [seen.check_and_add(k) for k in (1, 2, 3)] == [False, False, False]
-    assert seen.check_and_add(1)  # refreshed: 2 is now the oldest
-    assert not seen.check_and_add(4)
+    assert seen.seen_run([1, 2]) == 0
+    assert seen.seen_run([1, 2, 3]) == 2  # leading run; 3 recorded too
+    assert seen.seen_run([1]) == 1  # refreshed: 2 is now the oldest
+    assert seen.seen_run([4]) == 0
     assert len(seen) == 3
-    assert not seen.check_and_add(2)  # forgotten
-    assert seen.check_and_add(1) and seen.check_and_add(4)
+    assert seen.seen_run([2]) == 0  # forgotten
+    assert seen.seen_run([5, 1]) == 0  # a run must start at the first block
     never = SeenTexts(0)
-    assert not never.check_and_add(7) and not never.check_and_add(7) and len(never) == 0
+    assert never.seen_run([7]) == 0 and never.seen_run([7]) == 0 and len(never) == 0
     with pytest.raises(ValueError):
         SeenTexts(-1)
-    a = SeenTexts.fingerprint(1, "abc" + "x" * 300, 3)
-    assert a == SeenTexts.fingerprint(1, "abc" + "x" * 256 + "y", 3)  # only PROBE_CHARS after
-    assert a != SeenTexts.fingerprint(2, "abc" + "x" * 300, 3)  # seeded per tokenizer
+    a = SeenTexts.fingerprints(1, "abc" + "x" * 300, 3)
+    b = SeenTexts.fingerprints(1, "abc" + "x" * 256 + "y" * 44, 3)
+    assert len(a) == len(b) == 2 and a[0] == b[0] and a[1] != b[1]  # chained per PROBE_CHARS
+    assert a[0] != SeenTexts.fingerprints(2, "abc" + "x" * 300, 3)[0]  # seeded per tokenizer
+    assert a[0] != SeenTexts.fingerprints(1, "abd" + "x" * 300, 3)[0]  # and by the text before
 
 
 async def test_backlog_is_bounded_in_characters_and_drops_the_oldest() -> None:
