@@ -153,7 +153,10 @@ class ProxyConfig(_Strict):
         "prefix is routed on the cached prefix and encoded after routing (0: always encode first).",
     )
     tokenize_seen_entries: int = Field(
-        65536, ge=0, description="Bound of the record of texts seen (one fingerprint per new text)."
+        262144,
+        ge=0,
+        description="Bound of the record of new texts seen (one fingerprint per 256 characters; "
+        "about 80 bytes each).",
     )
     tokenize_defer_backlog_chars: int = Field(
         4_000_000,
