@@ -29,12 +29,14 @@ import uvloop
 import yaml
 
 from bench import loadgen
-from bench.procs import Procs, free_port, tree_cpu_s
+from bench.procs import Procs, free_port, threads_cpu_s, tree_cpu_s
+from gateway.features.featurizer import BACKGROUND_THREAD_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_VENV = ROOT / ".venv-bench"
 TOKENIZER = ROOT / "assets/tokenizers/kvgate-bench-32k"
 MODEL = "bench-model"
+DEFERRED_THREAD = BACKGROUND_THREAD_NAME.decode()
 PATH = "/v1/chat/completions"
 
 
@@ -114,12 +116,16 @@ def measure(
 ) -> dict[str, float]:
     warmup = _warmup(count, concurrency)
     cpu0 = tree_cpu_s(pid) if pid else 0.0
+    bg0 = threads_cpu_s(pid, DEFERRED_THREAD) if pid else 0.0
     res = uvloop.run(loadgen.run("127.0.0.1", port, PATH, bodies, count, concurrency, max_s, warmup=warmup))
     cpu = (tree_cpu_s(pid) - cpu0) if pid else 0.0
+    background = (threads_cpu_s(pid, DEFERRED_THREAD) - bg0) if pid else 0.0
     out = res.summary()
     n = out["requests"] + warmup
     out["cpu_s"] = cpu
     out["cpu_s_per_1000"] = 1000 * cpu / n if pid else 0.0
+    # of which kvgate's lowest-priority thread encoding new text after routing (0 for others)
+    out["deferred_cpu_s_per_1000"] = 1000 * background / n if pid else 0.0
     out["rps_per_core"] = n / cpu if cpu > 0 else 0.0
     return out
 

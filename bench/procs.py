@@ -40,6 +40,25 @@ def _stat(pid: int) -> tuple[int, float] | None:
     return int(rest[1]), (int(rest[11]) + int(rest[12])) / _TICK
 
 
+def threads_cpu_s(pid: int, name: str) -> float:
+    """CPU seconds used so far by the threads of ``pid`` whose OS name is ``name``."""
+    total = 0.0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    for tid in tids:
+        try:
+            if Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip() != name:
+                continue
+            raw = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        rest = raw[raw.rindex(")") + 2 :].split()
+        total += (int(rest[11]) + int(rest[12])) / _TICK
+    return total
+
+
 def tree_cpu_s(root: int) -> float:
     """CPU seconds used so far by ``root`` and its live descendants."""
     parents: dict[int, int] = {}

@@ -96,6 +96,11 @@ def summarize(
     return s
 
 
+def _deferred(r: dict[str, Any]) -> str:
+    bg = r.get("deferred_cpu_s_per_1000", 0.0)
+    return f" ({bg:.3f})" if bg else ""
+
+
 def table(
     index: dict[str, Any] | None,
     ov: dict[str, Any] | None,
@@ -132,7 +137,8 @@ def table(
         out += [
             "## Gateway overhead (fake backends on loopback)",
             "",
-            "Added = router minus direct at the same percentile; CPU = the router's process tree.",
+            "Added = router minus direct at the same percentile; CPU = the router's process tree "
+            "(for kvgate, in brackets: of which its lowest-priority thread encoding new text after routing).",
             "",
             "| mode | prompt | c | router | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms | CPU s / 1k req | req/s per core | errors |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -149,7 +155,7 @@ def table(
                 if r:
                     out.append(
                         f"| {mode} | {size} | {row['concurrency']} | {name} | {r['rps']:,.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} "
-                        f"| {r['added_p50_ms']:.2f} | {r['added_p99_ms']:.2f} | {r['cpu_s_per_1000']:.3f} | {r['rps_per_core']:,.0f} | {r['errors']:.0f} |"
+                        f"| {r['added_p50_ms']:.2f} | {r['added_p99_ms']:.2f} | {r['cpu_s_per_1000']:.3f}{_deferred(r)} | {r['rps_per_core']:,.0f} | {r['errors']:.0f} |"
                     )
         out.append("")
     if live:

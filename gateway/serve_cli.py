@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 
@@ -53,6 +54,12 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Every encode runs on the thread that asked for it (the event loop, the request-path pool or
+    # the lowest-priority deferred thread), which releases the GIL meanwhile. Left on, tokenizers
+    # would run them on its own thread pool, spawned by whichever thread encodes first and
+    # inheriting that thread's priority, so request-path encodes could run at the deferred
+    # thread's priority. An explicit setting by the operator wins.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.listen is not None:
         _check_host_port("--listen", args.listen)
     if args.inventory is not None:

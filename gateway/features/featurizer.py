@@ -14,11 +14,13 @@ Per model, ``tokenizer`` chooses the mode:
 A completions prompt given as token ids is exact in every mode (the ids are the tokens).
 
 New text is routed before it is encoded (``proxy.tokenize_defer_chars``): when at least that
-many characters of a prompt are not in the segment cache and the text from the first uncached
-segment on has never reached this gateway after the same prefix (``SeenTexts``), no replica can
-hold it through us, so ``features`` keys only the exact cached prefix, estimates the rest's
-token count from this tokenizer's characters per token so far, and leaves the encoding to
-``DeferredEncodes`` (off the request path). ``features_sync`` never defers.
+many characters of a prompt are not in the segment cache, ``SeenTexts`` tells how much of the
+text from the first uncached segment on reached this gateway before after the same prefix (in
+256-character blocks). Text never seen is in no replica's cache through us, so ``features`` keys
+the exact cached prefix plus the exact tokens of the seen head of the first uncached segment,
+estimates the rest's token count from this tokenizer's characters per token so far, and leaves
+the encoding of the rest to ``DeferredEncodes`` (off the request path). Text seen whole is
+encoded before routing, as are truncated prompts. ``features_sync`` never defers.
 
 Key namespace: the ``model`` field may name a configured model or one of its ``lora_adapters``;
 keys are then ``block_keys(tokens, block_size, base_model, lora=adapter, cache_salt=body's
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -138,10 +141,16 @@ class _Prepared:
     truncation_side: str = "left"
 
 
-def lower_thread_priority() -> None:
-    """Give the calling thread the lowest scheduling priority (Linux: per-thread nice 19)."""
+BACKGROUND_THREAD_NAME = b"kvgate-deferred"  # the OS thread name (``/proc/PID/task/*/comm``)
+
+
+def mark_background_thread() -> None:
+    """Give the calling thread the lowest scheduling priority (Linux: per-thread nice 19) and an
+    OS-visible name, so that tools (``top -H``, the overhead benchmark) can tell its CPU apart."""
     with contextlib.suppress(AttributeError, OSError):  # not Linux, or not permitted
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    with contextlib.suppress(AttributeError, OSError):
+        ctypes.CDLL(None, use_errno=True).prctl(15, BACKGROUND_THREAD_NAME, 0, 0, 0)  # PR_SET_NAME
 
 
 class Featurizer:
@@ -153,7 +162,7 @@ class Featurizer:
         threads: int = 2,
         offload_chars: int = 16384,
         defer_chars: int = 0,
-        seen_entries: int = 65536,
+        seen_entries: int = 262144,
         defer_backlog_chars: int = 4_000_000,
         remote: UrlChooser | None = None,
         base_dir: Path | None = None,
@@ -322,7 +331,7 @@ class Featurizer:
                     await self.deferred.expedite(fingerprints[a])
                     plan = enc.plan(prep.text, add_special_tokens=prep.add_special_tokens)
                 elif seen < len(fingerprints):
-                    return self._finish_deferred(
+                    return await self._finish_deferred(
                         prep, enc, plan, start, seen * PROBE_CHARS, fingerprints[a], session_id
                     )
                 # else all of it came before, so a replica may hold all of it: encode it now
@@ -375,7 +384,7 @@ class Featurizer:
         later request, so they yield the CPU to requests being routed and to co-located engines."""
         if self._background is None:
             self._background = ThreadPoolExecutor(
-                1, thread_name_prefix="kvgate-deferred", initializer=lower_thread_priority
+                1, thread_name_prefix="kvgate-deferred", initializer=mark_background_thread
             )
         return self._background
 
@@ -397,7 +406,7 @@ class Featurizer:
         start = 0 if plan.whole is not None else plan.start_of(plan.missing[0])
         return start, SeenTexts.fingerprints(enc.seed, prep.text, start)
 
-    def _finish_deferred(
+    async def _finish_deferred(
         self,
         prep: _Prepared,
         enc: SegmentEncoder,
@@ -413,7 +422,13 @@ class Featurizer:
         tokens = enc.prefix_tokens(plan, add_special_tokens=prep.add_special_tokens)
         covered = 0
         if seen_chars and (plan.whole is None or enc.can_cut_whole(prep.add_special_tokens)):
-            head, covered = enc.head_tokens(plan, seen_chars)
+            pool = self._pool() if seen_chars >= self._offload_chars else None
+            if pool is None:
+                head, covered = enc.head_tokens(plan, seen_chars)
+            else:  # a long head leaves the event loop like any long encode
+                head, covered = await asyncio.get_running_loop().run_in_executor(
+                    pool, enc.head_tokens, plan, seen_chars
+                )
             tokens = np.concatenate([tokens, head])
         rest = len(prep.text) - start - covered
         block_size, base, lora, salt = (

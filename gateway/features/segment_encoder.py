@@ -227,9 +227,8 @@ class SegmentEncoder:
         pre-tokenizers' lookahead), and BPE never merges across words. So the tokens of the cut
         text's last word are dropped, and those of the word before it as a margin for splitting
         rules that look further ahead (a property test checks byte-level and SentencePiece-style
-        pre-tokenizers). A tokenizer without a pre-tokenizer has one word,
-        and nothing is kept (the request is then routed on less of its prefix, never wrongly).
-        Event loop thread (it runs before routing)."""
+        pre-tokenizers). A tokenizer without a pre-tokenizer has one word, and nothing is kept
+        (the request is then routed on less of its prefix, never wrongly). Pure: any thread."""
         if plan.whole is not None:
             prev, text = "", plan.whole[:chars]
         else:
