@@ -9,8 +9,9 @@ conversation's next turn finds them, and, once the proxy has said where the requ
 encoded-first request's would have.
 
 A request carrying the same new text while the first one's job is still waiting (a burst of
-requests on one new document) takes the job over (``expedite``): it is encoded at once and its
-entries are recorded before the second request is matched, so the burst finds the first
+requests on one new document) takes the job over (``expedite``): it is encoded at once, on the
+request path's pool rather than the background thread (whose lowest priority the waiting request
+would otherwise inherit), and its entries are recorded before the second request is matched, so the burst finds the first
 request's replica instead of scattering the document's prefill over the fleet.
 
 The backlog is bounded in characters: when requests bring new text faster than it can be
@@ -68,13 +69,20 @@ class DeferredJob:
 
 
 class DeferredEncodes:
-    def __init__(self, backlog_chars: int, executor: Callable[[], Executor | None]) -> None:
-        """``executor`` returns the pool to encode on, or None to encode on the event loop."""
+    def __init__(
+        self,
+        backlog_chars: int,
+        executor: Callable[[], Executor | None],
+        urgent_executor: Callable[[], Executor | None] | None = None,
+    ) -> None:
+        """``executor`` returns the pool of the background encodes, ``urgent_executor`` the one of
+        encodes a waiting request takes over (default: the same); None encodes on the event loop."""
         if backlog_chars < 0:
             raise ValueError("backlog_chars must be >= 0")
         self.backlog_chars = backlog_chars
         self.queued_chars = 0
         self._executor = executor
+        self._urgent_executor = urgent_executor or executor
         self._jobs: deque[DeferredJob] = deque()
         self._pending: dict[int, DeferredJob] = {}  # by fingerprint, while queued or being encoded
         self._wake = asyncio.Event()
@@ -123,7 +131,9 @@ class DeferredEncodes:
             await job.finished.wait()
             return
         self.queued_chars -= job.chars
-        await self._run_job(job)
+        # on the request path's pool: the background one runs at the lowest priority, and a
+        # request waiting on it would inherit that priority under CPU pressure
+        await self._run_job(job, self._urgent_executor)
 
     def _forget(self, job: DeferredJob) -> None:
         self.queued_chars -= job.chars
@@ -140,9 +150,9 @@ class DeferredEncodes:
                 continue
             job = self._jobs.popleft()
             self.queued_chars -= job.chars
-            await self._run_job(job)
+            await self._run_job(job, self._executor)
 
-    async def _run_job(self, job: DeferredJob) -> None:
+    async def _run_job(self, job: DeferredJob, executor: Callable[[], Executor | None]) -> None:
         try:
             enc = job.encoder
             plan = enc.still_missing(job.plan)

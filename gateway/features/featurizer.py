@@ -187,7 +187,7 @@ class Featurizer:
         self._anchor_blocks = max(1, -(-defer_chars // PROBE_CHARS))
         self._seen = SeenTexts(seen_entries)
         self._background: ThreadPoolExecutor | None = None
-        self.deferred = DeferredEncodes(defer_backlog_chars, self._background_pool)
+        self.deferred = DeferredEncodes(defer_backlog_chars, self._background_pool, self._pool)
         self._remote = RemoteTokenizer(remote) if remote is not None else None
         env = make_environment()
         loaded: dict[Path, _Local] = {}
