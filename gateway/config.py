@@ -147,7 +147,7 @@ class ProxyConfig(_Strict):
         16384, ge=0, description="Uncached prompt characters above which encoding leaves the event loop."
     )
     tokenize_defer_chars: int = Field(
-        2048,
+        1024,
         ge=0,
         description="Uncached prompt characters from which text this gateway never saw after the same "
         "prefix is routed on the cached prefix and encoded after routing (0: always encode first).",
