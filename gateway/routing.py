@@ -22,6 +22,8 @@ from gateway.fleet import Fleet, ReplicaRecord
 from router_policies.policy import Decision, FleetSnapshot, Policy, RequestFeatures
 from router_policies.prefix_index import MatchResult, PrefixIndex
 
+TOUCH_REFRESH_S = 1.0  # a speculative chain's stamps are refreshed at most this often
+
 
 @dataclass(frozen=True, slots=True)
 class RoutingState:
@@ -91,4 +93,13 @@ class Router:
             # index's approximate_ttl_s (one replica's entries keep a consistent age offset, so
             # the index's oldest-first expiry order holds).
             now -= max(0.0, idx_cfg.approximate_ttl_s - state.config.proxy.speculative_ttl_s)
+        cap = idx_cfg.approximate_blocks_per_replica
+        if not keys or not cap:
+            return
+        # A touch stamps a prompt's blocks leaf to root, so a leaf stamped since the last refresh
+        # means the whole chain was; one held precisely means the engine's events arrived. Either
+        # way re-touching would only move the chain's stamps by less than TOUCH_REFRESH_S (a
+        # hot prefix is touched by every request: this was ~10% of the event loop).
+        if self._index.holds_since(replica, keys[min(len(keys), cap) - 1], now - TOUCH_REFRESH_S):
+            return
         self._index.touch_approximate(replica, keys, now)

@@ -332,6 +332,17 @@ class PrefixIndex:
         rep.approx.clear()
         self._drop_approximate(rep, gone)
 
+    def holds_since(self, replica: str, key: int, since: float) -> bool:
+        """Whether ``replica`` holds ``key`` precisely, or as an approximate entry touched at or
+        after ``since``."""
+        rep = self._replicas.get(replica)
+        if rep is None:
+            return False
+        stamp = rep.approx.get(key)
+        if stamp is not None:
+            return stamp >= since
+        return bool(self._table.has(as_keys([key]), rep.slot)[0])
+
     def approximate_keys(self, replica: str) -> list[int]:
         """Approximate keys of ``replica``, eviction order first."""
         rep = self._replicas.get(replica)

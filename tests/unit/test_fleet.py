@@ -205,6 +205,27 @@ def test_router_choice_records_a_speculative_entry_with_the_right_ttl() -> None:
     assert index.approximate_keys(first) == [13, 12, 11]
 
 
+def test_router_refreshes_a_hot_chains_entries_at_most_once_a_second() -> None:
+    cfg = _config()
+    index = PrefixIndex(cfg.index)
+    fleet = Fleet(cfg, index)
+    fleet.check_result("a", True)
+    router = Router(index, fleet)
+    state = _state(cfg)
+    router.touch(state, "a", [11, 12, 13])
+    router.touch(state, "a", [11, 14])  # shares the root: 11 moves behind 14
+    assert index.approximate_keys("a") == [13, 12, 14, 11]
+    router.touch(state, "a", [11, 12, 13])  # its leaf was stamped just now: nothing to do
+    assert index.approximate_keys("a") == [13, 12, 14, 11]
+    router.touch(state, "a", [11, 12, 13, 15])  # a longer chain is new: touched
+    assert index.approximate_keys("a") == [14, 15, 13, 12, 11]
+    index.store("a", [21, 22])  # held precisely (the engine's events came): never duplicated
+    router.touch(state, "a", [21, 22])
+    assert index.approximate_keys("a") == [14, 15, 13, 12, 11]
+    router.touch(state, "gone", [31])  # a replica no longer in the fleet gets nothing
+    assert "gone" not in index.replicas
+
+
 def test_router_raises_when_nothing_is_healthy() -> None:
     cfg = _config()
     index = PrefixIndex(cfg.index)

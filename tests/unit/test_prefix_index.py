@@ -217,3 +217,12 @@ def test_bounds_hold_and_holders_agree_with_inventories(seq: list[tuple[str, str
         assert len(ix) == len(expected)
         for k, holders in expected.items():
             assert set(ix.holders_of(k)) == holders
+
+
+def test_holds_since_sees_precise_entries_and_fresh_approximate_ones() -> None:
+    idx = PrefixIndex(IndexConfig())
+    idx.store("a", [1, 2])
+    idx.touch_approximate("a", [1, 2, 3], now=10.0)
+    assert idx.holds_since("a", 2, since=1e9)  # precise: always
+    assert idx.holds_since("a", 3, since=10.0) and not idx.holds_since("a", 3, since=10.5)
+    assert not idx.holds_since("a", 4, since=0.0) and not idx.holds_since("b", 1, since=0.0)
