@@ -141,6 +141,7 @@ class _Prepared:
     truncation_side: str = "left"
 
 
+HEAD_MARGIN_CHARS = 64  # encoded past the last block of new text seen before (see features())
 BACKGROUND_THREAD_NAME = b"kvgate-deferred"  # the OS thread name (``/proc/PID/task/*/comm``)
 
 
@@ -331,8 +332,12 @@ class Featurizer:
                     await self.deferred.expedite(fingerprints[a])
                     plan = enc.plan(prep.text, add_special_tokens=prep.add_special_tokens)
                 elif seen < len(fingerprints):
+                    # the text stops matching what came before somewhere in the first block not
+                    # seen: encoding through it (and a margin for the words dropped at the cut)
+                    # keys every block another request can share
+                    head = (seen + 1) * PROBE_CHARS + HEAD_MARGIN_CHARS if seen else 0
                     return await self._finish_deferred(
-                        prep, enc, plan, start, seen * PROBE_CHARS, fingerprints[a], session_id
+                        prep, enc, plan, start, head, fingerprints[a], session_id
                     )
                 # else all of it came before, so a replica may hold all of it: encode it now
             offload = plan.missing_chars >= self._offload_chars and self._slots is not None
@@ -412,22 +417,23 @@ class Featurizer:
         enc: SegmentEncoder,
         plan: EncodePlan,
         start: int,
-        seen_chars: int,
+        head_chars: int,
         anchor: int,
         session_id: str | None,
     ) -> tuple[RequestFeatures, FeatureInfo]:
-        """Key the exact cached prefix plus the exact tokens of the new text's leading part seen
-        before (within its first segment); estimate the rest and encode it all in the background."""
+        """Key the exact cached prefix plus the exact tokens of the new text's first
+        ``head_chars`` characters (within its first segment); estimate the rest and encode it all
+        in the background."""
         assert prep.text is not None
         tokens = enc.prefix_tokens(plan, add_special_tokens=prep.add_special_tokens)
         covered = 0
-        if seen_chars and (plan.whole is None or enc.can_cut_whole(prep.add_special_tokens)):
-            pool = self._pool() if seen_chars >= self._offload_chars else None
+        if head_chars and (plan.whole is None or enc.can_cut_whole(prep.add_special_tokens)):
+            pool = self._pool() if head_chars >= self._offload_chars else None
             if pool is None:
-                head, covered = enc.head_tokens(plan, seen_chars)
+                head, covered = enc.head_tokens(plan, head_chars)
             else:  # a long head leaves the event loop like any long encode
                 head, covered = await asyncio.get_running_loop().run_in_executor(
-                    pool, enc.head_tokens, plan, seen_chars
+                    pool, enc.head_tokens, plan, head_chars
                 )
             tokens = np.concatenate([tokens, head])
         rest = len(prep.text) - start - covered
