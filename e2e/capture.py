@@ -82,7 +82,7 @@ def capture(python: Path, model_dir: Path, out_dir: Path, name: str, int_hashes:
     try:
         env = vllm_replica.env(spec)
         env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes POST /reset_prefix_cache (AllBlocksCleared)
-        child = procs.start(spec.name, vllm_replica.argv(python, model_dir, MODEL, spec), env)
+        child = procs.start(spec.name, vllm_replica.launch_argv(python, model_dir, MODEL, spec), env)
         tap = EventTap(spec.events_endpoint)
         ready_s = vllm_replica.wait_ready(child, spec)
         print(f"vLLM ready after {ready_s:.1f} s on {spec.url}", file=sys.stderr)

@@ -91,7 +91,7 @@ class Harness:
         env = vllm_replica.env(r.spec)
         env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache between comparison runs
         r.child = self.procs.start(
-            f"{r.rid}-vllm", vllm_replica.argv(self.vllm_python, self.model_dir, MODEL, r.spec), env
+            f"{r.rid}-vllm", vllm_replica.launch_argv(self.vllm_python, self.model_dir, MODEL, r.spec), env
         )
         if r.tap is None:
             # Our own subscriber, opened before the engine binds: it sees every frame from seq 0,

@@ -116,8 +116,17 @@ def env(spec: ReplicaSpec) -> dict[str, str]:
     return out
 
 
+def launch_argv(python: Path, model_dir: Path, served_name: str, spec: ReplicaSpec) -> list[str]:
+    """``argv`` started on the replica's core already. vLLM's engine process pins itself to
+    VLLM_CPU_OMP_THREADS_BIND, and a process that has to migrate to its core inside
+    sched_setaffinity can hang there on these VMs (seen twice on a restarted replica: stuck in the
+    kernel's affine_move_task while the other replica kept core 0 busy); one that is already
+    there does not move."""
+    return ["taskset", "-c", str(spec.core), *argv(python, model_dir, served_name, spec)]
+
+
 def start(procs: ProcessSet, python: Path, model_dir: Path, served_name: str, spec: ReplicaSpec) -> Child:
-    return procs.start(spec.name, argv(python, model_dir, served_name, spec), env(spec))
+    return procs.start(spec.name, launch_argv(python, model_dir, served_name, spec), env(spec))
 
 
 def wait_ready(child: Child, spec: ReplicaSpec, deadline_s: float = 420.0, interval_s: float = 0.25) -> float:
