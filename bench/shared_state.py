@@ -48,7 +48,6 @@ def _instance(config: GatewayConfig, name: str) -> tuple[PrefixIndex, SharedStat
     registry = CollectorRegistry()
     inventory = InventoryServer(index, fleet, token=None, registry=registry)
     shared = SharedState(config.shared_state, index, fleet, inventory, registry, instance_id=name)
-    inventory.observer = shared
     return index, shared
 
 

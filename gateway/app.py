@@ -131,7 +131,6 @@ class GatewayApp:
             self.shared_state = SharedState(
                 config.shared_state, self.index, self.fleet, self.inventory, self.registry
             )
-            self.inventory.observer = self.shared_state
         self._admin_token = _env_token(config.auth.admin_token_env, self._env)
         self._session: aiohttp.ClientSession | None = None
         self._proxy: Proxy | None = None

@@ -140,7 +140,7 @@ class InventoryServer:
         self._clock = clock
         self._writers: dict[str, _Stream] = {}
         self._server: grpc.aio.Server | None = None
-        self.observer: InventoryObserver | None = None  # set before start()
+        self.observer: InventoryObserver | None = None  # SharedState sets itself here
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, host_port: str) -> int:

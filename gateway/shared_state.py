@@ -157,6 +157,7 @@ class SharedState:
         self._index = index
         self._fleet = fleet
         self._inventory = inventory
+        inventory.observer = self  # every applied delta and snapshot reaches us
         self.metrics = SharedStateMetrics(registry)
         self._applied_delta = self.metrics.applied.labels("delta")  # per entry: skip the lookup
         self.instance_id = instance_id or default_instance_id()

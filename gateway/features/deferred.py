@@ -167,9 +167,10 @@ class DeferredEncodes:
                     if pool is None
                     else await asyncio.get_running_loop().run_in_executor(pool, encode)
                 )
-            tokens = enc.finish(plan, done, add_special_tokens=job.add_special_tokens)
-            if job.on_keys is not None:
-                job.on_keys(job.keys_of(tokens))
+            if job.on_keys is None:  # not routed (explain, or no replica): only cache the segments
+                enc.remember(plan, done)
+            else:
+                job.on_keys(job.keys_of(enc.finish(plan, done, add_special_tokens=job.add_special_tokens)))
             self.encoded += 1
         except Exception:  # one bad job must not stop the worker
             self.failed += 1

@@ -12,6 +12,7 @@ import os
 import random
 import re
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,6 +27,13 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry
+
+from gateway.config import GatewayConfig
+from gateway.fleet import Fleet
+from gateway.inventory_server import InventoryServer
+from gateway.shared_state import SharedState
+from router_policies.prefix_index import PrefixIndex
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_BACKEND = Path(__file__).resolve().parent / "fake_backend.py"
@@ -235,3 +243,75 @@ def base_config(*backends: Backend, **extra: Any) -> dict[str, Any]:
         else:
             cfg[key] = value
     return cfg
+
+
+class RedisServer:
+    """A throwaway redis-server on a free loopback port, without persistence; restartable on the
+    same port (the gateways reconnect to the address they were given)."""
+
+    def __init__(self, tmp: Path, extra: tuple[str, ...] = ()) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.fail("redis-server is not installed (apt-get install -y redis-server; CI does)")
+        self.exe = exe
+        self.port = low_free_port()
+        self.tmp = tmp
+        self.extra = extra
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        assert self.proc is None or self.proc.poll() is not None
+        self.proc = subprocess.Popen(
+            [
+                self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--dir", str(self.tmp), *self.extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        wait_until(self.ping, 15.0, "redis-server accepting connections")
+
+    def ping(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            kill_group(self.proc)
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
+            self.proc = None
+
+
+@dataclass
+class SharedStateInstance:
+    """One gateway's shared-state machinery in-process, wired as ``GatewayApp`` wires it."""
+
+    config: GatewayConfig
+    index: PrefixIndex
+    fleet: Fleet
+    registry: CollectorRegistry
+    inventory: InventoryServer
+    shared: SharedState
+
+    def sample(self, name: str, labels: dict[str, str] | None = None) -> float:
+        value = self.registry.get_sample_value(name, labels or {})
+        return 0.0 if value is None else value
+
+
+def shared_state_instance(config: GatewayConfig, name: str) -> SharedStateInstance:
+    index = PrefixIndex(config.index)
+    fleet = Fleet(config, index)
+    registry = CollectorRegistry()
+    inventory = InventoryServer(index, fleet, token=None, registry=registry)
+    shared = SharedState(config.shared_state, index, fleet, inventory, registry, instance_id=name)
+    return SharedStateInstance(config, index, fleet, registry, inventory, shared)

@@ -6,16 +6,13 @@ gateway with the same config. After traffic through A, B's index equals A's and 
 in B's decisions. Killing redis-server: both keep serving, ``kvgate_shared_state_up`` says 0 and a
 log line says why; restarting it: state converges again.
 
-``RedisServer`` is also used by the unit tests (tests/unit/test_shared_state.py). A machine
-without ``redis-server`` fails these tests (CI installs it, see .ci/run).
+A machine without ``redis-server`` fails these tests (CI installs it, see .ci/run).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import shutil
-import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,71 +20,12 @@ from typing import Any
 
 import pytest
 
-from gateway.local_fleet import FleetOptions, LocalFleet, free_port, http_json, http_text
-from tests.integration.gateway_harness import Gateway, Procs, http, kill_group, wait_until
+from gateway.local_fleet import FleetOptions, LocalFleet, http_json, http_text
+from tests.integration.gateway_harness import Gateway, Procs, RedisServer, http, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
 CONVERGE_S = 30.0  # bounds a hang only; the assertions are about state
-
-
-class RedisServer:
-    """A throwaway redis-server on a free loopback port, without persistence; restartable on the
-    same port (the gateways reconnect to the address they were given)."""
-
-    def __init__(self, tmp: Path, extra: tuple[str, ...] = ()) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            pytest.fail("redis-server is not installed (apt-get install -y redis-server; CI does)")
-        self.exe = exe
-        self.port = free_port()
-        self.tmp = tmp
-        self.extra = extra
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        assert self.proc is None or self.proc.poll() is not None
-        self.proc = subprocess.Popen(
-            [
-                self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", str(self.tmp), *self.extra,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-        wait_until(self.ping, 15.0, "redis-server accepting connections")
-
-    def ping(self) -> bool:
-        import socket
-
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            kill_group(self.proc)
-            if self.proc.stdout is not None:
-                self.proc.stdout.close()
-            self.proc = None
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 # ---------------------------------------------------------------------- helpers

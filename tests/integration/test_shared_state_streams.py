@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import grpc.aio
 import pytest
 import redis.asyncio as aioredis
-from prometheus_client import CollectorRegistry
 
 from gateway.config import parse_config
 from gateway.fleet import Fleet
@@ -27,7 +25,7 @@ from gateway.shared_state import REPLICA_KEYS_TTL_S, SharedState
 from gateway.shared_state_codec import Keys
 from proto.kvgate.v1 import inventory_pb2 as pb
 from router_policies.prefix_index import PrefixIndex
-from tests.integration.test_shared_state import RedisServer
+from tests.integration.gateway_harness import RedisServer, shared_state_instance
 
 WAIT_S = 20.0  # bounds a hang only
 
@@ -61,28 +59,14 @@ async def make_node(redis_url: str, name: str) -> Node:
             },
         }
     )
-    index = PrefixIndex(config.index)
-    fleet = Fleet(config, index)
-    registry = CollectorRegistry()
-    inventory = InventoryServer(index, fleet, token=None, registry=registry)
-    shared = SharedState(config.shared_state, index, fleet, inventory, registry, instance_id=name)
-    inventory.observer = shared
+    node = shared_state_instance(config, name)
+    index, fleet, inventory, shared = node.index, node.fleet, node.inventory, node.shared
     port = await inventory.start("127.0.0.1:0")
     await shared.start()
     # an agent arriving before the connection is asked for a snapshot once it is up (the test's
     # agents do not answer resyncs unless told to), so the tests start on a connected instance
     await until(lambda: shared.up, "connected")
     return Node(index, fleet, inventory, shared, port, grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

@@ -28,6 +28,7 @@ class Publisher:
     buffered batches from a start seq then sends seq -1."""
 
     def __init__(self, ctx: zmq.asyncio.Context, buffer: int = 100) -> None:
+        self.ctx = ctx
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub_port = self.pub.bind_to_random_port("tcp://127.0.0.1")
@@ -38,6 +39,13 @@ class Publisher:
         self.seq = 0
         self.ts = 1000.0
         self._task = asyncio.create_task(self._serve_replay())
+
+    def subscriber(self, inv: AgentInventory, replay: bool | int = True, **kw: Any) -> EventSubscriber:
+        """An agent subscriber of this publisher, replaying from its ROUTER (``True``), from
+        another port (an int), or not at all (``False``)."""
+        port = self.replay_port if replay is True else replay
+        endpoint = f"tcp://127.0.0.1:{port}" if port is not False else None
+        return EventSubscriber(self.ctx, f"tcp://127.0.0.1:{self.pub_port}", endpoint, inv, **kw)
 
     async def _serve_replay(self) -> None:
         while True:
@@ -120,13 +128,7 @@ async def rig() -> AsyncIterator[Rig]:
     ctx = zmq.asyncio.Context()
     pub = Publisher(ctx)
     inv = AgentInventory("m", BS, max_blocks=1000)
-    sub = EventSubscriber(
-        ctx,
-        f"tcp://127.0.0.1:{pub.pub_port}",
-        f"tcp://127.0.0.1:{pub.replay_port}",
-        inv,
-        replay_timeout_s=2.0,
-    )
+    sub = pub.subscriber(inv, replay_timeout_s=2.0)
     task = asyncio.create_task(sub.run())
     await asyncio.sleep(0.2)  # let the SUB connect (a missed first batch would be replayed anyway)
     try:
@@ -233,9 +235,7 @@ async def test_joining_late_replays_from_zero() -> None:
         for i in range(3):
             pub.batch([stored(10 + i, None, [i, i])])  # before the agent subscribed
         inv = AgentInventory("m", BS, max_blocks=100)
-        sub = EventSubscriber(
-            ctx, f"tcp://127.0.0.1:{pub.pub_port}", f"tcp://127.0.0.1:{pub.replay_port}", inv
-        )
+        sub = pub.subscriber(inv)
         task = asyncio.create_task(sub.run())
         await asyncio.sleep(0.2)
         await pub.publish([stored(20, None, [9, 9])])
@@ -255,7 +255,7 @@ async def test_joining_late_without_replay_is_degraded() -> None:
     try:
         pub.batch([stored(10, None, [1, 1])])
         inv = AgentInventory("m", BS, max_blocks=100)
-        sub = EventSubscriber(ctx, f"tcp://127.0.0.1:{pub.pub_port}", None, inv)
+        sub = pub.subscriber(inv, replay=False)
         task = asyncio.create_task(sub.run())
         await asyncio.sleep(0.2)
         await pub.publish([stored(20, None, [9, 9])])
@@ -274,7 +274,7 @@ async def test_publisher_disconnect_clears_at_once() -> None:
     ctx = zmq.asyncio.Context()
     pub = Publisher(ctx)
     inv = AgentInventory("m", BS, max_blocks=100)
-    sub = EventSubscriber(ctx, f"tcp://127.0.0.1:{pub.pub_port}", None, inv)
+    sub = pub.subscriber(inv, replay=False)
     task = asyncio.create_task(sub.run())
     try:
         await asyncio.sleep(0.2)
@@ -296,13 +296,7 @@ async def test_replay_answer_is_bounded() -> None:
     ctx = zmq.asyncio.Context()
     pub = Publisher(ctx)
     inv = AgentInventory("m", BS, max_blocks=100)
-    sub = EventSubscriber(
-        ctx,
-        f"tcp://127.0.0.1:{pub.pub_port}",
-        f"tcp://127.0.0.1:{pub.replay_port}",
-        inv,
-        max_replay_batches=5,
-    )
+    sub = pub.subscriber(inv, max_replay_batches=5)
     task = asyncio.create_task(sub.run())
     try:
         await asyncio.sleep(0.2)
@@ -331,9 +325,7 @@ async def test_unreachable_replay_endpoint_does_not_stall() -> None:
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]
     inv = AgentInventory("m", BS, max_blocks=100)
-    sub = EventSubscriber(
-        ctx, f"tcp://127.0.0.1:{pub.pub_port}", f"tcp://127.0.0.1:{dead}", inv, replay_timeout_s=0.3
-    )
+    sub = pub.subscriber(inv, replay=dead, replay_timeout_s=0.3)
     task = asyncio.create_task(sub.run())
     try:
         await asyncio.sleep(0.6)

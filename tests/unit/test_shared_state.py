@@ -10,19 +10,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from prometheus_client import CollectorRegistry
 
-from gateway.config import GatewayConfig, parse_config
+from gateway.config import parse_config
 from gateway.fleet import Fleet
-from gateway.inventory_server import InventoryServer
 from gateway.inventory_sink import AgentHello
-from gateway.shared_state import SharedState
 from gateway.shared_state_codec import (
     CodecError,
     Header,
@@ -41,8 +37,7 @@ from gateway.shared_state_codec import (
     parse_stream_id,
 )
 from proto.kvgate.v1 import inventory_pb2 as pb
-from router_policies.prefix_index import PrefixIndex
-from tests.integration.test_shared_state import RedisServer
+from tests.integration.gateway_harness import RedisServer, SharedStateInstance, shared_state_instance
 
 WAIT_S = 20.0  # bounds a hang only
 
@@ -109,20 +104,7 @@ def test_stream_ids_order_numerically() -> None:
 
 
 # ---------------------------------------------------------------------- two instances
-@dataclass
-class Instance:
-    config: GatewayConfig
-    index: PrefixIndex
-    fleet: Fleet
-    registry: CollectorRegistry
-    shared: SharedState
-
-    def sample(self, name: str, labels: dict[str, str] | None = None) -> float:
-        value = self.registry.get_sample_value(name, labels or {})
-        return 0.0 if value is None else value
-
-
-def make_instance(redis_url: str, name: str, **shared: Any) -> Instance:
+def make_instance(redis_url: str, name: str, **shared: Any) -> SharedStateInstance:
     index_cfg = shared.pop("index", {})
     config = parse_config(
         {
@@ -139,13 +121,7 @@ def make_instance(redis_url: str, name: str, **shared: Any) -> Instance:
             },
         }
     )
-    index = PrefixIndex(config.index)
-    fleet = Fleet(config, index)
-    registry = CollectorRegistry()
-    inventory = InventoryServer(index, fleet, token=None, registry=registry)
-    state = SharedState(config.shared_state, index, fleet, inventory, registry, instance_id=name)
-    inventory.observer = state
-    return Instance(config, index, fleet, registry, state)
+    return shared_state_instance(config, name)
 
 
 async def until(check: Callable[[], bool], what: str) -> None:
@@ -181,8 +157,8 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 @pytest.fixture
-async def started() -> AsyncIterator[list[Instance]]:
-    instances: list[Instance] = []
+async def started() -> AsyncIterator[list[SharedStateInstance]]:
+    instances: list[SharedStateInstance] = []
     try:
         yield instances
     finally:
@@ -190,7 +166,7 @@ async def started() -> AsyncIterator[list[Instance]]:
             await inst.shared.stop()
 
 
-async def start(instances: list[Instance], *new: Instance) -> None:
+async def start(instances: list[SharedStateInstance], *new: SharedStateInstance) -> None:
     for inst in new:
         instances.append(inst)
         await inst.shared.start()
@@ -198,7 +174,7 @@ async def start(instances: list[Instance], *new: Instance) -> None:
 
 
 async def test_follower_converges_on_snapshot_and_deltas_and_registers_the_replica(
-    redis_server: RedisServer, started: list[Instance]
+    redis_server: RedisServer, started: list[SharedStateInstance]
 ) -> None:
     a, b = make_instance(redis_server.url, "a"), make_instance(redis_server.url, "b")
     await start(started, a, b)
@@ -223,7 +199,7 @@ async def test_follower_converges_on_snapshot_and_deltas_and_registers_the_repli
 
 
 async def test_publish_queue_drops_oldest_and_a_snapshot_heals_the_gap(
-    redis_server: RedisServer, started: list[Instance]
+    redis_server: RedisServer, started: list[SharedStateInstance]
 ) -> None:
     a = make_instance(redis_server.url, "a", publish_queue=8)
     b = make_instance(redis_server.url, "b")
@@ -244,7 +220,9 @@ async def test_publish_queue_drops_oldest_and_a_snapshot_heals_the_gap(
     await until(lambda: sorted(b.index.precise_keys("r0")) == list(range(100, 151)), "B healed")
 
 
-async def test_stream_length_is_bounded(redis_server: RedisServer, started: list[Instance]) -> None:
+async def test_stream_length_is_bounded(
+    redis_server: RedisServer, started: list[SharedStateInstance]
+) -> None:
     a = make_instance(redis_server.url, "a", stream_maxlen=16)
     await start(started, a)
     a.shared.inventory_hello(HELLO_R0)
@@ -262,7 +240,7 @@ async def test_stream_length_is_bounded(redis_server: RedisServer, started: list
 
 
 async def test_follower_refuses_a_snapshot_over_its_bound(
-    redis_server: RedisServer, started: list[Instance]
+    redis_server: RedisServer, started: list[SharedStateInstance]
 ) -> None:
     a = make_instance(redis_server.url, "a")
     b = make_instance(redis_server.url, "b", index={"max_blocks_per_replica": 5})
@@ -277,7 +255,7 @@ async def test_follower_refuses_a_snapshot_over_its_bound(
 
 
 async def test_load_of_other_instances_is_added_to_the_snapshot(
-    redis_server: RedisServer, started: list[Instance]
+    redis_server: RedisServer, started: list[SharedStateInstance]
 ) -> None:
     a, b = make_instance(redis_server.url, "a"), make_instance(redis_server.url, "b")
     await start(started, a, b)
@@ -303,7 +281,7 @@ async def test_load_of_other_instances_is_added_to_the_snapshot(
     await until(lambda: b_view()[0] == 0, "A's load gone with A")
 
 
-async def test_redis_down_at_start_then_up(tmp_path: Path, started: list[Instance]) -> None:
+async def test_redis_down_at_start_then_up(tmp_path: Path, started: list[SharedStateInstance]) -> None:
     server = RedisServer(tmp_path)  # its port is free: nothing listens yet
     a = make_instance(server.url, "a")
     started.append(a)
@@ -331,7 +309,7 @@ def test_config_refuses_a_load_ttl_not_longer_than_the_interval() -> None:
 
 
 async def test_a_replica_without_registration_is_forgotten(
-    redis_server: RedisServer, started: list[Instance]
+    redis_server: RedisServer, started: list[SharedStateInstance]
 ) -> None:
     keys = Keys("unit")
     client = aioredis.Redis.from_url(redis_server.url)
