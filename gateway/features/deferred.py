@@ -161,7 +161,7 @@ class DeferredEncodes:
                 encode = functools.partial(
                     enc.encode_missing, plan, add_special_tokens=job.add_special_tokens
                 )
-                pool = self._executor()
+                pool = executor()  # the background pool, or the urgent one when expedited
                 done = (
                     encode()
                     if pool is None

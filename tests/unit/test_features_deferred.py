@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -292,3 +294,29 @@ async def test_close_cancels_the_worker_and_discards_the_backlog() -> None:
     await fz.close()
     assert fz.deferred._worker is None and fz.deferred.queued_chars == 0
     assert fz._executor is None
+
+
+async def test_an_expedited_encode_runs_on_the_urgent_pool_not_the_background_one() -> None:
+    """A request taking a waiting job over must not wait behind the background thread: with that
+    thread busy (here: blocked), the expedited encode still finishes, on the urgent pool."""
+    tok = load_tokenizer_files(Path(TINY), where="t").tokenizer
+    enc = SegmentEncoder(tok, BoundedLRU(100), "t")
+    background = ThreadPoolExecutor(1, thread_name_prefix="bg")
+    urgent = ThreadPoolExecutor(1, thread_name_prefix="urgent")
+    release = threading.Event()
+    background.submit(release.wait, 30)  # the background thread is busy with older work
+    deferred = DeferredEncodes(100_000, lambda: background, lambda: urgent)
+    keys: list[list[int]] = []
+    job = DeferredJob(
+        enc, enc.plan(text(50, 300), add_special_tokens=False), False, 7, lambda t: [len(t)]
+    )
+    job.on_keys = keys.append
+    try:
+        deferred.submit(job)  # no await since: still queued, so expedite encodes it itself
+        await asyncio.wait_for(deferred.expedite(7), timeout=10)
+        assert deferred.expedited == 1 and deferred.encoded == 1 and len(keys) == 1
+    finally:
+        release.set()
+        await deferred.close()
+        background.shutdown()
+        urgent.shutdown()
