@@ -313,7 +313,8 @@ async def test_an_expedited_encode_runs_on_the_urgent_pool_not_the_background_on
     job.on_keys = keys.append
     try:
         deferred.submit(job)  # no await since: still queued, so expedite encodes it itself
-        await asyncio.wait_for(deferred.expedite(7), timeout=10)
+        async with asyncio.timeout(10):  # (not wait_for: a new task would let the worker run)
+            await deferred.expedite(7)
         assert deferred.expedited == 1 and deferred.encoded == 1 and len(keys) == 1
     finally:
         release.set()
