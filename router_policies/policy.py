@@ -1,9 +1,14 @@
-"""The Policy interface (ARCHITECTURE.md §7): a pure, synchronous function of (request, fleet).
+"""The Policy interface (docs/architecture.md, "Policies"): decide, then commit.
 
-A policy never does I/O and never awaits. It may keep private state that only depends on the
-sequence of calls and its seed (a round-robin cursor, a seeded tie-break generator, a cached hash
-ring), so that the same inputs and seed always give the same decisions, in the gateway and in
-the simulator alike.
+``choose(request, fleet)`` is a pure, synchronous function of (request, fleet snapshot, the
+policy's private state): it never does I/O, never awaits and never changes the policy, so the
+gateway's ``/admin/explain`` can call it on the live policy and a request that is not sent
+leaves no trace. ``commit(decision)`` is the one place a policy's private state advances (a
+round-robin cursor, a tie-break cursor); callers call it once the decision is used (the gateway
+when an attempt is accepted, the simulator per routed request). That state only depends on the
+sequence of committed decisions and the seed, so the same inputs and seed always give the same
+decisions, in the gateway and in the simulator alike. A cache that cannot change a decision (a
+hash ring memoised per replica set) is not state in this sense.
 """
 
 from __future__ import annotations
@@ -62,7 +67,13 @@ class NoReplicaError(Exception):
 class Policy(Protocol):
     name: str
 
-    def choose(self, request: RequestFeatures, fleet: FleetSnapshot) -> Decision: ...
+    def choose(self, request: RequestFeatures, fleet: FleetSnapshot) -> Decision:
+        """The decision for ``request`` (raises ``NoReplicaError``); never changes the policy."""
+        ...
+
+    def commit(self, decision: Decision) -> None:
+        """``decision`` (from this policy's ``choose``) was used: advance the private state."""
+        ...
 
 
 def require_healthy(fleet: FleetSnapshot) -> list[ReplicaState]:

@@ -40,6 +40,8 @@ class ConsistentHash:
         self._owners: list[str] = []
 
     def _ring(self, ids: tuple[str, ...]) -> None:
+        """Memoise the ring of ``ids``: a cache, not decision state (the ring is a function of
+        ``ids``, the seed and ``virtual_nodes``), so ``choose`` stays pure."""
         if ids == self._ring_ids:
             return
         pts: list[tuple[int, str]] = []
@@ -85,3 +87,6 @@ class ConsistentHash:
         return Decision(
             replica=best.id, reason="consistent_hash:all_full", matched_blocks=best.matched_blocks
         )
+
+    def commit(self, decision: Decision) -> None:
+        """Nothing to advance: the ring and the load bound are functions of the snapshot."""

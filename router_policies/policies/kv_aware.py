@@ -15,7 +15,7 @@ timing constant is needed):
     cost_r     = queue_r + miss_weight x uncached_r x spread_r
 
 The replica with the smallest cost_r wins; ties rotate deterministically (a cursor advanced per
-decision, started at the seed) so that an idle fleet spreads new prefixes.
+committed decision, started at the seed) so that an idle fleet spreads new prefixes.
 
 Why miss_weight > 1 (default 4): queue_r + uncached_r is this request's own time to first token,
 but its uncached tokens are also work that every request queued behind it on r waits for. A
@@ -103,7 +103,6 @@ class KvAware:
         prompt = request.prompt_tokens
         min_match = p.min_match_ratio * prompt
         start = self._cursor % n
-        self._cursor += 1
         most_held = max(r.held_blocks for r in healthy)
         fills = [r.held_blocks / most_held if most_held else 0.0 for r in healthy]
         least_fill = min(fills)
@@ -135,3 +134,7 @@ class KvAware:
             else "kv_aware:load"
         )
         return Decision(best.id, reason, best.matched_blocks, scores)
+
+    def commit(self, decision: Decision) -> None:
+        """The tie cursor advances once per decision used (``choose`` is pure)."""
+        self._cursor += 1

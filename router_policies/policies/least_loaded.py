@@ -1,6 +1,7 @@
 """least_loaded: the healthy replica with the fewest requests ahead (in flight through this
 gateway, or running plus waiting in the engine, whichever is larger), then the fewest in-flight
-tokens; remaining ties rotate so that an idle fleet still spreads."""
+tokens; remaining ties rotate so that an idle fleet still spreads (the rotation advances on
+``commit``)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ class LeastLoaded:
         healthy = require_healthy(fleet)
         n = len(healthy)
         start = self._cursor % n
-        self._cursor += 1
         rotated = healthy[start:] + healthy[:start]
         best = min(rotated, key=lambda r: (load_of(r), r.in_flight_tokens))
         return Decision(
@@ -32,3 +32,6 @@ class LeastLoaded:
             matched_blocks=best.matched_blocks,
             scores={r.id: float(load_of(r)) for r in healthy},
         )
+
+    def commit(self, decision: Decision) -> None:
+        self._cursor += 1

@@ -1,4 +1,5 @@
-"""round_robin: each healthy replica in turn, ignoring cache and load."""
+"""round_robin: each healthy replica in turn, ignoring cache and load (the cursor advances on
+``commit``)."""
 
 from __future__ import annotations
 
@@ -20,5 +21,7 @@ class RoundRobin:
     def choose(self, request: RequestFeatures, fleet: FleetSnapshot) -> Decision:
         healthy = require_healthy(fleet)
         r = healthy[self._cursor % len(healthy)]
-        self._cursor += 1
         return Decision(replica=r.id, reason="round_robin", matched_blocks=r.matched_blocks)
+
+    def commit(self, decision: Decision) -> None:
+        self._cursor += 1

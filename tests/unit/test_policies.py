@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from router_policies.errors import UserInputError
-from router_policies.policy import Decision, FleetSnapshot, NoReplicaError, ReplicaState, RequestFeatures
+from router_policies.policy import (
+    Decision,
+    FleetSnapshot,
+    NoReplicaError,
+    Policy,
+    ReplicaState,
+    RequestFeatures,
+)
 from router_policies.registry import BUILTIN_POLICIES, PolicyConfigError, build_policy
 
 BS = 16
@@ -32,11 +41,18 @@ def R(id: str, **kw: object) -> ReplicaState:
     return ReplicaState(id=id, **kw)  # type: ignore[arg-type]
 
 
+def route(p: Policy, r: RequestFeatures, f: FleetSnapshot) -> str:
+    """Decide, then commit (as the gateway and the simulator do for a request they send)."""
+    d = p.choose(r, f)
+    p.commit(d)
+    return d.replica
+
+
 def choices(
     name: str, params: dict[str, object], cases: list[tuple[RequestFeatures, FleetSnapshot]], seed: int = 0
 ) -> list[str]:
     p = build_policy(name, params, seed=seed)
-    return [p.choose(r, f).replica for r, f in cases]
+    return [route(p, r, f) for r, f in cases]
 
 
 def test_round_robin_cycles_healthy_replicas() -> None:
@@ -203,7 +219,7 @@ def test_kv_aware_guard_never_lets_affinity_pile_up() -> None:
         f = fleet(
             *(R(k, in_flight_requests=v, matched_blocks=64 if k == "a" else 0) for k, v in loads.items())
         )
-        loads[p.choose(req(64), f).replica] += 1
+        loads[route(p, req(64), f)] += 1
         mean = sum(loads.values()) / len(loads)
         assert loads["a"] <= 1.5 * mean + 4 + 1
     assert min(loads.values()) > 0
@@ -248,6 +264,9 @@ class OutOfTree:
     def choose(self, request: RequestFeatures, fleet: FleetSnapshot) -> Decision:
         return Decision(fleet.replicas[0].id, "first")
 
+    def commit(self, decision: Decision) -> None:
+        pass
+
 
 def test_out_of_tree_policy() -> None:
     p = build_policy(f"{__name__}:OutOfTree")
@@ -285,7 +304,7 @@ def _sequential_sessions(fill_weight: float | None) -> dict[str, int]:
             snap = fleet(
                 *(R(n, matched_blocks=m.blocks.get(n, 0), held_blocks=ix.held_count(n)) for n in names)
             )
-            choice = p.choose(req(prompt=len(keys) * BS, keys=keys), snap).replica
+            choice = route(p, req(prompt=len(keys) * BS, keys=keys), snap)
             ix.store(choice, keys)  # the engine caches the prompt's blocks
             if turn == 0:
                 first[choice] += 1
@@ -298,3 +317,23 @@ def test_kv_aware_does_not_pile_sequential_sessions_onto_one_replica() -> None:
     assert min(spread.values()) >= 2, spread
     # the same traffic without the fill term piles every session where the head first landed
     assert max(_sequential_sessions(fill_weight=0.0).values()) == 16
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_POLICIES))
+def test_choose_is_pure_and_commit_advances(name: str) -> None:
+    """Deciding never changes a policy (``/admin/explain`` decides on the live one, a request that
+    is not sent leaves no trace): the same request gets the same decision however often it is
+    decided, and only ``commit`` moves the rotation on."""
+    f = fleet(R("a"), R("b"), R("c"))
+    p = build_policy(name, seed=1)
+    fresh = copy.deepcopy(p)
+    first = [p.choose(req(keys=[k]), f) for k in range(6)]
+    assert [p.choose(req(keys=[k]), f) for k in range(6)] == first
+    assert [fresh.choose(req(keys=[k]), f) for k in range(6)] == first
+    p.commit(first[0])
+    fresh.commit(first[0])
+    assert [p.choose(req(keys=[k]), f) for k in range(6)] == [
+        fresh.choose(req(keys=[k]), f) for k in range(6)
+    ]
+    if name in ("round_robin", "least_loaded", "kv_aware"):  # ties rotate per committed decision
+        assert p.choose(req(), f).replica != build_policy(name, seed=1).choose(req(), f).replica
