@@ -73,7 +73,6 @@ def _featurizer_inputs(config: GatewayConfig) -> tuple[object, ...]:
         p.tokenize_defer_chars,
         p.tokenize_seen_entries,
         p.tokenize_defer_backlog_chars,
-        p.session_header,
     )
 
 

@@ -1,4 +1,7 @@
-"""OpenAI's error shape, for every error the gateway itself produces.
+"""OpenAI's error shape, for every error the gateway itself produces (docs/architecture.md).
+
+Every error a request causes is a ``RequestError`` (one type, whatever raised it) and becomes
+HTTP here, in ``error_response_of``.
 
 Over HTTP: ``{"error": {"message", "type", "param", "code"}}`` with the matching status. Inside an
 SSE stream that already started (a replica died mid-stream) the same object goes out as one last
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -33,28 +37,47 @@ _TYPES: dict[int, str] = {
 }
 
 
-class RequestRejected(Exception):
-    """A request the gateway answers itself with an OpenAI error (bad field, unknown model...)."""
+class RequestError(Exception):
+    """The one error type for a request the gateway answers itself (bad body, bad field, unknown
+    model, no replica...): raised anywhere on the request path, answered by ``error_response_of``.
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    ``type`` defaults to the status's OpenAI type; a subclass may name a more precise one
+    (``not_found_error`` for an unknown model), and that is the type the client gets."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.type = type or _TYPES.get(status, "api_error")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The OpenAI error document (``{"error": {...}}``)."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message!r}, param={self.param!r}, status={self.status})"
+
+
+RequestRejected = RequestError  # the name the proxy's callers used before there was one type
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> bytes:
-    return orjson.dumps(
-        {
-            "error": {
-                "message": message,
-                "type": _TYPES.get(status, "api_error"),
-                "param": param,
-                "code": code,
-            }
-        }
-    )
+    return orjson.dumps(RequestError(message, status=status, param=param, code=code).to_dict())
+
+
+def error_response_of(exc: RequestError) -> web.Response:
+    """The HTTP answer to ``exc``: its status and its OpenAI error document (with its type)."""
+    return web.Response(status=exc.status, body=orjson.dumps(exc.to_dict()), content_type="application/json")
 
 
 def error_response(

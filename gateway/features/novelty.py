@@ -49,13 +49,14 @@ class SeenTexts:
             out.append(h)
         return out
 
-    def seen_run(self, fingerprints: list[int]) -> int:
-        """How many leading ``fingerprints`` were seen before; records them all."""
+    def seen_run(self, fingerprints: list[int], *, record: bool = True) -> int:
+        """How many leading ``fingerprints`` were seen before; records them all unless not
+        ``record`` (``/admin/explain`` changes nothing)."""
         seen = self._seen
         run = 0
         while run < len(fingerprints) and fingerprints[run] in seen:
             run += 1
-        if self.capacity:
+        if self.capacity and record:
             for fp in fingerprints:
                 seen.pop(fp, None)  # re-inserted as the most recent
                 seen[fp] = None

@@ -162,7 +162,9 @@ class SegmentEncoder:
 
     # -- planning (event loop thread) --------------------------------------------------------
 
-    def plan(self, text: str, *, add_special_tokens: bool) -> EncodePlan:
+    def plan(self, text: str, *, add_special_tokens: bool, peek: bool = False) -> EncodePlan:
+        """The segments of ``text`` and which of them the cache holds. ``peek``: without counting
+        hits and misses or refreshing entries (``/admin/explain`` changes nothing)."""
         if self._pattern is None or (add_special_tokens and self._affixes is None):
             return EncodePlan(keys=[], found=[], separators=[], whole=text)
         ns = self.namespace
@@ -183,7 +185,7 @@ class SegmentEncoder:
                 found.append(_EMPTY)
                 empty += 1
                 continue
-            hit = self.cache.get(key)
+            hit = self.cache.peek(key) if peek else self.cache.get(key)
             found.append(hit)
             if hit is None:
                 missing.append(i)
@@ -306,16 +308,30 @@ class SegmentEncoder:
     # -- assembling (event loop thread) --------------------------------------------------------
 
     def finish(
-        self, plan: EncodePlan, encoded: Sequence[TokenArray], *, add_special_tokens: bool
+        self,
+        plan: EncodePlan,
+        encoded: Sequence[TokenArray],
+        *,
+        add_special_tokens: bool,
+        record: bool = True,
     ) -> TokenArray:
+        """The prompt's tokens from ``plan`` and its ``encoded`` segments; ``record``: also cache
+        the segments and learn the characters-per-token ratio (False: no side effect)."""
         if plan.whole is not None:
-            self._learn(plan, encoded)
+            if record:
+                self._learn(plan, encoded)
             return encoded[0]
-        self.remember(plan, encoded)
+        found = plan.found
+        if record:
+            self.remember(plan, encoded)
+        else:
+            found = list(found)
+            for i, ids in zip(plan.missing, encoded, strict=True):
+                found[i] = ids
         parts: list[TokenArray] = []
         if add_special_tokens and self._affixes and self._affixes[0]:
             parts.append(np.asarray(self._affixes[0], dtype=np.uint32))
-        for i, seg in enumerate(plan.found):
+        for i, seg in enumerate(found):
             assert seg is not None
             parts.append(seg)
             if i < len(plan.separators):

@@ -293,7 +293,7 @@ async def test_close_cancels_the_worker_and_discards_the_backlog() -> None:
     assert fz.deferred._worker is not None
     await fz.close()
     assert fz.deferred._worker is None and fz.deferred.queued_chars == 0
-    assert fz._executor is None
+    assert fz.executor._executor is None
 
 
 async def test_an_expedited_encode_runs_on_the_urgent_pool_not_the_background_one() -> None:
@@ -307,9 +307,7 @@ async def test_an_expedited_encode_runs_on_the_urgent_pool_not_the_background_on
     background.submit(release.wait, 30)  # the background thread is busy with older work
     deferred = DeferredEncodes(100_000, lambda: background, lambda: urgent)
     keys: list[list[int]] = []
-    job = DeferredJob(
-        enc, enc.plan(text(50, 300), add_special_tokens=False), False, 7, lambda t: [len(t)]
-    )
+    job = DeferredJob(enc, enc.plan(text(50, 300), add_special_tokens=False), False, 7, lambda t: [len(t)])
     job.on_keys = keys.append
     try:
         deferred.submit(job)  # no await since: still queued, so expedite encodes it itself

@@ -12,9 +12,11 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from gateway.app import build_state
 from gateway.config import ModelConfig, parse_config
 from gateway.features import Featurizer
 from gateway.features.char_blocks import char_block_keys
+from gateway.request import request_of
 from router_policies.block_keys import block_keys
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -134,7 +136,7 @@ async def test_offloaded_encodes_equal_inline_ones_and_close_stops_threads() -> 
     finally:
         await threaded.close()
         await inline.close()
-    assert threaded._executor is None
+    assert threaded.executor.threads == 2 and threaded.executor._executor is None
 
 
 async def test_offload_queue_is_bounded_by_the_thread_count() -> None:
@@ -150,17 +152,21 @@ async def test_offload_queue_is_bounded_by_the_thread_count() -> None:
         await fz.close()
 
 
-async def test_call_interface_reads_the_session_header() -> None:
-    fz = Featurizer.from_config(
-        parse_config(
-            {"models": [{"name": "tiny", "tokenizer": TINY}], "proxy": {"session_header": "x-agent"}}
-        )
-    )
+async def test_the_session_id_comes_with_the_request_and_a_new_header_keeps_the_warm_cache() -> None:
+    """The session id is part of the parsed request (read from the configured header by the
+    proxy), not of the featurizer: a reload that only renames the header keeps the featurizer."""
+    cfg = parse_config({"models": [{"name": "tiny", "tokenizer": TINY}], "proxy": {"session_header": "x-a"}})
+    state = build_state(cfg)
+    fz = state.featurizer
     try:
-        features = await fz("chat", {"model": "tiny", **CHAT}, {"x-agent": "run-7"})
+        features, _ = await fz.featurize(request_of("chat", {"model": "tiny", **CHAT}, "run-7"))
         assert features.session_id == "run-7" and features.model == "tiny"
-        features = await fz("completions", {"model": "tiny", "prompt": "hi"}, {})
+        features, _ = await fz.features("completions", {"model": "tiny", "prompt": "hi"})
         assert features.session_id is None
+        renamed = parse_config(
+            {"models": [{"name": "tiny", "tokenizer": TINY}], "proxy": {"session_header": "x-b"}}
+        )
+        assert build_state(renamed, previous=state).featurizer is fz
     finally:
         await fz.close()
 

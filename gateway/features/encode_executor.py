@@ -1,0 +1,92 @@
+"""Where encodes run (docs/architecture.md, "Request path": features): the request path's worker
+threads for long encodes, and one background thread at the lowest CPU priority for deferred ones.
+
+``tokenizers`` releases the GIL in ``encode``/``encode_batch``, so an encode on a worker thread
+leaves the event loop free. At most ``4 x threads`` encodes are handed to the pool at once
+(``offload_bound``); beyond that requests wait their turn on a semaphore, so a burst of long
+prompts cannot queue unbounded work. Both pools start on first use; ``close`` shuts them,
+waiting for running encodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+T = TypeVar("T")
+
+BACKGROUND_THREAD_NAME = b"kvgate-deferred"  # the OS thread name (``/proc/PID/task/*/comm``)
+
+
+def mark_background_thread() -> None:
+    """Give the calling thread the lowest scheduling priority (Linux: per-thread nice 19) and an
+    OS-visible name, so that tools (``top -H``, the overhead benchmark) can tell its CPU apart."""
+    with contextlib.suppress(AttributeError, OSError):  # not Linux, or not permitted
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    with contextlib.suppress(AttributeError, OSError):
+        ctypes.CDLL(None, use_errno=True).prctl(15, BACKGROUND_THREAD_NAME, 0, 0, 0)  # PR_SET_NAME
+
+
+class EncodeExecutor:
+    def __init__(self, threads: int, offload_chars: int) -> None:
+        self.threads = threads
+        self.offload_chars = offload_chars  # encodes of at least this many characters leave the loop
+        self._executor: ThreadPoolExecutor | None = None
+        self._background: ThreadPoolExecutor | None = None
+        # at most 4 encodes queued per thread: beyond that requests wait their turn here
+        self.offload_bound = threads * 4
+        self._slots = asyncio.Semaphore(self.offload_bound) if threads > 0 else None
+        self.offload_queued = 0  # encodes handed to the pool and not finished (<= offload_bound)
+        self.offload_queued_max = 0
+
+    def pool(self) -> ThreadPoolExecutor | None:
+        """The request path's worker threads, started on first use (None when configured with
+        none: encodes then run on the event loop)."""
+        if self._executor is None and self.threads > 0:
+            self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="kvgate-tokenize")
+        return self._executor
+
+    def background_pool(self) -> ThreadPoolExecutor:
+        """One worker thread at the lowest CPU priority for deferred encodes: they are work for a
+        later request, so they yield the CPU to requests being routed and to co-located engines."""
+        if self._background is None:
+            self._background = ThreadPoolExecutor(
+                1, thread_name_prefix="kvgate-deferred", initializer=mark_background_thread
+            )
+        return self._background
+
+    def offloads(self, chars: int) -> bool:
+        """Whether an encode of ``chars`` characters runs on a worker thread."""
+        return chars >= self.offload_chars and self._slots is not None
+
+    async def run(self, chars: int, encode: Callable[[], T]) -> tuple[T, bool]:
+        """``encode()``'s result, on a worker thread when ``chars`` is long enough (True), else
+        on the calling thread (False)."""
+        if not self.offloads(chars):
+            return encode(), False
+        assert self._slots is not None
+        async with self._slots:
+            pool = self.pool()
+            assert pool is not None
+            self.offload_queued += 1
+            self.offload_queued_max = max(self.offload_queued_max, self.offload_queued)
+            try:
+                return await asyncio.get_running_loop().run_in_executor(pool, encode), True
+            finally:
+                self.offload_queued -= 1
+
+    async def close(self) -> None:
+        """Shut the background thread, then the workers (each waits for its running encode)."""
+        loop = asyncio.get_running_loop()
+        if self._background is not None:
+            background, self._background = self._background, None
+            await loop.run_in_executor(None, background.shutdown)
+        if self._executor is not None:
+            executor, self._executor = self._executor, None
+            await loop.run_in_executor(None, executor.shutdown)

@@ -1,0 +1,146 @@
+"""The featurizer's output (docs/architecture.md, "Request path": features): the policy's
+``RequestFeatures`` and the ``FeatureInfo`` the proxy logs and exports, built from engine tokens
+(``exact_features``) or from character blocks (``char_features``).
+
+Key namespace: keys are ``block_keys(tokens, block_size, base_model, lora=adapter,
+cache_salt=body's cache_salt)``; ``RequestFeatures.model`` is the base model (replicas are listed
+by base model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from gateway.features.char_blocks import CHARS_PER_TOKEN, char_block_keys, estimated_tokens
+from gateway.features.deferred import DeferredJob
+from gateway.features.prompt import Chars, PromptSpec
+from gateway.features.segment_encoder import TokenArray
+from router_policies.block_keys import block_keys
+from router_policies.policy import RequestFeatures
+
+Mode = Literal["local", "remote", "token_ids", "chars"]
+
+
+@dataclass(frozen=True, slots=True)
+class FeatureInfo:
+    """What the proxy logs and exports about how the features were made."""
+
+    model: str  # as the request named it
+    base_model: str
+    lora: str | None
+    mode: Mode  # how the tokens were obtained: encoded here, by a replica, given as ids, or chars
+    approximate: bool  # keys are character blocks, not engine tokens
+    fallback_reason: str | None  # why an exact mode fell back to characters
+    prompt_tokens: int
+    segments: int  # segments the prompt was encoded in (0: not encoded here)
+    segments_cached: int
+    encoded_chars: int  # characters actually encoded for this request
+    offloaded: bool  # the encode ran on a worker thread
+    token_ids: TokenArray | None  # the prompt's tokens (None when approximate or deferred)
+    deferred_chars: int = 0  # trailing characters routed on an estimate, encoded later
+    deferred: DeferredJob | None = None  # that later encode (its keys go to the router's commit)
+
+    @property
+    def exact(self) -> bool:
+        """Keys and token count are the engine's: the prediction can be audited."""
+        return not self.approximate and self.deferred_chars == 0
+
+    @property
+    def cache_hit(self) -> bool:
+        """Every segment came from the cache (nothing was encoded)."""
+        return self.segments > 0 and self.segments_cached == self.segments
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """How a prompt's exact tokens were obtained."""
+
+    mode: Mode
+    prompt_tokens: int  # the tokens' count, plus the estimated deferred rest
+    segments: int = 0
+    segments_cached: int = 0
+    encoded_chars: int = 0
+    offloaded: bool = False
+    deferred_chars: int = 0
+    deferred: DeferredJob | None = None
+
+
+def keys_of(spec: PromptSpec) -> Callable[[TokenArray], list[int]]:
+    """The block keys of a token sequence in ``spec``'s namespace."""
+    mc = spec.resolved.model.config
+    block_size, base, lora, salt = mc.block_size, mc.name, spec.resolved.lora, spec.salt
+    return lambda tokens: block_keys(tokens, block_size, base, lora, salt)
+
+
+def truncated(spec: PromptSpec, tokens: TokenArray) -> TokenArray:
+    """The tokens the engine keeps under ``truncate_prompt_tokens``."""
+    n = spec.truncate
+    if n is None or n >= len(tokens):
+        return tokens
+    return tokens[len(tokens) - n :] if spec.truncation_side == "left" else tokens[:n]
+
+
+def exact_features(
+    spec: PromptSpec, tokens: TokenArray, how: Encoded, session_id: str | None
+) -> tuple[RequestFeatures, FeatureInfo]:
+    """Features keyed on engine tokens: all of the prompt's, or its exact prefix when the rest
+    is deferred (``how.prompt_tokens`` then counts the estimated rest too)."""
+    r = spec.resolved
+    mc = r.model.config
+    features = RequestFeatures(
+        model=mc.name,
+        block_keys=keys_of(spec)(tokens),
+        prompt_tokens=how.prompt_tokens,
+        block_size=mc.block_size,
+        session_id=session_id,
+    )
+    info = FeatureInfo(
+        model=r.requested,
+        base_model=mc.name,
+        lora=r.lora,
+        mode=how.mode,
+        approximate=False,
+        fallback_reason=None,
+        prompt_tokens=how.prompt_tokens,
+        segments=how.segments,
+        segments_cached=how.segments_cached,
+        encoded_chars=how.encoded_chars,
+        offloaded=how.offloaded,
+        token_ids=None if how.deferred_chars else tokens,
+        deferred_chars=how.deferred_chars,
+        deferred=how.deferred,
+    )
+    return features, info
+
+
+def char_features(
+    spec: PromptSpec, prompt: Chars, session_id: str | None
+) -> tuple[RequestFeatures, FeatureInfo]:
+    """Approximate features on character blocks (no engine tokens)."""
+    r = spec.resolved
+    mc = r.model.config
+    n = estimated_tokens(prompt.text)
+    features = RequestFeatures(
+        model=mc.name,
+        block_keys=char_block_keys(prompt.text, mc.char_block_size, mc.name, r.lora, spec.salt),
+        prompt_tokens=n,
+        block_size=max(1, round(mc.char_block_size / CHARS_PER_TOKEN)),
+        session_id=session_id,
+    )
+    info = FeatureInfo(
+        model=r.requested,
+        base_model=mc.name,
+        lora=r.lora,
+        mode="chars",
+        approximate=True,
+        fallback_reason=prompt.fallback_reason,
+        prompt_tokens=n,
+        segments=0,
+        segments_cached=0,
+        encoded_chars=0,
+        offloaded=False,
+        token_ids=None,
+    )
+    return features, info
