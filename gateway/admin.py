@@ -1,9 +1,12 @@
-"""Admin endpoints, behind the admin bearer token (``auth.admin_token_env``; unset: open).
+"""Admin endpoints (docs/architecture.md), behind the admin bearer token (``auth.admin_token_env``; unset: open).
 
 * ``POST /admin/reload``: reread the config file; the new policy and settings swap in atomically,
   an invalid file is refused with its error (400) and the running config stays.
-* ``POST /admin/explain``: the decision for a request body (every replica's match and score)
-  without forwarding it and without touching the index or the live policy's state.
+* ``POST /admin/explain[?endpoint=chat|completions]``: the decision for a request body (every
+  replica's match and score) without forwarding it and without any side effect: the policy
+  decides without committing, the featurizer caches nothing, records no text as seen and
+  defers no encode, and the index is only read. Without ``endpoint``, the body's prompt field
+  (``messages`` or ``prompt``) names it (``gateway.request.endpoint_of``).
 * ``GET /admin/replicas``: the fleet as the gateway sees it.
 * ``GET /admin/index``: the index summary; ``?replica=ID``: that replica's precise keys.
 """
@@ -17,10 +20,9 @@ from typing import Any, Protocol
 import orjson
 from aiohttp import web
 
-from gateway.features.featurizer import Kind
 from gateway.fleet import Fleet
-from gateway.openai_errors import RequestRejected, error_response
-from gateway.request_errors import RequestError
+from gateway.openai_errors import RequestError, error_response, error_response_of
+from gateway.request import endpoint_of, parse_json, request_of
 from gateway.routing import Router, RoutingState
 from router_policies.policy import NoReplicaError
 from router_policies.prefix_index import PrefixIndex
@@ -87,20 +89,16 @@ class Admin:
     async def explain(self, request: web.Request) -> web.StreamResponse:
         state = self._state()
         try:
-            body = orjson.loads(await request.read())
-        except orjson.JSONDecodeError as exc:
-            return error_response(400, f"malformed JSON body: {exc}", code="invalid_json")
-        if not isinstance(body, dict) or not isinstance(body.get("model"), str):
-            return error_response(400, "the body must be a request object with a 'model'", param="model")
-        kind: Kind = "chat" if "messages" in body else "completions"
-        session = request.headers.get(state.config.proxy.session_header)
-        try:
-            features, info = await state.featurizer.features(kind, body, session)
-        except (RequestError, RequestRejected) as exc:
-            return error_response(exc.status, exc.message, exc.param, exc.code)
+            body = parse_json(await request.read())
+            endpoint = endpoint_of(request.query.get("endpoint"), body)
+            session = request.headers.get(state.config.proxy.session_header)
+            req = request_of(endpoint, body, session)
+            features, info = await state.featurizer.featurize(req, explain=True)
+        except RequestError as exc:
+            return error_response_of(exc)
         match = self._router.match(features)
         try:
-            choice = self._router.choose(state, features, match, explain=True)
+            choice = self._router.decide(state, features, match)
         except NoReplicaError:
             decision: dict[str, Any] | None = None
             snapshot = self._fleet.snapshot(

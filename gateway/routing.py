@@ -1,5 +1,11 @@
-"""The decision for one request: index match -> immutable fleet snapshot -> policy -> speculative
-index entry.
+"""The decision for one request (docs/architecture.md, "Request path"): index match -> immutable
+fleet snapshot -> policy (``Router.decide``, pure), then, once the proxy sends the request,
+``Router.commit``: the policy's commit and the speculative index entry, in one place.
+
+The router is the one writer of speculative entries: ``commit`` records the prompt's keys,
+``record`` adds the keys of a deferred encode finishing later (through the same touch), and
+``undo`` removes what an attempt added when the request is retried on another replica (the
+leading blocks the replica already held before stay: they were not this attempt's).
 
 ``RoutingState`` is everything a reload can change (config, policy, featurizer); the app swaps
 the whole object in one assignment, and a request reads it once at its start, so a request never
@@ -11,7 +17,6 @@ each decision is atomic on the event loop.
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +43,18 @@ class Choice:
     record: ReplicaRecord
     snapshot: FleetSnapshot
     predicted_tokens: int  # cached prompt tokens the engine should report on this replica
+    matched_blocks: int  # leading blocks of the prompt the index says the replica holds
+
+
+@dataclass(slots=True)
+class Speculation:
+    """The speculative entries one committed attempt recorded (written only by ``Router``)."""
+
+    state: RoutingState
+    replica: str
+    held_blocks: int  # leading blocks the replica held before: never undone
+    keys: Sequence[int] = ()  # the longest key chain recorded
+    undone: bool = False
 
 
 def predicted_cached_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
@@ -59,6 +76,48 @@ class Router:
     def match(self, features: RequestFeatures) -> MatchResult:
         return self._index.match(features.block_keys)
 
+    def decide(
+        self,
+        state: RoutingState,
+        features: RequestFeatures,
+        match: MatchResult,
+        exclude: frozenset[str] = frozenset(),
+    ) -> Choice:
+        """Pick a replica (raises ``NoReplicaError``). Pure: changes neither the index, the
+        fleet nor the policy (``/admin/explain`` calls it on the live policy)."""
+        candidates = self._fleet.candidates(features.model)
+        snap = self._fleet.snapshot(candidates, match.blocks, match.scores, exclude)
+        decision = state.policy.choose(features, snap)
+        record = self._fleet.get(decision.replica)
+        assert record is not None  # the snapshot only holds fleet records
+        matched = match.blocks.get(decision.replica, 0)
+        predicted = predicted_cached_tokens(matched, features.prompt_tokens, features.block_size)
+        return Choice(decision, record, snap, predicted, matched)
+
+    def commit(self, state: RoutingState, features: RequestFeatures, choice: Choice) -> Speculation:
+        """The request is sent to ``choice``'s replica: advance the policy and record the
+        speculative entries (undone by ``undo`` if it is retried elsewhere)."""
+        state.policy.commit(choice.decision)
+        spec = Speculation(state, choice.decision.replica, choice.matched_blocks)
+        self.record(spec, features.block_keys)
+        return spec
+
+    def record(self, spec: Speculation, keys: Sequence[int]) -> None:
+        """Record ``keys`` as ``spec``'s replica's speculative entries (the commit's, or the full
+        keys of its deferred encode); nothing once undone."""
+        if spec.undone or not keys:
+            return
+        if len(keys) > len(spec.keys):
+            spec.keys = keys
+        self.touch(spec.state, spec.replica, keys)
+
+    def undo(self, spec: Speculation) -> None:
+        """The attempt failed and the request goes elsewhere: drop the entries it added."""
+        spec.undone = True
+        added = spec.keys[spec.held_blocks :]
+        if len(added):
+            self._index.forget_approximate(spec.replica, added)
+
     def choose(
         self,
         state: RoutingState,
@@ -67,22 +126,16 @@ class Router:
         exclude: frozenset[str] = frozenset(),
         explain: bool = False,
     ) -> Choice:
-        """Pick a replica (raises ``NoReplicaError``). Unless ``explain``, records the speculative
-        index entry; ``explain`` runs a copy of the policy so the live one's state is untouched."""
-        candidates = self._fleet.candidates(features.model)
-        snap = self._fleet.snapshot(candidates, match.blocks, match.scores, exclude)
-        policy = copy.deepcopy(state.policy) if explain else state.policy
-        decision = policy.choose(features, snap)
-        record = self._fleet.get(decision.replica)
-        assert record is not None  # the snapshot only holds fleet records
-        matched = match.blocks.get(decision.replica, 0)
-        predicted = predicted_cached_tokens(matched, features.prompt_tokens, features.block_size)
-        if not explain and features.block_keys:
-            self.touch(state, decision.replica, features.block_keys)
-        return Choice(decision, record, snap, predicted)
+        """``decide`` then, unless ``explain``, ``commit`` (the pre-split call, kept for callers
+        that route without retries)."""
+        choice = self.decide(state, features, match, exclude)
+        if not explain:
+            self.commit(state, features, choice)
+        return choice
 
     def touch(self, state: RoutingState, replica: str, keys: Sequence[int]) -> None:
-        """Record the speculative entries of a request routed to ``replica`` with ``keys``."""
+        """Record the speculative entries of a request routed to ``replica`` with ``keys`` (the
+        speculative-touch rule: lifetime with/without agent, refreshed at most once a second)."""
         if self._fleet.get(replica) is None:
             return  # left the fleet since (a deferred encode finishing late)
         now = time.monotonic()

@@ -332,6 +332,16 @@ class PrefixIndex:
         rep.approx.clear()
         self._drop_approximate(rep, gone)
 
+    def forget_approximate(self, replica: str, keys: Iterable[int]) -> int:
+        """Drop ``replica``'s approximate entries for ``keys`` (precise ones and keys not held
+        stay): the undo of a speculative touch whose request went elsewhere. Returns the count."""
+        rep = self._replicas.get(replica)
+        if rep is None:
+            return 0
+        gone = [k for k in keys if rep.approx.pop(k, None) is not None]
+        self._drop_approximate(rep, gone)
+        return len(gone)
+
     def holds_since(self, replica: str, key: int, since: float) -> bool:
         """Whether ``replica`` holds ``key`` precisely, or as an approximate entry touched at or
         after ``since``."""
