@@ -187,9 +187,14 @@ def test_ejected_replica_recovers_when_it_answers_again(procs: Procs) -> None:
 def test_503_before_first_byte_is_retried(procs: Procs) -> None:
     r0, r1 = procs.backend("r0"), procs.backend("r1")
     gw = procs.gateway(base_config(r0, r1))
-    status, headers, _ = _post(gw.url + "/v1/completions", {"model": "m", "prompt": "overloaded@r0"})
+    prompt = "overloaded@r0 " + "a long enough prompt to fill several blocks " * 8
+    status, headers, _ = _post(gw.url + "/v1/completions", {"model": "m", "prompt": prompt})
     assert (status, headers["x-kvgate-replica"]) == (200, "r1")
     assert 'kvgate_retries_total{reason="503"} 1.0' in gw.metrics()
+    # the speculative entries went with the request: the failed attempt's were undone
+    _, index = gw.admin("GET", "/admin/index")
+    assert index["replicas"]["r0"]["approximate"] == 0
+    assert index["replicas"]["r1"]["approximate"] > 0
 
 
 def test_503_is_passed_through_when_retries_are_spent(procs: Procs) -> None:
