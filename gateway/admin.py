@@ -1,4 +1,5 @@
-"""Admin endpoints (docs/architecture.md), behind the admin bearer token (``auth.admin_token_env``; unset: open).
+"""Admin endpoints (docs/architecture.md), behind the admin bearer token
+(``auth.admin_token_env``; unset: open).
 
 * ``POST /admin/reload``: reread the config file; the new policy and settings swap in atomically,
   an invalid file is refused with its error (400) and the running config stays.
@@ -77,7 +78,7 @@ class Admin:
 
         return guarded
 
-    async def reload(self, request: web.Request) -> web.StreamResponse:
+    async def reload(self, _request: web.Request) -> web.StreamResponse:
         err = self._reloader.reload()
         if err is not None:
             return error_response(
@@ -148,7 +149,7 @@ class Admin:
             }
         )
 
-    async def replicas(self, request: web.Request) -> web.StreamResponse:
+    async def replicas(self, _request: web.Request) -> web.StreamResponse:
         return _json({"replicas": [rec.describe() for rec in self._fleet.records()]})
 
     async def index(self, request: web.Request) -> web.StreamResponse:

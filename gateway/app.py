@@ -211,15 +211,15 @@ class GatewayApp:
         )
         return app
 
-    async def _health_endpoint(self, request: web.Request) -> web.StreamResponse:
+    async def _health_endpoint(self, _request: web.Request) -> web.StreamResponse:
         return web.json_response({"status": "ok"})
 
-    async def _ready(self, request: web.Request) -> web.StreamResponse:
+    async def _ready(self, _request: web.Request) -> web.StreamResponse:
         if self.fleet.any_healthy():
             return web.json_response({"status": "ready"})
         return error_response(503, "no healthy replica", code="not_ready")
 
-    async def _metrics_endpoint(self, request: web.Request) -> web.StreamResponse:
+    async def _metrics_endpoint(self, _request: web.Request) -> web.StreamResponse:
         if not self._state.config.telemetry.metrics:
             return error_response(404, "metrics are disabled (telemetry.metrics)")
         return web.Response(

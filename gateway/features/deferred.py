@@ -1,18 +1,20 @@
-"""Encoding new prompt text after the request was routed (ARCHITECTURE.md §10: tokenization is
-the largest cost on the request path).
+"""Encoding new prompt text after the request was routed (docs/architecture.md, "Request path":
+features; tokenization is the largest cost on the request path).
 
 The featurizer routes a request whose trailing text is new on its cached prefix and hands its
 text here as a ``DeferredJob``. The job is encoded on a worker thread (``tokenizers`` releases
 the GIL in ``encode_batch``), its new segments go into the segment cache, where the
-conversation's next turn finds them, and, once the proxy has said where the request went
-(``on_keys``), the whole prompt's keys become that replica's speculative index entries, as an
-encoded-first request's would have.
+conversation's next turn finds them, and, once the proxy has committed an attempt (``on_keys``
+is then ``Router.record`` of that attempt), the whole prompt's keys become that replica's
+speculative index entries through the router's one writer, as an encoded-first request's would
+have.
 
 A request carrying the same new text while the first one's job is still waiting (a burst of
 requests on one new document) takes the job over (``expedite``): it is encoded at once, on the
-request path's pool rather than the background thread (whose lowest priority the waiting request
-would otherwise inherit), and its entries are recorded before the second request is matched, so the burst finds the first
-request's replica instead of scattering the document's prefill over the fleet.
+request path's pool rather than the background thread (whose lowest priority the waiting
+request would otherwise inherit), and its entries are recorded before the second request is
+matched, so the burst finds the first request's replica instead of scattering the document's
+prefill over the fleet.
 
 The backlog is bounded in characters: when requests bring new text faster than it can be
 encoded, the oldest waiting jobs are dropped (their text is encoded on the request path if it
@@ -36,8 +38,9 @@ log = logging.getLogger(__name__)
 
 
 class DeferredJob:
-    """One request's text to encode after routing. The proxy sets ``on_keys`` once it has chosen
-    a replica; it is called (on the event loop) with the prompt's block keys when encoded."""
+    """One request's text to encode after routing. The proxy sets ``on_keys`` (``Router.record``
+    of the attempt it committed, replaced on a retry); it is called (on the event loop) with the
+    prompt's block keys when encoded."""
 
     __slots__ = (
         "add_special_tokens",

@@ -160,10 +160,12 @@ class Featurizer:
         if isinstance(prompt, Remote):
             prompt = Chars(chars_of(req), "remote tokenizer in a synchronous call", "sync_call")
         if isinstance(prompt, Text):
-            enc = self._encoder(spec)
-            plan = enc.plan(prompt.text, add_special_tokens=prompt.add_special_tokens)
-            done = enc.encode_missing(plan, add_special_tokens=prompt.add_special_tokens)
-            return self._count(self._encoded(req, spec, prompt, plan, done), prompt, False)
+            enc, ast = self._encoder(spec), prompt.add_special_tokens
+            plan = enc.plan(prompt.text, add_special_tokens=ast)
+            tokens = enc.finish(
+                plan, enc.encode_missing(plan, add_special_tokens=ast), add_special_tokens=ast
+            )
+            return self._count(self._encoded(req, spec, plan, tokens, False), prompt, False)
         return self._count(self._keyed(req, spec, prompt), prompt, False)
 
     async def features(
@@ -212,22 +214,15 @@ class Featurizer:
         done, offloaded = await self.executor.run(
             plan.missing_chars, lambda: enc.encode_missing(plan, add_special_tokens=ast)
         )
-        result = self._encoded(req, spec, prompt, plan, done, offloaded=offloaded, record=not explain)
+        tokens = enc.finish(plan, done, add_special_tokens=ast, record=not explain)
+        result = self._encoded(req, spec, plan, tokens, offloaded)
         return self._count(result, prompt, explain)
 
+    @staticmethod
     def _encoded(
-        self,
-        req: ParsedRequest,
-        spec: PromptSpec,
-        prompt: Text,
-        plan: EncodePlan,
-        done: list[TokenArray],
-        *,
-        offloaded: bool = False,
-        record: bool = True,
+        req: ParsedRequest, spec: PromptSpec, plan: EncodePlan, tokens: TokenArray, offloaded: bool
     ) -> Result:
-        enc = self._encoder(spec)
-        tokens = enc.finish(plan, done, add_special_tokens=prompt.add_special_tokens, record=record)
+        """Features of a prompt encoded here (``tokens``: all of them, from ``plan``)."""
         tokens = truncated(spec, tokens)
         how = Encoded(
             "local",

@@ -88,5 +88,5 @@ class ConsistentHash:
             replica=best.id, reason="consistent_hash:all_full", matched_blocks=best.matched_blocks
         )
 
-    def commit(self, decision: Decision) -> None:
+    def commit(self, _decision: Decision) -> None:
         """Nothing to advance: the ring and the load bound are functions of the snapshot."""

@@ -135,6 +135,6 @@ class KvAware:
         )
         return Decision(best.id, reason, best.matched_blocks, scores)
 
-    def commit(self, decision: Decision) -> None:
+    def commit(self, _decision: Decision) -> None:
         """The tie cursor advances once per decision used (``choose`` is pure)."""
         self._cursor += 1

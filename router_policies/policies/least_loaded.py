@@ -17,10 +17,10 @@ class LeastLoadedParams(BaseModel):
 class LeastLoaded:
     name = "least_loaded"
 
-    def __init__(self, params: LeastLoadedParams, seed: int = 0) -> None:
+    def __init__(self, _params: LeastLoadedParams, seed: int = 0) -> None:
         self._cursor = seed
 
-    def choose(self, request: RequestFeatures, fleet: FleetSnapshot) -> Decision:
+    def choose(self, _request: RequestFeatures, fleet: FleetSnapshot) -> Decision:
         healthy = require_healthy(fleet)
         n = len(healthy)
         start = self._cursor % n
@@ -33,5 +33,5 @@ class LeastLoaded:
             scores={r.id: float(load_of(r)) for r in healthy},
         )
 
-    def commit(self, decision: Decision) -> None:
+    def commit(self, _decision: Decision) -> None:
         self._cursor += 1

@@ -15,13 +15,13 @@ class RoundRobinParams(BaseModel):
 class RoundRobin:
     name = "round_robin"
 
-    def __init__(self, params: RoundRobinParams, seed: int = 0) -> None:
+    def __init__(self, _params: RoundRobinParams, seed: int = 0) -> None:
         self._cursor = seed
 
-    def choose(self, request: RequestFeatures, fleet: FleetSnapshot) -> Decision:
+    def choose(self, _request: RequestFeatures, fleet: FleetSnapshot) -> Decision:
         healthy = require_healthy(fleet)
         r = healthy[self._cursor % len(healthy)]
         return Decision(replica=r.id, reason="round_robin", matched_blocks=r.matched_blocks)
 
-    def commit(self, decision: Decision) -> None:
+    def commit(self, _decision: Decision) -> None:
         self._cursor += 1
