@@ -112,7 +112,10 @@ class Router:
         self.touch(spec.state, spec.replica, keys)
 
     def undo(self, spec: Speculation) -> None:
-        """The attempt failed and the request goes elsewhere: drop the entries it added."""
+        """The attempt failed and the request goes elsewhere: drop the entries it added (the keys
+        past the leading blocks the replica held at decision time). A request routed to the same
+        replica with the same new blocks in between shares them and loses them too: it then
+        matches less there, never wrongly."""
         spec.undone = True
         added = spec.keys[spec.held_blocks :]
         if len(added):

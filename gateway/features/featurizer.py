@@ -113,18 +113,6 @@ class Featurizer:
 
     # -- public ----------------------------------------------------------------------------------
 
-    @property
-    def offload_bound(self) -> int:
-        return self.executor.offload_bound
-
-    @property
-    def offload_queued(self) -> int:
-        return self.executor.offload_queued
-
-    @property
-    def offload_queued_max(self) -> int:
-        return self.executor.offload_queued_max
-
     def model_names(self) -> list[str]:
         return self.models.names()
 

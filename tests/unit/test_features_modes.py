@@ -145,9 +145,9 @@ async def test_offload_queue_is_bounded_by_the_thread_count() -> None:
         bodies = [{"model": "tiny", "prompt": f"{i} " + LONG * 20} for i in range(24)]
         results = await asyncio.gather(*(fz.features("completions", b) for b in bodies))
         assert all(info.offloaded for _, info in results)
-        assert fz.offload_bound == 4
-        assert fz.offload_queued_max == 4  # reached under load, never exceeded
-        assert fz.offload_queued == 0
+        assert fz.executor.offload_bound == 4
+        assert fz.executor.offload_queued_max == 4  # reached under load, never exceeded
+        assert fz.executor.offload_queued == 0
     finally:
         await fz.close()
 
