@@ -321,3 +321,15 @@ async def test_a_refusal_right_after_the_hello_is_always_delivered(
         assert got == code, f"run {run}: {got} {await call.details()!r}"
     assert rig.state() == {}
     assert rig.server.connected_replicas() == []
+
+
+async def test_a_batch_with_a_malformed_event_is_refused_whole(rig: Rig) -> None:
+    call = await establish(rig)
+    before = rig.state()
+    await send(call, events(3, stored(7, 8), pb.Event(), removed(1)))  # the second has no kind
+    assert (
+        await asyncio.wait_for(status_after_reading(call), STATUS_WITHIN_S)
+        == grpc.StatusCode.INVALID_ARGUMENT
+    )
+    assert "without a kind" in (await call.details() or "")
+    assert rig.state() == before  # not even the stored event before it
