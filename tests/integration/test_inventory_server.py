@@ -323,6 +323,21 @@ async def test_a_refusal_right_after_the_hello_is_always_delivered(
     assert rig.server.connected_replicas() == []
 
 
+async def test_a_refusal_among_acks_in_flight_is_always_delivered(rig: Rig) -> None:
+    """Garbage after a burst of messages, each acknowledged: the writer is busy writing acks when
+    the refusal comes, and its status must still arrive every time."""
+    for run in range(REFUSAL_RUNS):
+        call = rig.call()
+        await send(call, hello())
+        await send(call, snap(2, [1, 2, 3]))
+        for seq in range(3, 13):
+            await send(call, events(seq, stored(100 + seq)))
+        await send(call, b"\xff\xff")
+        got = await asyncio.wait_for(status_after_reading(call), STATUS_WITHIN_S)
+        assert got == grpc.StatusCode.INVALID_ARGUMENT, f"run {run}: {got} {await call.details()!r}"
+    assert rig.refused("malformed") == REFUSAL_RUNS
+
+
 async def test_a_batch_with_a_malformed_event_is_refused_whole(rig: Rig) -> None:
     call = await establish(rig)
     before = rig.state()
