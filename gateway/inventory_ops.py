@@ -173,7 +173,7 @@ class BoundCheck:
         if count > self.bound:
             raise BoundExceeded(f"would hold {count} blocks, over its bound of {self.bound}")
         if self.base_total + count > self.limit_total:
-            raise BoundExceeded(f"index would exceed max_total_blocks={self.limit_total}")
+            raise BoundExceeded(f"would take the index over max_total_blocks={self.limit_total}")
 
     def remove(self, keys: Sequence[int]) -> int:
         before = len(self.held)

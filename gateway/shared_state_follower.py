@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
+from gateway.fleet import Fleet
 from gateway.inventory_ops import IndexReplica, apply_ops
 from gateway.inventory_sink import AgentHello
 from gateway.shared_state_codec import (
@@ -63,12 +64,11 @@ class FleetRemoteReplicas:
     the registration through ``agent_hello`` (same checks, same record). Once
     ``Fleet.register_remote(hello: AgentHello) -> str | None`` exists, the app passes the fleet."""
 
-    def __init__(self, fleet: Any) -> None:
+    def __init__(self, fleet: Fleet) -> None:
         self._fleet = fleet
 
     def register_remote(self, hello: AgentHello) -> str | None:
-        refusal: str | None = self._fleet.agent_hello(hello)
-        return refusal
+        return self._fleet.agent_hello(hello)
 
     def set_shared_inventory(self, replica_id: str, shared: bool) -> None:
         self._fleet.set_shared_inventory(replica_id, shared)
