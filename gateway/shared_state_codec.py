@@ -1,6 +1,7 @@
 """The bytes kvgate writes to Redis for shared state (docs/shared-state.md), and the Redis key names.
 
-An inventory *ops* payload is a run of operations, each one byte of kind then its operands:
+An inventory *ops* payload is a run of ``gateway.inventory_ops.Op`` (the ops the inventory server
+applied), each one byte of kind then its operands:
 
 * ``s`` stored: medium length (1 byte), medium (UTF-8), key count (uint32 LE), keys (uint64 LE each)
 * ``r`` removed: key count (uint32 LE), keys (uint64 LE each)
@@ -13,6 +14,8 @@ of 64 blocks is ~520 bytes and decoding is one ``numpy.frombuffer`` per run.
 A load value is ``requests,tokens,prefill,owned,running,waiting,kv_usage`` in ASCII: the first three
 are what the publishing instance routed and has not finished; when ``owned`` is 1 the publisher
 holds the replica's agent stream and the last three are the engine's own figures.
+
+A registration is the replica's ``AgentHello`` as JSON.
 
 Decoders raise ``CodecError`` on any malformed input, never return a partial result.
 """
