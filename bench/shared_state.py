@@ -26,8 +26,10 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
+from gateway.app import wire_shared_state
 from gateway.config import GatewayConfig, parse_config
 from gateway.fleet import Fleet
+from gateway.inventory_ops import ops_of_events
 from gateway.inventory_server import InventoryServer
 from gateway.inventory_sink import AgentHello
 from gateway.shared_state import SharedState
@@ -47,7 +49,7 @@ def _instance(config: GatewayConfig, name: str) -> tuple[PrefixIndex, SharedStat
     fleet = Fleet(config, index)
     registry = CollectorRegistry()
     inventory = InventoryServer(index, fleet, token=None, registry=registry)
-    shared = SharedState(config.shared_state, index, fleet, inventory, registry, instance_id=name)
+    shared = wire_shared_state(config, index, fleet, inventory, registry, instance_id=name)
     return index, shared
 
 
@@ -74,8 +76,8 @@ async def _run(url: str, batches: int, nkeys: int, probes: int) -> None:
     await b.start()
     try:
         await _until(lambda: a.up and b.up, 30)
-        a.inventory_hello(AgentHello("r0", "http://127.0.0.1:9", ("m",), 16, 0, "bench", "", ""))
-        a.inventory_snapshot("r0", {})
+        a.publisher.inventory_hello(AgentHello("r0", "http://127.0.0.1:9", ("m",), 16, 0, "bench", "", ""))
+        a.publisher.inventory_snapshot("r0", {})
         await _until(lambda: "r0" in b.status()["following"], 30)  # type: ignore[operator]
 
         events = [
@@ -95,7 +97,7 @@ async def _run(url: str, batches: int, nkeys: int, probes: int) -> None:
             # the agent's messages arrive one by one: let the loop run between bursts of 100
             t1 = time.perf_counter()
             for evs in events[i : i + 100]:
-                a.inventory_events("r0", evs)
+                a.publisher.inventory_ops("r0", ops_of_events(evs))
             hook_s += time.perf_counter() - t1
             await asyncio.sleep(0)
         await _until(lambda: idx_b.precise_count("r0") == batches * nkeys)
@@ -107,7 +109,7 @@ async def _run(url: str, batches: int, nkeys: int, probes: int) -> None:
             keys = range(base + p * nkeys, base + (p + 1) * nkeys)
             want = idx_b.precise_count("r0") + nkeys
             t1 = time.perf_counter()
-            a.inventory_events("r0", [pb.Event(stored=pb.Stored(keys=keys))])
+            a.publisher.inventory_ops("r0", ops_of_events([pb.Event(stored=pb.Stored(keys=keys))]))
             await _until(lambda want=want: idx_b.precise_count("r0") >= want)  # type: ignore[misc]
             lat.append(time.perf_counter() - t1)
         lat.sort()

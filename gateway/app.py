@@ -49,6 +49,10 @@ from gateway.openai_errors import error_response, openai_errors_middleware
 from gateway.proxy import Proxy
 from gateway.routing import Router, RoutingState
 from gateway.shared_state import SharedState
+from gateway.shared_state_context import SharedContext
+from gateway.shared_state_follower import FleetRemoteReplicas, Follower
+from gateway.shared_state_load import LoadExchange
+from gateway.shared_state_publisher import Publisher
 from gateway.tracing import Tracing
 from router_policies.errors import UserInputError
 from router_policies.prefix_index import PrefixIndex
@@ -90,6 +94,24 @@ def build_state(
     return RoutingState(config=config, policy=policy, featurizer=featurizer)
 
 
+def wire_shared_state(
+    config: GatewayConfig,
+    index: PrefixIndex,
+    fleet: Fleet,
+    inventory: InventoryServer,
+    registry: CollectorRegistry,
+    instance_id: str | None = None,
+) -> SharedState:
+    """The shared-state parts (docs/shared-state.md), each the one writer of its state: the
+    publisher observes the inventory server, the follower writes the replicas owned elsewhere
+    (and stops the moment an agent for one connects here), the load exchange feeds the fleet."""
+    ctx = SharedContext.create(config.shared_state, registry, instance_id)
+    follower = Follower(ctx, index, FleetRemoteReplicas(fleet), inventory)
+    publisher = Publisher(ctx, inventory, index.config.max_replicas, on_owned=follower.stop_following)
+    inventory.observer = publisher
+    return SharedState(ctx, publisher, follower, LoadExchange(ctx, fleet, inventory))
+
+
 def _env_token(name: str | None, env: Mapping[str, str]) -> str | None:
     return (env.get(name) or None) if name else None
 
@@ -127,8 +149,8 @@ class GatewayApp:
         )
         self.shared_state: SharedState | None = None
         if config.shared_state.redis_url:
-            self.shared_state = SharedState(
-                config.shared_state, self.index, self.fleet, self.inventory, self.registry
+            self.shared_state = wire_shared_state(
+                config, self.index, self.fleet, self.inventory, self.registry
             )
         self._admin_token = _env_token(config.auth.admin_token_env, self._env)
         self._session: aiohttp.ClientSession | None = None

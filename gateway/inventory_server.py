@@ -1,21 +1,20 @@
-"""The gateway's end of the agent stream (ARCHITECTURE.md §5): ``Inventory.Sync`` over grpc.aio.
+"""The gateway's end of the agent stream (docs/architecture.md, the inventory path):
+``Inventory.Sync`` over grpc.aio.
 
-One stream per agent. The server checks the bearer token, takes the agent's Hello to the fleet,
-then applies the agent's snapshot and deltas to the prefix index.
+One stream per agent. The server checks the bearer token and hands each message, as it arrives, to
+``gateway.inventory_stream.Streams`` (synchronous: the Hello goes to the fleet, snapshots and
+deltas to the prefix index). Its only other coroutine per stream is the writer, which sends
+Ack/Resync and never touches the index.
 
 Invariants
-* One writer per replica: a newer stream for the same replica supersedes the older one, which is
-  closed with ABORTED before the newer one is handed any message.
-* Index mutations never await: each received message is applied by synchronous code between two
-  ``await context.read()``; the only other coroutine of a stream is its writer, which only sends
-  Ack/Resync and never touches the index.
-* A message is applied whole or not at all. A malformed message, an unknown replica (the fleet
-  refuses the Hello), a block-size mismatch or a replica over its block bound closes the stream
-  with a clear status and leaves the index as it was. Snapshot chunks are staged aside and replace
-  the replica's precise inventory atomically (``PrefixIndex.replace_replica``) on the last chunk.
-* Deltas received before the stream's first complete snapshot are ignored: the agent always sends
-  a snapshot right after its Hello, and deltas arriving while a snapshot is being staged are
-  applied to the staged copy, so nothing is lost.
+* Index mutations never await: a message is applied by synchronous code between two
+  ``await context.read()``.
+* Every stream ends through one path (``_sync``'s epilogue): the writer is stopped first, letting
+  a write in flight complete, and only then is the status sent. A status sent while a write is in
+  flight is refused by gRPC core (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS) and the client never gets
+  it; so a refusal is always delivered with its own status.
+* A refusal (malformed message, unknown replica, block-size mismatch, a replica over its block
+  bound, a newer stream for the replica) leaves the index as it was.
 * A stream that closes leaves the replica's entries in the index: the engine still holds those
   blocks, and the next stream's snapshot replaces them. The fleet is told the stream is gone.
 """
@@ -27,85 +26,38 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, TypeAlias
 
 import grpc
 import grpc.aio
-from google.protobuf.message import DecodeError
 from prometheus_client import CollectorRegistry
 
 from gateway.inventory_metrics import InventoryMetrics
 from gateway.inventory_sink import AgentHello, AgentLoad, FleetSink
+from gateway.inventory_stream import InventoryObserver, Refusal, StreamRules, Streams, StreamState
+from proto.contract import METHOD, SERVICE
 from proto.kvgate.v1 import inventory_pb2 as pb
-from router_policies.prefix_index import GPU, IndexBoundError, PrefixIndex
+from router_policies.prefix_index import PrefixIndex
 
-__all__ = ["AgentHello", "AgentLoad", "FleetSink", "InventoryServer"]
+__all__ = ["AgentHello", "AgentLoad", "FleetSink", "InventoryObserver", "InventoryServer"]
 
 log = logging.getLogger(__name__)
 
-SERVICE = "kvgate.v1.Inventory"
-METHOD = "Sync"
-PROTOCOL_VERSION = 1
+# How long a stream's end waits for the write in flight (an ack: tiny) to complete. Only a client
+# that stopped reading makes it wait this long; such a client will not read the status either.
+WRITER_DRAIN_S = 5.0
 
-
-class InventoryObserver(Protocol):
-    """Told of every mutation the server applied, after it applied it (gateway/shared_state.py
-    publishes them). Called synchronously between two reads of a stream: must not block or await."""
-
-    def inventory_hello(self, hello: AgentHello) -> None: ...
-
-    def inventory_snapshot(self, replica: str, entries: Mapping[int, str]) -> None: ...
-
-    def inventory_events(self, replica: str, events: Sequence[pb.Event]) -> None: ...
-
-
-class _Refusal(Exception):
-    """Close the stream with ``code``; ``reason`` is the metric label."""
-
-    def __init__(self, code: grpc.StatusCode, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.reason = reason
-        self.message = message
-
-
-@dataclass(slots=True)
-class _Stream:
-    """State of one agent stream; owned by the coroutine serving it."""
-
-    peer: str
-    task: asyncio.Task[Any] | None
-    replica: str | None = None
-    bound: int = 0
-    expected_seq: int = 1
-    synced: bool = False  # a complete snapshot has been applied
-    agent_degraded: bool = False
-    staging: dict[int, str] | None = None  # snapshot being received
-    staging_id: int = 0
-    superseded: bool = False
-    unacked: int = 0
-    # outbound slots drained by the stream's writer (bounded: at most one Ack and one Resync)
-    ack_seq: int | None = None
-    resync_reason: str | None = None
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    last_gaps: tuple[int, int] = (0, 0)
-
-    @property
-    def degraded(self) -> bool:
-        return self.agent_degraded or not self.synced
+_Context: TypeAlias = "grpc.aio.ServicerContext[bytes, pb.GatewayMessage]"
+_Stream = StreamState  # the name bench/ingest.py imports
 
 
 class InventoryServer:
     """``Inventory.Sync`` server over ``index``, reporting agents to ``fleet``.
 
     ``token``: the bearer token agents must present (None: no authentication).
-    ``block_bound_factor``: a replica may hold at most ``factor * capacity_blocks`` precise
-    blocks (the capacity its Hello reports; never more than the index's
-    ``max_blocks_per_replica``); 0 disables the capacity-derived bound.
-    ``ack_every``: acknowledge after this many applied messages (and after every snapshot); acks
-    not yet written coalesce into the newest, so acking every message costs little under load.
+    ``block_bound_factor``, ``ack_every``: see ``StreamRules``; acks not yet written coalesce into
+    the newest, so acking every message costs little under load.
     ``tls_cert``/``tls_key``: PEM file paths to serve TLS instead of plaintext.
     """
 
@@ -132,15 +84,20 @@ class InventoryServer:
         self.index = index
         self.fleet = fleet
         self.metrics = InventoryMetrics(registry)
+        self._streams = Streams(index, fleet, self.metrics, StreamRules(block_bound_factor, ack_every, clock))
         self._token = token.encode() if token else None
-        self._factor = block_bound_factor
-        self._ack_every = ack_every
         self._tls = (tls_cert, tls_key) if tls_cert and tls_key else None
         self._max_message_bytes = max_message_bytes
-        self._clock = clock
-        self._writers: dict[str, _Stream] = {}
         self._server: grpc.aio.Server | None = None
-        self.observer: InventoryObserver | None = None  # SharedState sets itself here
+
+    @property
+    def observer(self) -> InventoryObserver | None:
+        """Told of every applied mutation (the app wires the shared-state publisher here)."""
+        return self._streams.observer
+
+    @observer.setter
+    def observer(self, observer: InventoryObserver | None) -> None:
+        self._streams.observer = observer
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, host_port: str) -> int:
@@ -184,49 +141,58 @@ class InventoryServer:
 
     # ------------------------------------------------------------------ queries
     def connected_replicas(self) -> list[str]:
-        return sorted(self._writers)
+        return sorted(self._streams.writers)
 
     def request_resync(self, replica: str, reason: str = "admin") -> bool:
         """Ask the replica's agent for a full snapshot; False when it has no open stream."""
-        stream = self._writers.get(replica)
-        if stream is None:
-            return False
-        self._ask_resync(stream, reason)
-        return True
+        return self._streams.request_resync(replica, reason)
+
+    def _handle(self, stream: StreamState, raw: bytes) -> None:
+        """One message without gRPC (bench/ingest.py measures the ingest path with it)."""
+        self._streams.handle(stream, raw)
 
     # ------------------------------------------------------------------ the stream
-    async def _sync(
-        self, _requests: Any, context: grpc.aio.ServicerContext[bytes, pb.GatewayMessage]
-    ) -> None:
-        stream = _Stream(peer=context.peer(), task=asyncio.current_task())
+    async def _sync(self, _requests: Any, context: _Context) -> None:
+        stream = StreamState(peer=context.peer(), task=asyncio.current_task())
         self.metrics.streams.inc()
-        writer: asyncio.Task[None] | None = None
+        try:
+            refusal = await self._serve(stream, context)
+        finally:
+            # the one way a stream ends: no write in flight from here on, then the status
+            await self._stop_writer(stream)
+            self.metrics.streams.dec()
+            self._streams.release(stream)
+        if refusal is not None:
+            await context.abort(refusal.code, refusal.message)
+
+    async def _serve(self, stream: StreamState, context: _Context) -> Refusal | None:
+        """Read and handle messages until the agent closes (None) or a refusal (returned)."""
         try:
             # the first message is read before the verdict, so that the client's first write has
             # completed when the stream closes and the client sees this status, not a failed write
             first = await context.read()
             self._check_auth(context)
             if first is grpc.aio.EOF:
-                return
+                return None
             assert isinstance(first, bytes)
-            self._handle(stream, first)
-            writer = asyncio.create_task(self._write_loop(stream, context), name="inventory-writer")
+            self._streams.handle(stream, first)
+            stream.writer = asyncio.create_task(self._write_loop(stream, context), name="inventory-writer")
             while True:
                 try:
                     raw = await context.read()
                 except asyncio.CancelledError:
                     if stream.superseded:
-                        raise _Refusal(
+                        raise Refusal(
                             grpc.StatusCode.ABORTED,
                             "superseded",
                             f"superseded by a newer stream for replica {stream.replica!r}",
                         ) from None
                     raise
                 if raw is grpc.aio.EOF:
-                    return
+                    return None
                 assert isinstance(raw, bytes)
-                self._handle(stream, raw)
-        except _Refusal as refusal:
+                self._streams.handle(stream, raw)
+        except Refusal as refusal:
             self.metrics.refused.labels(refusal.reason).inc()
             log.warning(
                 "inventory stream from %s (replica %s) refused: %s",
@@ -234,21 +200,9 @@ class InventoryServer:
                 stream.replica,
                 refusal.message,
             )
-            if writer is not None:
-                writer.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await writer
-                writer = None
-            await context.abort(refusal.code, refusal.message)
-        finally:
-            if writer is not None:
-                writer.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await writer
-            self.metrics.streams.dec()
-            self._release(stream)
+            return refusal
 
-    def _check_auth(self, context: grpc.aio.ServicerContext[bytes, pb.GatewayMessage]) -> None:
+    def _check_auth(self, context: _Context) -> None:
         if self._token is None:
             return
         presented = b""
@@ -259,307 +213,53 @@ class InventoryServer:
                     presented = text[len("Bearer ") :].encode()
                 break
         if not hmac.compare_digest(presented, self._token):
-            raise _Refusal(
+            raise Refusal(
                 grpc.StatusCode.UNAUTHENTICATED,
                 "auth",
                 "missing or wrong agent token (metadata 'authorization: Bearer <token>')",
             )
 
-    async def _write_loop(
-        self, stream: _Stream, context: grpc.aio.ServicerContext[bytes, pb.GatewayMessage]
-    ) -> None:
+    # ------------------------------------------------------------------ the writer
+    async def _write_loop(self, stream: StreamState, context: _Context) -> None:
         while True:
             await stream.wake.wait()
             stream.wake.clear()
-            if stream.resync_reason is not None:
-                reason, stream.resync_reason = stream.resync_reason, None
-                await context.write(pb.GatewayMessage(resync=pb.Resync(reason=reason)))
-            if stream.ack_seq is not None:
-                seq, stream.ack_seq = stream.ack_seq, None
-                await context.write(pb.GatewayMessage(ack=pb.Ack(seq=seq)))
+            msg = _next_message(stream)
+            while msg is not None and not stream.closing:
+                await context.write(msg)
+                msg = _next_message(stream)
+            if stream.closing:
+                return
 
-    def _release(self, stream: _Stream) -> None:
-        replica = stream.replica
-        if replica is None or self._writers.get(replica) is not stream:
+    async def _stop_writer(self, stream: StreamState) -> None:
+        """End the stream's writer without interrupting a write: cancelling the task that awaits
+        a write does not withdraw the write from gRPC core, and the status sent next would fail."""
+        writer, stream.writer = stream.writer, None
+        if writer is None:
             return
-        del self._writers[replica]
-        self.fleet.agent_state(replica, connected=False, degraded=stream.degraded)
-
-    # ------------------------------------------------------------------ message handling (sync)
-    def _handle(self, stream: _Stream, raw: bytes) -> None:
-        try:
-            msg = pb.AgentMessage.FromString(raw)
-        except DecodeError as exc:
-            raise _Refusal(
-                grpc.StatusCode.INVALID_ARGUMENT, "malformed", f"malformed AgentMessage: {exc}"
-            ) from None
-        kind = msg.WhichOneof("body")
-        if kind is None:
-            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "malformed", "AgentMessage without a body")
-        if stream.replica is None:
-            if kind != "hello":
-                raise _Refusal(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    "protocol",
-                    f"the first message must be hello, got {kind}",
-                )
-            self._hello(stream, msg)
-            return
-        if msg.seq != stream.expected_seq:
-            # gRPC streams do not lose messages; a jump is an agent bug. Start over from a snapshot.
-            self.metrics.gaps.labels("stream").inc()
-            self._ask_resync(stream, f"stream seq {msg.seq}, expected {stream.expected_seq}")
-        stream.expected_seq = msg.seq + 1
-        if kind == "events":
-            self._events(stream, msg.events)
-        elif kind == "snapshot":
-            self._snapshot(stream, msg.snapshot)
-        elif kind == "load":
-            ld = msg.load
-            assert stream.replica is not None
-            self.fleet.agent_load(
-                stream.replica,
-                AgentLoad(
-                    running=ld.running,
-                    waiting=ld.waiting,
-                    kv_usage=ld.kv_usage,
-                    prefix_queries=ld.prefix_queries,
-                    prefix_hits=ld.prefix_hits,
-                ),
-            )
-        elif kind == "state":
-            self._state(stream, msg.state)
-        else:  # a second hello
-            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "protocol", "hello sent twice on one stream")
-        stream.unacked += 1
-        if stream.unacked >= self._ack_every:
-            self._ack(stream, msg.seq)
-
-    def _hello(self, stream: _Stream, msg: pb.AgentMessage) -> None:
-        h = msg.hello
-        if msg.seq != 1:
-            raise _Refusal(
-                grpc.StatusCode.INVALID_ARGUMENT, "protocol", f"hello must have seq 1, got {msg.seq}"
-            )
-        if not h.replica_id:
-            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "malformed", "hello.replica_id is empty")
-        if h.block_size <= 0:
-            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "malformed", "hello.block_size must be positive")
-        if h.protocol_version not in (0, PROTOCOL_VERSION):
-            raise _Refusal(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "protocol",
-                f"agent speaks protocol {h.protocol_version}, gateway {PROTOCOL_VERSION}",
-            )
-        hello = AgentHello(
-            replica_id=h.replica_id,
-            url=h.url,
-            models=tuple(h.models),
-            block_size=h.block_size,
-            capacity_blocks=h.capacity_blocks,
-            engine=h.engine,
-            engine_version=h.engine_version,
-            agent_version=h.agent_version,
-        )
-        refusal = self.fleet.agent_hello(hello)
-        if refusal is not None:
-            raise _Refusal(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "hello_refused",
-                f"replica {h.replica_id!r} refused: {refusal}",
-            )
-        try:
-            self.index.add_replica(h.replica_id)
-        except IndexBoundError as exc:
-            raise _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "block_bound", str(exc)) from None
-        bound = self.index.config.max_blocks_per_replica
-        if self._factor > 0 and h.capacity_blocks > 0:
-            bound = min(bound, max(1, int(self._factor * h.capacity_blocks)))
-        stream.bound = bound
-        stream.replica = h.replica_id
-        stream.expected_seq = 2
-        old = self._writers.get(h.replica_id)
-        if old is not None:
-            # one writer per replica: the old stream stops at its next await, before this one
-            # is handed its next message, so the two never interleave mutations
-            old.superseded = True
-            self._writers.pop(h.replica_id)
-            if old.task is not None:
-                old.task.cancel()
-        self._writers[h.replica_id] = stream
-        self.fleet.agent_state(h.replica_id, connected=True, degraded=True)
-        if self.observer is not None:
-            self.observer.inventory_hello(hello)
-        self.metrics.degraded.labels(h.replica_id).set(1)
-        # acknowledging the hello tells the agent it was accepted before it sends its snapshot
-        self._ack(stream, 1)
-
-    def _state(self, stream: _Stream, st: pb.AgentState) -> None:
-        before = stream.degraded
-        stream.agent_degraded = st.degraded
-        gaps, unrecovered = st.engine_gaps, st.unrecovered_gaps
-        last_gaps, last_unrecovered = stream.last_gaps
-        if gaps >= last_gaps and unrecovered >= last_unrecovered:
-            recovered_delta = (gaps - unrecovered) - (last_gaps - last_unrecovered)
-            if recovered_delta > 0:
-                self.metrics.gaps.labels("engine_recovered").inc(recovered_delta)
-            if unrecovered > last_unrecovered:
-                self.metrics.gaps.labels("engine_unrecovered").inc(unrecovered - last_unrecovered)
-        stream.last_gaps = (gaps, unrecovered)
-        if stream.degraded != before:
-            self._report_state(stream)
-
-    def _report_state(self, stream: _Stream) -> None:
-        assert stream.replica is not None
-        self.fleet.agent_state(stream.replica, connected=True, degraded=stream.degraded)
-        self.metrics.degraded.labels(stream.replica).set(1 if stream.degraded else 0)
-
-    def _ask_resync(self, stream: _Stream, reason: str) -> None:
-        self.metrics.resyncs.labels("stream_gap" if reason.startswith("stream seq") else reason).inc()
-        stream.synced = False
-        stream.staging = None
-        stream.resync_reason = reason
+        stream.closing = True
         stream.wake.set()
-
-    def _ack(self, stream: _Stream, seq: int) -> None:
-        stream.unacked = 0
-        stream.ack_seq = seq
-        stream.wake.set()
-
-    # ------------------------------------------------------------------ snapshot
-    def _snapshot(self, stream: _Stream, chunk: pb.SnapshotChunk) -> None:
-        if stream.staging is None or stream.staging_id != chunk.snapshot_id:
-            stream.staging = {}
-            stream.staging_id = chunk.snapshot_id
-        staging = stream.staging
-        medium = chunk.medium or GPU
-        for k in chunk.keys:
-            staging[k] = medium
-        if len(staging) > stream.bound:
-            stream.staging = None
-            raise _Refusal(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                "block_bound",
-                f"snapshot of replica {stream.replica!r} exceeds its bound of {stream.bound} blocks",
-            )
-        if not chunk.last:
-            return
-        stream.staging = None
-        assert stream.replica is not None
         try:
-            self.index.replace_replica(stream.replica, staging)
-        except IndexBoundError as exc:
-            raise _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "block_bound", str(exc)) from None
-        if self.observer is not None:
-            self.observer.inventory_snapshot(stream.replica, staging)
-        self.metrics.snapshots_applied.inc()
-        was_degraded = stream.degraded
-        stream.synced = True
-        if stream.degraded != was_degraded:
-            self._report_state(stream)
-        self._ack(stream, stream.expected_seq - 1)
+            await asyncio.wait_for(asyncio.shield(writer), WRITER_DRAIN_S)
+        except TimeoutError:
+            log.warning("inventory stream from %s: the agent stopped reading; closing anyway", stream.peer)
+        except asyncio.CancelledError:
+            writer.cancel()
+            raise
+        except Exception as exc:  # the write failed: the client is gone, nothing more to send
+            log.debug("inventory stream from %s: last write failed: %s", stream.peer, exc)
+        if not writer.done():
+            writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await writer
 
-    # ------------------------------------------------------------------ deltas
-    def _events(self, stream: _Stream, batch: pb.Events) -> None:
-        events = batch.events
-        if stream.staging is not None:
-            self._events_into(stream, stream.staging, events)
-            return
-        if not stream.synced:
-            return
-        replica = stream.replica
-        assert replica is not None
-        index = self.index
-        n_stored = 0
-        for ev in events:
-            if ev.WhichOneof("kind") == "stored":
-                n_stored += len(ev.stored.keys)
-        held = index.precise_count(replica)
-        if held + n_stored > stream.bound or index.entries + n_stored > index.config.max_total_blocks:
-            # near a bound: check the whole batch before applying any of it
-            self._check_batch_bound(stream, events)
-        stored = removed = cleared = 0
-        try:
-            for ev in events:
-                which = ev.WhichOneof("kind")
-                if which == "stored":
-                    s = ev.stored
-                    index.store(replica, s.keys, s.medium or GPU)
-                    stored += len(s.keys)
-                elif which == "removed":
-                    removed += index.remove(replica, ev.removed.keys)
-                elif which == "cleared":
-                    index.clear_replica(replica)
-                    cleared += 1
-                else:
-                    raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "malformed", "Event without a kind")
-        except IndexBoundError as exc:  # only the global bound can get here (see _check_batch_bound)
-            raise _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "block_bound", str(exc)) from None
-        finally:
-            if stored:
-                self.metrics.stored.inc(stored)
-            if removed:
-                self.metrics.removed.inc(removed)
-            if cleared:
-                self.metrics.cleared.inc(cleared)
-        if self.observer is not None:
-            self.observer.inventory_events(replica, events)
-        if batch.engine_ts > 0:
-            self.metrics.lag.observe(max(0.0, self._clock() - batch.engine_ts))
 
-    def _check_batch_bound(self, stream: _Stream, events: Iterable[pb.Event]) -> None:
-        """Replay the batch on a count of the replica's blocks; refuse it if any step exceeds the
-        replica's bound or the index's total (counted conservatively), so nothing is applied."""
-        replica = stream.replica
-        assert replica is not None
-        held = set(self.index.precise_keys(replica))
-        count = len(held)
-        base_total = self.index.entries - count
-        limit_total = self.index.config.max_total_blocks
-        for ev in events:
-            which = ev.WhichOneof("kind")
-            if which == "stored":
-                for k in ev.stored.keys:
-                    if k not in held:
-                        held.add(k)
-                        count += 1
-                if count > stream.bound or base_total + count > limit_total:
-                    raise _Refusal(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        "block_bound",
-                        f"replica {replica!r} would hold {count} blocks, over its bound of {stream.bound}"
-                        if count > stream.bound
-                        else f"index would exceed max_total_blocks={limit_total}",
-                    )
-            elif which == "removed":
-                for k in ev.removed.keys:
-                    if k in held:
-                        held.discard(k)
-                        count -= 1
-            elif which == "cleared":
-                held.clear()
-                count = 0
-            else:
-                raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "malformed", "Event without a kind")
-
-    def _events_into(self, stream: _Stream, staging: dict[int, str], events: Iterable[pb.Event]) -> None:
-        for ev in events:
-            which = ev.WhichOneof("kind")
-            if which == "stored":
-                medium = ev.stored.medium or GPU
-                for k in ev.stored.keys:
-                    staging.setdefault(k, medium)
-            elif which == "removed":
-                for k in ev.removed.keys:
-                    staging.pop(k, None)
-            elif which == "cleared":
-                staging.clear()
-            else:
-                raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "malformed", "Event without a kind")
-        if len(staging) > stream.bound:
-            stream.staging = None
-            raise _Refusal(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                "block_bound",
-                f"replica {stream.replica!r} exceeds its bound of {stream.bound} blocks",
-            )
+def _next_message(stream: StreamState) -> pb.GatewayMessage | None:
+    """The next message the writer owes the agent: a resync first, then the newest ack."""
+    if stream.resync_reason is not None:
+        reason, stream.resync_reason = stream.resync_reason, None
+        return pb.GatewayMessage(resync=pb.Resync(reason=reason))
+    if stream.ack_seq is not None:
+        seq, stream.ack_seq = stream.ack_seq, None
+        return pb.GatewayMessage(ack=pb.Ack(seq=seq))
+    return None

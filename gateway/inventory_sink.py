@@ -12,7 +12,7 @@ from typing import Protocol
 
 @dataclass(frozen=True, slots=True)
 class AgentHello:
-    """An agent's Hello, as received (ARCHITECTURE.md §5)."""
+    """An agent's Hello, as received (docs/architecture.md, the inventory path)."""
 
     replica_id: str
     url: str
@@ -39,8 +39,10 @@ class FleetSink(Protocol):
     def agent_hello(self, hello: AgentHello) -> str | None:
         """Accept the agent of ``hello.replica_id`` (register the replica if allowed).
 
-        Return None to accept, or a message to refuse the stream: an unknown replica when
-        registration is off, a block size the gateway cannot use, ..."""
+        The fleet owns the replica set: an accepted replica is tracked by the prefix index when
+        this returns (the inventory server never adds one itself). Return None to accept, or a
+        message to refuse the stream: an unknown replica when registration is off, a block size
+        the gateway cannot use, the index's max_replicas reached, ..."""
         ...
 
     def agent_load(self, replica_id: str, load: AgentLoad) -> None: ...

@@ -1,6 +1,7 @@
 """The bytes kvgate writes to Redis for shared state (docs/shared-state.md), and the Redis key names.
 
-An inventory *ops* payload is a run of operations, each one byte of kind then its operands:
+An inventory *ops* payload is a run of ``gateway.inventory_ops.Op`` (the ops the inventory server
+applied), each one byte of kind then its operands:
 
 * ``s`` stored: medium length (1 byte), medium (UTF-8), key count (uint32 LE), keys (uint64 LE each)
 * ``r`` removed: key count (uint32 LE), keys (uint64 LE each)
@@ -14,6 +15,8 @@ A load value is ``requests,tokens,prefill,owned,running,waiting,kv_usage`` in AS
 are what the publishing instance routed and has not finished; when ``owned`` is 1 the publisher
 holds the replica's agent stream and the last three are the engine's own figures.
 
+A registration is the replica's ``AgentHello`` as JSON.
+
 Decoders raise ``CodecError`` on any malformed input, never return a partial result.
 """
 
@@ -22,17 +25,36 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
+import orjson
 
-from proto.kvgate.v1 import inventory_pb2 as pb
-from router_policies.prefix_index import GPU
+from gateway.inventory_ops import Op
+from gateway.inventory_sink import AgentHello
+from proto.contract import GPU
+
+__all__ = [
+    "CodecError",
+    "Header",
+    "Keys",
+    "LoadFigures",
+    "Op",
+    "SnapshotBoundError",
+    "decode_header",
+    "decode_hello",
+    "decode_load",
+    "decode_ops",
+    "decode_snapshot",
+    "encode_header",
+    "encode_hello",
+    "encode_load",
+    "encode_ops",
+    "encode_snapshot",
+    "parse_stream_id",
+]
 
 _COUNT = struct.Struct("<I")
 _KEY = np.dtype("<u8")
-
-OpKind = Literal["s", "r", "c"]
 
 
 class CodecError(ValueError):
@@ -41,13 +63,6 @@ class CodecError(ValueError):
 
 class SnapshotBoundError(CodecError):
     """A snapshot holds more keys than the reader's per-replica bound."""
-
-
-@dataclass(frozen=True, slots=True)
-class Op:
-    kind: OpKind
-    keys: Sequence[int] = ()
-    medium: str = GPU
 
 
 def _pack_keys(keys: Sequence[int] | np.ndarray) -> bytes:
@@ -107,20 +122,6 @@ def decode_ops(data: bytes) -> Iterator[Op]:
         yield Op("s" if kind == b"s" else "r", keys, medium)
 
 
-def ops_of_events(events: Iterable[pb.Event]) -> list[Op]:
-    """An agent's event batch (as the inventory server applied it) as ops."""
-    out: list[Op] = []
-    for ev in events:
-        which = ev.WhichOneof("kind")
-        if which == "stored":
-            out.append(Op("s", list(ev.stored.keys), ev.stored.medium or GPU))
-        elif which == "removed":
-            out.append(Op("r", list(ev.removed.keys)))
-        elif which == "cleared":
-            out.append(Op("c"))
-    return out
-
-
 def encode_snapshot(entries: Mapping[int, str]) -> bytes:
     by_medium: dict[str, list[int]] = {}
     for key, medium in entries.items():
@@ -139,6 +140,40 @@ def decode_snapshot(data: bytes, bound: int) -> dict[int, str]:
         for k in op.keys:
             entries[k] = op.medium
     return entries
+
+
+# ---------------------------------------------------------------------- registrations
+def encode_hello(h: AgentHello) -> bytes:
+    """A replica's registration (its agent's Hello) as JSON."""
+    return orjson.dumps(
+        {
+            "replica_id": h.replica_id,
+            "url": h.url,
+            "models": list(h.models),
+            "block_size": h.block_size,
+            "capacity_blocks": h.capacity_blocks,
+            "engine": h.engine,
+            "engine_version": h.engine_version,
+            "agent_version": h.agent_version,
+        }
+    )
+
+
+def decode_hello(raw: bytes) -> AgentHello:
+    try:
+        d = orjson.loads(raw)
+        return AgentHello(
+            replica_id=str(d["replica_id"]),
+            url=str(d["url"]),
+            models=tuple(str(m) for m in d["models"]),
+            block_size=int(d["block_size"]),
+            capacity_blocks=int(d["capacity_blocks"]),
+            engine=str(d["engine"]),
+            engine_version=str(d["engine_version"]),
+            agent_version=str(d["agent_version"]),
+        )
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise CodecError(f"malformed registration: {exc}") from None
 
 
 # ---------------------------------------------------------------------- load

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import grpc
 import grpc.aio
 
+from proto.contract import GPU, PROTOCOL_VERSION, wire_medium
 from proto.kvgate.v1 import inventory_pb2 as pb
 from proto.kvgate.v1 import inventory_pb2_grpc as pbg
 from replica_agent.inventory import AgentInventory
@@ -28,7 +29,6 @@ from replica_agent.outbox import Outbox
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
 AGENT_VERSION = "0.1.0"
 SNAPSHOT_CHUNK = 16_384  # keys per SnapshotChunk (8 bytes each: ~128 KiB)
 
@@ -249,13 +249,13 @@ class GatewayClient:
             for i in range(0, len(keys), SNAPSHOT_CHUNK):
                 chunks.append((medium, keys[i : i + SNAPSHOT_CHUNK]))
         if not chunks:
-            chunks.append(("GPU", []))
+            chunks.append((GPU, []))
         for i, (medium, keys) in enumerate(chunks):
             await send(
                 snapshot=pb.SnapshotChunk(
                     snapshot_id=self._snapshot_id,
                     keys=keys,
-                    medium="" if medium == "GPU" else medium,
+                    medium=wire_medium(medium),
                     last=i == len(chunks) - 1,
                 )
             )

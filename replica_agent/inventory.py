@@ -28,10 +28,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from proto.contract import GPU
 from replica_agent.engine_events import AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent, EngineHash
 from router_policies.block_keys import chain_keys, root_key
-
-GPU = "GPU"
 
 
 class InventorySink(Protocol):

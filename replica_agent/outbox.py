@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import asyncio
 
+from proto.contract import wire_medium
 from proto.kvgate.v1 import inventory_pb2 as pb
-
-GPU = "GPU"
 
 
 class Outbox:
@@ -58,14 +57,14 @@ class Outbox:
     # InventorySink
     def stored(self, keys: list[int], parent: int | None, medium: str) -> None:
         if self.open and not self.need_snapshot:
-            st = pb.Stored(keys=keys, medium="" if medium == GPU else medium)
+            st = pb.Stored(keys=keys, medium=wire_medium(medium))
             if parent is not None:
                 st.parent_key = parent
             self._push(pb.Event(stored=st))
 
     def removed(self, keys: list[int], medium: str) -> None:
         if self.open and not self.need_snapshot:
-            self._push(pb.Event(removed=pb.Removed(keys=keys, medium="" if medium == GPU else medium)))
+            self._push(pb.Event(removed=pb.Removed(keys=keys, medium=wire_medium(medium))))
 
     def cleared(self) -> None:
         if self.open and not self.need_snapshot:

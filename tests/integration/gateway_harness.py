@@ -29,6 +29,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from gateway.app import wire_shared_state
 from gateway.config import GatewayConfig
 from gateway.fleet import Fleet
 from gateway.inventory_server import InventoryServer
@@ -313,5 +314,5 @@ def shared_state_instance(config: GatewayConfig, name: str) -> SharedStateInstan
     fleet = Fleet(config, index)
     registry = CollectorRegistry()
     inventory = InventoryServer(index, fleet, token=None, registry=registry)
-    shared = SharedState(config.shared_state, index, fleet, inventory, registry, instance_id=name)
+    shared = wire_shared_state(config, index, fleet, inventory, registry, instance_id=name)
     return SharedStateInstance(config, index, fleet, registry, inventory, shared)

@@ -4,6 +4,7 @@ unchanged; snapshots replace atomically; one writer per replica."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 
@@ -13,42 +14,20 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gateway.inventory_server import InventoryServer
-from gateway.inventory_sink import AgentHello, AgentLoad
+from gateway.inventory_sink import AgentLoad
 from proto.kvgate.v1 import inventory_pb2 as pb
 from router_policies.prefix_index import IndexConfig, PrefixIndex
+from tests.integration.fleet_recorder import RecordingFleet
 
 TOKEN = "s3cret"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
-
-
-class Fleet:
-    """Knows replicas r0, r1 (and any 'auto-*'), block size 16."""
-
-    def __init__(self) -> None:
-        self.hellos: list[AgentHello] = []
-        self.loads: list[tuple[str, AgentLoad]] = []
-        self.states: list[tuple[str, bool, bool]] = []
-
-    def agent_hello(self, hello: AgentHello) -> str | None:
-        self.hellos.append(hello)
-        if hello.replica_id not in ("r0", "r1") and not hello.replica_id.startswith("auto-"):
-            return f"unknown replica {hello.replica_id!r} (registration is off)"
-        if hello.block_size != 16:
-            return f"block size {hello.block_size} differs from the gateway's 16"
-        return None
-
-    def agent_load(self, replica_id: str, load: AgentLoad) -> None:
-        self.loads.append((replica_id, load))
-
-    def agent_state(self, replica_id: str, *, connected: bool, degraded: bool) -> None:
-        self.states.append((replica_id, connected, degraded))
 
 
 class Rig:
     def __init__(
         self,
         server: InventoryServer,
-        fleet: Fleet,
+        fleet: RecordingFleet,
         index: PrefixIndex,
         registry: CollectorRegistry,
         channel: grpc.aio.Channel,
@@ -74,13 +53,14 @@ class Rig:
         return value or 0.0
 
     def state(self) -> dict[str, list[int]]:
-        return {r: sorted(self.index.precise_keys(r)) for r in self.index.replicas}
+        """Each replica's precise blocks (replicas holding none left out)."""
+        return {r: sorted(keys) for r in self.index.replicas if (keys := self.index.precise_keys(r))}
 
 
 @pytest.fixture
 async def rig() -> AsyncIterator[Rig]:
     index = PrefixIndex(IndexConfig(max_blocks_per_replica=5000))
-    fleet = Fleet()
+    fleet = RecordingFleet(index)
     registry = CollectorRegistry()
     server = InventoryServer(
         index, fleet, token=TOKEN, registry=registry, block_bound_factor=4.0, ack_every=1
@@ -101,6 +81,7 @@ def hello(replica: str = "r0", block_size: int = 16, capacity: int = 100) -> pb.
             replica_id=replica,
             block_size=block_size,
             capacity_blocks=capacity,
+            models=["m"],
             engine="vllm",
             protocol_version=1,
         ),
@@ -127,6 +108,15 @@ async def send(call: grpc.aio.StreamStreamCall, msg: pb.AgentMessage | bytes) ->
     """Write to a stream the server may already have closed (its status is what a test checks)."""
     with contextlib.suppress(Exception):
         await call.write(msg)
+
+
+async def status_after_reading(call: grpc.aio.StreamStreamCall) -> grpc.StatusCode:
+    """The stream's status, read as an agent does: every message first (gRPC hands a client its
+    status only once the messages before it are read)."""
+    with contextlib.suppress(grpc.aio.AioRpcError):
+        while await call.read() is not grpc.aio.EOF:
+            pass
+    return await call.code()
 
 
 async def read_until_ack(call: grpc.aio.StreamStreamCall, seq: int) -> None:
@@ -232,7 +222,7 @@ async def test_deltas_near_the_bound_that_fit_are_applied(rig: Rig) -> None:
 
 
 @pytest.mark.parametrize(
-    ("replica", "block_size", "needle"), [("stranger", 16, "unknown replica"), ("r1", 32, "block size 32")]
+    ("replica", "block_size", "needle"), [("stranger", 16, "not in the config"), ("r1", 32, "block size 32")]
 )
 async def test_hello_refused_by_the_fleet(rig: Rig, replica: str, block_size: int, needle: str) -> None:
     await (await establish(rig)).done_writing()
@@ -285,7 +275,8 @@ async def test_deltas_during_a_chunked_snapshot_apply_to_it(rig: Rig) -> None:
     call = await establish(rig)
     await call.write(snap(3, [10, 11], sid=2, last=False))
     await call.write(events(4, removed(10), stored(12)))
-    assert rig.state() == {"r0": [1, 2, 3]} or True  # nothing applied until the last chunk
+    await read_until_ack(call, 4)  # both messages handled
+    assert rig.state() == {"r0": [1, 2, 3]}  # nothing applied until the last chunk
     await call.write(snap(5, [13], sid=2, last=True))
     await read_until_ack(call, 5)
     assert rig.state() == {"r0": [11, 12, 13]}
@@ -301,3 +292,59 @@ async def test_agent_state_reports_degraded_and_gaps(rig: Rig) -> None:
     assert rig.fleet.states[-1] == ("r0", True, True)
     assert rig.registry.get_sample_value("kvgate_inventory_gaps_total", {"kind": "engine_recovered"}) == 2
     assert rig.registry.get_sample_value("kvgate_inventory_gaps_total", {"kind": "engine_unrecovered"}) == 1
+
+
+REFUSAL_RUNS = 25
+STATUS_WITHIN_S = 10.0  # a delivered status takes milliseconds; a lost one never comes
+
+
+@pytest.mark.parametrize(
+    ("after_hello", "code"),
+    [
+        (hello(), grpc.StatusCode.INVALID_ARGUMENT),  # a second hello
+        (b"\xff\xff\xff\xff", grpc.StatusCode.INVALID_ARGUMENT),  # garbage
+        (b"", grpc.StatusCode.INVALID_ARGUMENT),  # an empty message
+        (snap(2, range(1000, 1500)), grpc.StatusCode.RESOURCE_EXHAUSTED),  # over the bound of 400
+    ],
+    ids=["second-hello", "garbage", "empty", "over-bound"],
+)
+async def test_a_refusal_right_after_the_hello_is_always_delivered(
+    rig: Rig, after_hello: pb.AgentMessage | bytes, code: grpc.StatusCode
+) -> None:
+    """The refusal lands while the gateway writes the hello's ack: its status must still arrive,
+    every time (it used to be lost in some runs: the abort collided with the write in flight)."""
+    for run in range(REFUSAL_RUNS):
+        call = rig.call()
+        await send(call, hello())
+        await send(call, after_hello)
+        got = await asyncio.wait_for(status_after_reading(call), STATUS_WITHIN_S)
+        assert got == code, f"run {run}: {got} {await call.details()!r}"
+    assert rig.state() == {}
+    assert rig.server.connected_replicas() == []
+
+
+async def test_a_refusal_among_acks_in_flight_is_always_delivered(rig: Rig) -> None:
+    """Garbage after a burst of messages, each acknowledged: the writer is busy writing acks when
+    the refusal comes, and its status must still arrive every time."""
+    for run in range(REFUSAL_RUNS):
+        call = rig.call()
+        await send(call, hello())
+        await send(call, snap(2, [1, 2, 3]))
+        for seq in range(3, 13):
+            await send(call, events(seq, stored(100 + seq)))
+        await send(call, b"\xff\xff")
+        got = await asyncio.wait_for(status_after_reading(call), STATUS_WITHIN_S)
+        assert got == grpc.StatusCode.INVALID_ARGUMENT, f"run {run}: {got} {await call.details()!r}"
+    assert rig.refused("malformed") == REFUSAL_RUNS
+
+
+async def test_a_batch_with_a_malformed_event_is_refused_whole(rig: Rig) -> None:
+    call = await establish(rig)
+    before = rig.state()
+    await send(call, events(3, stored(7, 8), pb.Event(), removed(1)))  # the second has no kind
+    assert (
+        await asyncio.wait_for(status_after_reading(call), STATUS_WITHIN_S)
+        == grpc.StatusCode.INVALID_ARGUMENT
+    )
+    assert "without a kind" in (await call.details() or "")
+    assert rig.state() == before  # not even the stored event before it

@@ -15,29 +15,15 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gateway.inventory_server import InventoryServer
-from gateway.inventory_sink import AgentHello, AgentLoad
 from replica_agent.engine_events import BlockRemoved, BlockStored
 from replica_agent.gateway_client import GatewayClient, HelloInfo
 from replica_agent.inventory import AgentInventory
 from replica_agent.outbox import Outbox
 from router_policies.prefix_index import PrefixIndex
+from tests.integration.fleet_recorder import RecordingFleet
 from tests.integration.gateway_harness import low_free_port
 
 TOKEN = "t0ken"
-
-
-class Fleet:
-    def __init__(self) -> None:
-        self.states: list[tuple[str, bool, bool]] = []
-
-    def agent_hello(self, hello: AgentHello) -> str | None:
-        return None
-
-    def agent_load(self, replica_id: str, load: AgentLoad) -> None:
-        pass
-
-    def agent_state(self, replica_id: str, *, connected: bool, degraded: bool) -> None:
-        self.states.append((replica_id, connected, degraded))
 
 
 async def until(cond: Callable[[], bool]) -> None:
@@ -84,7 +70,8 @@ class Agent:
 
 
 async def serve(index: PrefixIndex, port: int, **tls: str) -> InventoryServer:
-    server = InventoryServer(index, Fleet(), token=TOKEN, registry=CollectorRegistry(), **tls)  # type: ignore[arg-type]
+    fleet = RecordingFleet(index, ("r0",), block_size=2)
+    server = InventoryServer(index, fleet, token=TOKEN, registry=CollectorRegistry(), **tls)  # type: ignore[arg-type]
     assert await server.start(f"127.0.0.1:{port}" if not tls else f"localhost:{port}") == port
     return server
 
@@ -139,7 +126,7 @@ async def test_wrong_token_never_touches_the_index(stopped: list[InventoryServer
     try:
         await until(lambda: agent.client.stats.failures >= 2)
         assert "UNAUTHENTICATED" in agent.client.stats.last_error
-        assert index.replicas == []
+        assert index.entries == 0 and index.precise_keys("r0") == []
     finally:
         await agent.stop()
 

@@ -1,4 +1,4 @@
-"""Shared state between gateway instances (gateway/shared_state.py) against a real redis-server.
+"""Shared state between gateway instances (gateway/shared_state*.py) against a real redis-server.
 
 Two ``SharedState`` objects in one event loop, each with its own index, fleet and (unstarted)
 inventory server, stand for two gateway instances: instance A is told of its agents' mutations
@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 
 from gateway.config import parse_config
 from gateway.fleet import Fleet
+from gateway.inventory_ops import ops_of_events
 from gateway.inventory_sink import AgentHello
 from gateway.shared_state_codec import (
     CodecError,
@@ -178,11 +179,13 @@ async def test_follower_converges_on_snapshot_and_deltas_and_registers_the_repli
 ) -> None:
     a, b = make_instance(redis_server.url, "a"), make_instance(redis_server.url, "b")
     await start(started, a, b)
-    a.shared.inventory_hello(HELLO)
-    a.shared.inventory_snapshot("r9", {1: "GPU", 2: "GPU", 3: "CPU"})
-    a.shared.inventory_events("r9", [stored([4, 5]), removed([1])])
-    a.shared.inventory_events("r9", [pb.Event(cleared=pb.Cleared()), stored([10, 11, 12], "CPU")])
-    a.shared.inventory_events("r9", [stored([13])])
+    a.shared.publisher.inventory_hello(HELLO)
+    a.shared.publisher.inventory_snapshot("r9", {1: "GPU", 2: "GPU", 3: "CPU"})
+    a.shared.publisher.inventory_ops("r9", ops_of_events([stored([4, 5]), removed([1])]))
+    a.shared.publisher.inventory_ops(
+        "r9", ops_of_events([pb.Event(cleared=pb.Cleared()), stored([10, 11, 12], "CPU")])
+    )
+    a.shared.publisher.inventory_ops("r9", ops_of_events([stored([13])]))
     await until(lambda: sorted(b.index.precise_keys("r9")) == [10, 11, 12, 13], "B follows r9")
     rec = b.fleet.get("r9")
     assert rec is not None and rec.url == "http://127.0.0.1:19" and not rec.static
@@ -204,19 +207,19 @@ async def test_publish_queue_drops_oldest_and_a_snapshot_heals_the_gap(
     a = make_instance(redis_server.url, "a", publish_queue=8)
     b = make_instance(redis_server.url, "b")
     await start(started, a, b)
-    a.shared.inventory_hello(HELLO_R0)  # the inventory server always says hello first
-    a.shared.inventory_snapshot("r0", {1: "GPU"})
+    a.shared.publisher.inventory_hello(HELLO_R0)  # the inventory server always says hello first
+    a.shared.publisher.inventory_snapshot("r0", {1: "GPU"})
     await until(lambda: b.index.precise_keys("r0") == [1], "B follows r0")
     # 50 batches without yielding to the loop: the publisher cannot run, the queue holds 8
     for k in range(100, 150):
-        a.shared.inventory_events("r0", [stored([k])])
+        a.shared.publisher.inventory_ops("r0", ops_of_events([stored([k])]))
     assert a.sample("kvgate_shared_state_publish_queue") == 8
     assert a.sample("kvgate_shared_state_dropped_total", {"reason": "queue_full"}) == 42
     # B sees the gap in the entries' counter and stops applying deltas on a broken base
     await until(lambda: not b.shared.status()["following"], "B notices the gap")
     assert 149 not in b.index.precise_keys("r0")
-    a.shared.inventory_snapshot("r0", {k: "GPU" for k in range(100, 150)})
-    a.shared.inventory_events("r0", [stored([150])])
+    a.shared.publisher.inventory_snapshot("r0", {k: "GPU" for k in range(100, 150)})
+    a.shared.publisher.inventory_ops("r0", ops_of_events([stored([150])]))
     await until(lambda: sorted(b.index.precise_keys("r0")) == list(range(100, 151)), "B healed")
 
 
@@ -225,10 +228,10 @@ async def test_stream_length_is_bounded(
 ) -> None:
     a = make_instance(redis_server.url, "a", stream_maxlen=16)
     await start(started, a)
-    a.shared.inventory_hello(HELLO_R0)
-    a.shared.inventory_snapshot("r0", {})
+    a.shared.publisher.inventory_hello(HELLO_R0)
+    a.shared.publisher.inventory_snapshot("r0", {})
     for k in range(200):
-        a.shared.inventory_events("r0", [stored([k])])
+        a.shared.publisher.inventory_ops("r0", ops_of_events([stored([k])]))
         await asyncio.sleep(0)
     await until(lambda: a.sample("kvgate_shared_state_published_total", {"kind": "delta"}) == 200, "sent")
     client = aioredis.Redis.from_url(redis_server.url)
@@ -245,12 +248,14 @@ async def test_follower_refuses_a_snapshot_over_its_bound(
     a = make_instance(redis_server.url, "a")
     b = make_instance(redis_server.url, "b", index={"max_blocks_per_replica": 5})
     await start(started, a, b)
-    a.shared.inventory_hello(HELLO_R0)  # the inventory server always says hello first
-    a.shared.inventory_snapshot("r0", {k: "GPU" for k in range(10)})
+    a.shared.publisher.inventory_hello(HELLO_R0)  # the inventory server always says hello first
+    a.shared.publisher.inventory_snapshot("r0", {k: "GPU" for k in range(10)})
     await until(lambda: b.sample("kvgate_shared_state_errors_total", {"kind": "index_bound"}) >= 1, "refusal")
     assert b.index.precise_keys("r0") == []
-    a.shared.inventory_events("r0", [stored([99])])  # no delta applies on a refused base
-    a.shared.inventory_snapshot("r0", {1: "GPU", 2: "GPU"})
+    a.shared.publisher.inventory_ops(
+        "r0", ops_of_events([stored([99])])
+    )  # no delta applies on a refused base
+    a.shared.publisher.inventory_snapshot("r0", {1: "GPU", 2: "GPU"})
     await until(lambda: sorted(b.index.precise_keys("r0")) == [1, 2], "a snapshot within the bound")
 
 
@@ -289,7 +294,7 @@ async def test_redis_down_at_start_then_up(tmp_path: Path, started: list[SharedS
     await asyncio.sleep(0.3)
     assert not a.shared.up and a.sample("kvgate_shared_state_up") == 0.0
     assert a.sample("kvgate_shared_state_errors_total", {"kind": "connection"}) >= 1
-    a.shared.inventory_events("r0", [stored([1])])  # never blocks, never raises
+    a.shared.publisher.inventory_ops("r0", ops_of_events([stored([1])]))  # never blocks, never raises
     assert a.sample("kvgate_shared_state_dropped_total", {"reason": "down"}) == 1
     try:
         server.start()
