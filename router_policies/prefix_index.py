@@ -34,6 +34,7 @@ the index on virtual time.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -68,6 +69,12 @@ class IndexConfig(BaseModel):
 
 class IndexBoundError(Exception):
     """A mutation would exceed a configured bound; the index is unchanged."""
+
+
+class UnknownReplicaError(IndexBoundError):
+    """A mutation names a replica the index does not track (only ``add_replica`` adds one); the
+    index is unchanged. An ``IndexBoundError``, so every caller's "refused, nothing changed"
+    handling covers it."""
 
 
 @dataclass(slots=True)
@@ -129,9 +136,15 @@ class PrefixIndex:
     def _rep(self, replica: str) -> _Replica:
         rep = self._replicas.get(replica)
         if rep is None:
-            self.add_replica(replica)
-            rep = self._replicas[replica]
+            raise UnknownReplicaError(f"the index does not track replica {replica!r}")
         return rep
+
+    def _stamp(self, now: float, lifetime_s: float | None) -> float:
+        """The stamp that makes an entry touched at ``now`` expire after ``lifetime_s`` (at most
+        the TTL: a longer lifetime is the TTL)."""
+        if lifetime_s is None:
+            return now
+        return now - max(0.0, self.config.approximate_ttl_s - lifetime_s)
 
     # ---------------------------------------------------------------- precise
     def store(self, replica: str, keys: Sequence[int], medium: str = GPU) -> int:
@@ -245,8 +258,11 @@ class PrefixIndex:
         return rep.precise_count or len(rep.approx)
 
     # ---------------------------------------------------------------- approximate
-    def touch_approximate(self, replica: str, keys: Sequence[int], now: float) -> None:
-        """Record that a request with the leading blocks ``keys`` was routed to ``replica``.
+    def touch_approximate(
+        self, replica: str, keys: Sequence[int], now: float, lifetime_s: float | None = None
+    ) -> None:
+        """Record that a request with the leading blocks ``keys`` was routed to ``replica``; the
+        entries expire ``lifetime_s`` after ``now`` (default and at most: ``approximate_ttl_s``).
 
         Blocks the replica holds precisely are not duplicated. Evicts leaf-first LRU entries
         beyond ``approximate_blocks_per_replica`` and expires entries past their TTL."""
@@ -255,6 +271,9 @@ class PrefixIndex:
         self.expire(now, replica)
         if cap == 0:
             return
+        now = self._stamp(now, lifetime_s)
+        if rep.approx:
+            self._lower_later_stamps(rep.approx, now)
         if len(keys) > cap:
             # a prompt longer than the whole budget keeps its leading blocks: those are the ones
             # another request can share
@@ -301,6 +320,15 @@ class PrefixIndex:
         if overflow:
             self._drop_approximate(rep, [approx.popitem(last=False)[0] for _ in range(overflow)])
 
+    @staticmethod
+    def _lower_later_stamps(approx: OrderedDict[int, float], stamp: float) -> None:
+        """Keep stamps monotone along the order before entries stamped ``stamp`` are appended:
+        the newest entries stamped later are lowered to ``stamp`` (a suffix, as stamps are
+        monotone; values change in place, the order does not)."""
+        later = list(itertools.takewhile(lambda kv: kv[1] > stamp, reversed(approx.items())))
+        for k, _ in later:
+            approx[k] = stamp
+
     def _drop_approximate(self, rep: _Replica, keys: list[int]) -> None:
         """Clear the bits of approximate entries already popped from ``rep.approx``."""
         if keys:
@@ -332,21 +360,28 @@ class PrefixIndex:
         rep.approx.clear()
         self._drop_approximate(rep, gone)
 
-    def holds_since(self, replica: str, key: int, since: float) -> bool:
+    def holds_since(self, replica: str, key: int, since: float, lifetime_s: float | None = None) -> bool:
         """Whether ``replica`` holds ``key`` precisely, or as an approximate entry touched at or
-        after ``since``."""
+        after ``since`` (by a touch with the same ``lifetime_s``)."""
         rep = self._replicas.get(replica)
         if rep is None:
             return False
         stamp = rep.approx.get(key)
         if stamp is not None:
-            return stamp >= since
+            return stamp >= self._stamp(since, lifetime_s)
         return bool(self._table.has(as_keys([key]), rep.slot)[0])
 
     def approximate_keys(self, replica: str) -> list[int]:
         """Approximate keys of ``replica``, eviction order first."""
         rep = self._replicas.get(replica)
         return list(rep.approx) if rep else []
+
+    def approximate_expiry(self, replica: str) -> list[tuple[int, float]]:
+        """``(key, time it expires)`` of each approximate entry of ``replica``, eviction order
+        first (times non-decreasing)."""
+        rep = self._replicas.get(replica)
+        ttl = self.config.approximate_ttl_s
+        return [(k, t + ttl) for k, t in rep.approx.items()] if rep else []
 
     # ---------------------------------------------------------------- queries
     def match(self, keys: Sequence[int]) -> MatchResult:
