@@ -188,22 +188,25 @@ def speculative_touch(
 
 
 class ExpirySweep:
-    """Drops expired speculative entries at most once per ``interval_s``. Sweeping at ``t`` drops
-    everything a sweep at any earlier time would have (stamps are monotone along each replica's
-    order), so a sweep run late at the latest due tick leaves the index as the ticks would."""
+    """Drops expired speculative entries once per ``interval_s``, on ticks ``start + k *
+    interval_s`` (``start``: the first time it is advanced to). Sweeping at ``t`` drops everything
+    a sweep at any earlier time would have (stamps are monotone along each replica's order), so
+    running only the latest due tick leaves the index as every tick would."""
 
     __slots__ = ("_index", "_interval", "_next")
 
-    def __init__(self, index: PrefixIndex, start: float, interval_s: float = EXPIRE_INTERVAL_S) -> None:
+    def __init__(self, index: PrefixIndex, interval_s: float = EXPIRE_INTERVAL_S) -> None:
         self._index = index
         self._interval = interval_s
-        self._next = start + interval_s
+        self._next: float | None = None
 
     def advance(self, now: float) -> None:
         """Run the sweep of the latest tick at or before ``now``, if one is due."""
+        if self._next is None:
+            self._next = now + self._interval
+            return
         if now < self._next:
             return
-        ticks = int((now - self._next) // self._interval)
-        tick = self._next + ticks * self._interval
+        tick = self._next + ((now - self._next) // self._interval) * self._interval
         self._index.expire(tick)
         self._next = tick + self._interval

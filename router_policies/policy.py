@@ -64,6 +64,8 @@ class Policy(Protocol):
 
     def choose(self, request: RequestFeatures, fleet: FleetSnapshot) -> Decision: ...
 
+    def commit(self, decision: Decision) -> None: ...
+
 
 def require_healthy(fleet: FleetSnapshot) -> list[ReplicaState]:
     healthy = fleet.healthy()

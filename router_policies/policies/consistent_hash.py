@@ -51,6 +51,9 @@ class ConsistentHash:
         self._owners = [o for _, o in pts]
         self._ring_ids = ids
 
+    def commit(self, decision: Decision) -> None:  # placeholder until W1/W6 split choose/commit
+        pass
+
     def choose(self, request: RequestFeatures, fleet: FleetSnapshot) -> Decision:
         healthy = require_healthy(fleet)
         keys = request.block_keys

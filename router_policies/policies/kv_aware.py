@@ -94,6 +94,9 @@ class KvAware:
         self.params = params
         self._cursor = seed
 
+    def commit(self, decision: Decision) -> None:  # placeholder until W1/W6 split choose/commit
+        pass
+
     def choose(self, request: RequestFeatures, fleet: FleetSnapshot) -> Decision:
         healthy = require_healthy(fleet)
         p = self.params

@@ -19,6 +19,9 @@ class LeastLoaded:
     def __init__(self, params: LeastLoadedParams, seed: int = 0) -> None:
         self._cursor = seed
 
+    def commit(self, decision: Decision) -> None:  # placeholder until W1/W6 split choose/commit
+        pass
+
     def choose(self, request: RequestFeatures, fleet: FleetSnapshot) -> Decision:
         healthy = require_healthy(fleet)
         n = len(healthy)

@@ -17,6 +17,9 @@ class RoundRobin:
     def __init__(self, params: RoundRobinParams, seed: int = 0) -> None:
         self._cursor = seed
 
+    def commit(self, decision: Decision) -> None:  # placeholder until W1/W6 split choose/commit
+        pass
+
     def choose(self, request: RequestFeatures, fleet: FleetSnapshot) -> Decision:
         healthy = require_healthy(fleet)
         r = healthy[self._cursor % len(healthy)]
