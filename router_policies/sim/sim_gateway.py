@@ -69,6 +69,19 @@ class SimGateway:
         """Virtual time reached ``now``: run the housekeeping sweep due by then."""
         self._sweep.advance(now)
 
+    # the engine's events, as its agent reports them
+    def stored(self, replica: str, keys: Sequence[int], now: float) -> None:
+        self.advance(now)
+        self.index.store(replica, keys)
+
+    def removed(self, replica: str, keys: Sequence[int], now: float) -> None:
+        self.advance(now)
+        self.index.remove(replica, keys)
+
+    def cleared(self, replica: str, now: float) -> None:
+        self.advance(now)
+        self.index.clear_replica(replica)
+
     def _candidates(self) -> list[Candidate]:
         out = []
         for i, name in enumerate(self.names):

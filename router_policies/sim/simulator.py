@@ -181,14 +181,13 @@ def simulate(
     def apply(ri: int, res: StepResult) -> None:
         nonlocal preemptions
         name = names[ri]
-        gw.advance(res.end)
         for ev in res.events:
             if isinstance(ev, BlockStored):
-                index.store(name, [key_of[b] for b in ev.block_ids])
+                gw.stored(name, [key_of[b] for b in ev.block_ids], res.end)
             elif isinstance(ev, BlockRemoved):
-                index.remove(name, [key_of[b] for b in ev.block_ids])
+                gw.removed(name, [key_of[b] for b in ev.block_ids], res.end)
             elif isinstance(ev, AllBlocksCleared):
-                index.clear_replica(name)
+                gw.cleared(name, res.end)
         for ft in res.first_tokens:
             rid = ft.request_id
             assert isinstance(rid, int)
