@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from gateway.config import GatewayConfig, ReplicaConfig
 from gateway.inventory_sink import AgentHello, AgentLoad
-from gateway.replica_identity import AgentLink, ReplicaIdentity
+from gateway.replica_identity import ReplicaIdentity
 from gateway.replica_load import NO_REMOTE_LOAD, EngineLoad, RemoteLoad
 from gateway.replica_record import ReplicaRecord
 from router_policies import placement

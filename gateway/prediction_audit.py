@@ -13,8 +13,8 @@ from typing import Any
 
 import orjson
 
-from gateway.replica_record import ReplicaRecord
 from gateway.metrics import GatewayMetrics
+from gateway.replica_record import ReplicaRecord
 
 SSE_TAIL_BYTES = 64 * 1024  # the usage event is the last or second-to-last event of a stream
 

@@ -16,7 +16,15 @@ from gateway.config import HealthConfig
 
 
 class ReplicaHealth:
-    __slots__ = ("checked", "fail_streak", "failures", "healthy", "last_error", "ok_streak", "unhealthy_since")
+    __slots__ = (
+        "checked",
+        "fail_streak",
+        "failures",
+        "healthy",
+        "last_error",
+        "ok_streak",
+        "unhealthy_since",
+    )
 
     def __init__(self) -> None:
         self.healthy = False

@@ -152,7 +152,9 @@ def simulate(
     names = [f"r{i}" for i in range(replicas)]
     models = [ReplicaModel(engine) for _ in names]
     index = PrefixIndex(index_config or IndexConfig())
-    gw = SimGateway(names, build_policy(policy, policy_params, seed=seed), index, lambda ri: models[ri].load())
+    gw = SimGateway(
+        names, build_policy(policy, policy_params, seed=seed), index, lambda ri: models[ri].load()
+    )
     bs = prep.block_size
     key_of = prep.key_of
     n = len(prep.prompt)

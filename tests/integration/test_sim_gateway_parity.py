@@ -87,7 +87,10 @@ class _GatewaySide:
         self.fleet = Fleet(cfg, self.index, clock=lambda: self.now)
         for r in REPLICAS:  # checked healthy, each with its agent connected
             self.fleet.check_result(r, True)
-            assert self.fleet.agent_hello(AgentHello(r, f"http://{r}:8000", ("m",), BS, 100, "vllm", "0", "1")) is None
+            assert (
+                self.fleet.agent_hello(AgentHello(r, f"http://{r}:8000", ("m",), BS, 100, "vllm", "0", "1"))
+                is None
+            )
             self.fleet.agent_state(r, connected=True, degraded=False)
         self.router = Router(self.index, self.fleet)
         self.state = RoutingState(cfg, build_policy(policy, {}, seed=3), Featurizer.from_config(cfg))
@@ -144,7 +147,9 @@ def _first_difference(policy: str, seed: int, touch: TouchRule | None = None) ->
         follow: list[tuple[float, str, tuple[Any, ...]]] = []
         if ev.kind == "arrive":
             rid, keys, prompt, out, session = ev.args
-            feats = RequestFeatures(model="m", block_keys=keys, prompt_tokens=prompt, block_size=BS, session_id=session)
+            feats = RequestFeatures(
+                model="m", block_keys=keys, prompt_tokens=prompt, block_size=BS, session_id=session
+            )
             a, b = gw.route(rid, feats, out), sim.route(rid, feats, out, ev.t)
             if a != b:
                 return f"request {rid} at {ev.t}: gateway {a} != simulator {b}"
@@ -162,11 +167,13 @@ def _first_difference(policy: str, seed: int, touch: TouchRule | None = None) ->
             gw.fleet.agent_load(r, AgentLoad(running, waiting, kv, 0, 0))
             sim.loads[r] = (running, waiting, kv)
         elif ev.kind == "store":
-            gw.index.store(*ev.args)  # as the inventory server applies a BlockStored
-            sim.gw.stored(*ev.args, ev.t)
+            replica, keys = ev.args
+            gw.index.store(replica, keys)  # as the inventory server applies a BlockStored
+            sim.gw.stored(replica, keys, ev.t)
         elif ev.kind == "remove":
-            gw.index.remove(*ev.args)
-            sim.gw.removed(*ev.args, ev.t)
+            replica, keys = ev.args
+            gw.index.remove(replica, keys)
+            sim.gw.removed(replica, keys, ev.t)
         elif ev.kind == "first_byte":
             gw.flights[ev.args[0]].first_byte()
             sim.flights[ev.args[0]].first_byte()
