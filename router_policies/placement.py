@@ -24,8 +24,10 @@ Invariants
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from router_policies.policy import FleetSnapshot, ReplicaState
 from router_policies.prefix_index import PrefixIndex
@@ -96,10 +98,10 @@ class Flight:
 
 
 # ---------------------------------------------------------------------- snapshot
-@dataclass(frozen=True, slots=True)
-class ReplicaLoad:
+class ReplicaLoad(NamedTuple):
     """A replica's load as a policy sees it: routed and unfinished (this router's flights plus
-    what other routers report) and the engine's own figures."""
+    what other routers report) and the engine's own figures. The fields of ``ReplicaState`` that
+    follow ``healthy``, in their order (asserted below)."""
 
     in_flight_requests: int = 0
     in_flight_tokens: int = 0
@@ -109,8 +111,10 @@ class ReplicaLoad:
     kv_usage: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
+assert ReplicaLoad._fields == tuple(f.name for f in dataclasses.fields(ReplicaState))[2:8]
+
+
+class Candidate(NamedTuple):
     id: str
     healthy: bool
     load: ReplicaLoad
@@ -134,14 +138,9 @@ def snapshot(
     return FleetSnapshot(
         tuple(
             ReplicaState(
-                id=c.id,
-                healthy=c.healthy and c.id not in exclude,
-                in_flight_requests=c.load.in_flight_requests,
-                in_flight_tokens=c.load.in_flight_tokens,
-                pending_prefill_tokens=c.load.pending_prefill_tokens,
-                engine_running=c.load.engine_running,
-                engine_waiting=c.load.engine_waiting,
-                kv_usage=c.load.kv_usage,
+                c.id,
+                c.healthy and c.id not in exclude,
+                *c.load,
                 matched_blocks=view.blocks.get(c.id, 0),
                 match_score=view.scores.get(c.id, 0.0),
                 held_blocks=view.index.held_count(c.id),
