@@ -6,18 +6,7 @@ from __future__ import annotations
 import pytest
 
 from router_policies import placement
-from router_policies.placement import (
-    Candidate,
-    ExpirySweep,
-    Flight,
-    FlightCounters,
-    IndexView,
-    ReplicaLoad,
-    TouchRule,
-    predicted_cached_tokens,
-    speculative_touch,
-    uncached_prompt_tokens,
-)
+from router_policies.placement import predicted_cached_tokens, uncached_prompt_tokens
 from router_policies.prefix_index import IndexConfig, PrefixIndex
 
 
@@ -41,8 +30,8 @@ def test_pending_prefill_follows_the_engines_cached_tokens(
 
 
 def test_flights_release_exactly_what_they_added() -> None:
-    c = FlightCounters()
-    f1, f2 = Flight(c, 150, 100), Flight(c, 20, 10)
+    c = placement.FlightCounters()
+    f1, f2 = placement.Flight(c, 150, 100), placement.Flight(c, 20, 10)
     assert (c.requests, c.tokens, c.pending_prefill_tokens, c.started) == (2, 170, 110, 2)
     f1.first_byte()
     f1.first_byte()
@@ -56,10 +45,10 @@ def test_flights_release_exactly_what_they_added() -> None:
 def test_snapshot_carries_load_match_fullness_and_exclusions() -> None:
     ix = _index()
     ix.store("a", [1, 2, 3])
-    load = ReplicaLoad(1, 2, 3, 4, 5, 0.5)
+    load = placement.ReplicaLoad(1, 2, 3, 4, 5, 0.5)
     snap = placement.snapshot(
-        [Candidate("a", True, load), Candidate("b", True, ReplicaLoad())],
-        IndexView({"a": 2}, {"a": 1.5}, ix),
+        [placement.Candidate("a", True, load), placement.Candidate("b", True, placement.ReplicaLoad())],
+        placement.IndexView({"a": 2}, {"a": 1.5}, ix),
         exclude=frozenset({"b"}),
     )
     a, b = snap.replicas
@@ -71,32 +60,34 @@ def test_snapshot_carries_load_match_fullness_and_exclusions() -> None:
 
 def test_lifetime_is_short_with_an_agent_and_the_ttl_without() -> None:
     ix = _index(approximate_ttl_s=100)
-    rule = TouchRule(speculative_ttl_s=5.0)
+    rule = placement.TouchRule(speculative_ttl_s=5.0)
     assert rule.lifetime_s(ix, has_agent=True) == 5.0
     assert rule.lifetime_s(ix, has_agent=False) == 100.0
-    assert TouchRule(speculative_ttl_s=500.0).lifetime_s(ix, has_agent=True) == 100.0
-    speculative_touch(ix, "a", [1, 2], now=50.0, lifetime_s=5.0)
+    assert placement.TouchRule(speculative_ttl_s=500.0).lifetime_s(ix, has_agent=True) == 100.0
+    placement.speculative_touch(ix, "a", [1, 2], now=50.0, lifetime_s=5.0)
     assert ix.approximate_expiry("a") == [(2, 55.0), (1, 55.0)]
 
 
 def test_a_chain_is_refreshed_at_most_once_a_second_and_never_over_precise_entries() -> None:
     ix = _index()
-    assert speculative_touch(ix, "a", [11, 12, 13], now=10.0, lifetime_s=10.0)
-    assert speculative_touch(ix, "a", [11, 14], now=10.0, lifetime_s=10.0)  # a new leaf
+    assert placement.speculative_touch(ix, "a", [11, 12, 13], now=10.0, lifetime_s=10.0)
+    assert placement.speculative_touch(ix, "a", [11, 14], now=10.0, lifetime_s=10.0)  # a new leaf
     assert ix.approximate_keys("a") == [13, 12, 14, 11]
-    assert not speculative_touch(ix, "a", [11, 12, 13], now=10.5, lifetime_s=10.0)
+    assert not placement.speculative_touch(ix, "a", [11, 12, 13], now=10.5, lifetime_s=10.0)
     assert ix.approximate_keys("a") == [13, 12, 14, 11]
-    assert not speculative_touch(ix, "a", [11, 12, 13], now=11.0, lifetime_s=10.0)  # touched 1 s ago
-    assert speculative_touch(ix, "a", [11, 12, 13], now=11.25, lifetime_s=10.0)
+    assert not placement.speculative_touch(
+        ix, "a", [11, 12, 13], now=11.0, lifetime_s=10.0
+    )  # touched 1 s ago
+    assert placement.speculative_touch(ix, "a", [11, 12, 13], now=11.25, lifetime_s=10.0)
     assert ix.approximate_keys("a") == [14, 13, 12, 11]
     ix.store("a", [21, 22])
-    assert not speculative_touch(ix, "a", [21, 22], now=20.0, lifetime_s=10.0)
-    assert not speculative_touch(ix, "a", [], now=20.0, lifetime_s=10.0)
+    assert not placement.speculative_touch(ix, "a", [21, 22], now=20.0, lifetime_s=10.0)
+    assert not placement.speculative_touch(ix, "a", [], now=20.0, lifetime_s=10.0)
 
 
 def test_the_sweep_runs_the_latest_due_tick_as_every_tick_would() -> None:
     ix = _index(approximate_ttl_s=10)
-    sweep = ExpirySweep(ix, interval_s=1.0)
+    sweep = placement.ExpirySweep(ix, interval_s=1.0)
     sweep.advance(0.5)  # starts the tick grid: 1.5, 2.5, ...
     ix.touch_approximate("a", [1], now=0.5)
     ix.touch_approximate("a", [2], now=3.2)
