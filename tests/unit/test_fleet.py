@@ -233,7 +233,8 @@ def test_router_raises_when_nothing_is_healthy() -> None:
 def test_agent_replicas_long_gone_are_forgotten_static_ones_never() -> None:
     cfg = _config(health={"unhealthy_after": 1, "healthy_after": 1, "forget_after_s": 60.0})
     index = PrefixIndex(cfg.index)
-    fleet = Fleet(cfg, index)
+    # a clock on whole seconds: on time.monotonic(), (t + 60) - t is below 60 for some t
+    fleet = Fleet(cfg, index, clock=lambda: 5000.0)
     fleet.check_result("a", True)
     assert fleet.agent_hello(_hello("c")) is None
     fleet.agent_state("c", connected=True, degraded=False)
@@ -252,7 +253,7 @@ def test_agent_replicas_long_gone_are_forgotten_static_ones_never() -> None:
     assert fleet.agent_hello(_hello("d")) is None
     fleet.check_result("d", False, "down")
     fleet.check_result("d", True)
-    assert fleet.forget_stale(time.monotonic() + 3600, 60.0) == []
+    assert fleet.forget_stale(5000.0 + 3600, 60.0) == []
 
 
 def test_the_fleet_alone_changes_the_index_replica_set() -> None:
