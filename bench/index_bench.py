@@ -85,6 +85,7 @@ def run_one(
     )
     # load (and, on a fresh checkout, compile) any lazily built code before the baseline
     warm = cls(cfg)
+    warm.add_replica("w")  # the index tracks only replicas it is given (the gateway's Fleet adds them)
     warm.store("w", [1, 2, 3])
     warm.touch_approximate("w", [1, 2, 4], now=0.0)
     warm.match([1, 2, 4])
@@ -97,6 +98,8 @@ def run_one(
     rss0 = _rss_bytes()
     index = cls(cfg)
     names = [f"r{r}" for r in range(replicas)]
+    for name in names:
+        index.add_replica(name)
     t_pop = 0.0
     stored = 0
     off = 0

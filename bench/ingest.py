@@ -203,6 +203,7 @@ def stage_gateway(messages: list[bytes]) -> Callable[[], None]:
 def stage_index(ops: list[tuple[bool, list[int], str]]) -> Callable[[], None]:
     def run() -> None:
         index = PrefixIndex(IndexConfig(max_blocks_per_replica=10_000_000, max_total_blocks=20_000_000))
+        index.add_replica("r0")  # the index tracks only replicas it is given
         store, remove = index.store, index.remove
         for is_store, keys, medium in ops:
             if is_store:
@@ -216,6 +217,7 @@ def stage_index(ops: list[tuple[bool, list[int], str]]) -> Callable[[], None]:
 def stage_agent_index(payloads: list[bytes], block_size: int) -> Callable[[], None]:
     def run() -> None:
         index = PrefixIndex(IndexConfig(max_blocks_per_replica=10_000_000, max_total_blocks=20_000_000))
+        index.add_replica("r0")
         inv = AgentInventory(MODEL, block_size, max_blocks=10_000_000, sink=IndexSink(index))
         for p in payloads:
             inv.apply(decode_payload(p).events)

@@ -86,6 +86,8 @@ async def _run(url: str, batches: int, nkeys: int, probes: int) -> None:
         ]
         # hook cost, next to the index apply the inventory server already does for the same batch
         scratch = PrefixIndex(config.index)
+        for name in ("warm", "r0"):  # the index tracks only replicas it is given
+            scratch.add_replica(name)
         scratch.store("warm", [1, 2, 3])  # compile the index's kernels before timing
         t0 = time.perf_counter()
         for evs in events:

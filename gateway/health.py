@@ -39,12 +39,11 @@ class HealthChecker:
                 error = "" if ok else f"/health returned {resp.status}"
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             ok, error = False, f"/health failed: {type(exc).__name__}: {exc}"
-        before = self._fleet.get(replica)
-        was = before.healthy if before else None
-        self._fleet.check_result(replica, ok, error)
-        after = self._fleet.get(replica)
-        if after is not None and was is not None and after.healthy != was:
-            if after.healthy:
+        rec = self._fleet.get(replica)
+        was = rec.health.healthy if rec else None
+        self._fleet.check_result(replica, ok, error)  # the fleet is the health machine's caller
+        if rec is not None and self._fleet.get(replica) is rec and rec.health.healthy != was:
+            if rec.health.healthy:
                 log.info("replica %s is healthy", replica)
             else:
                 log.warning("replica %s is unhealthy: %s", replica, error)
@@ -53,7 +52,7 @@ class HealthChecker:
         cfg = self._config()
         recs = self._fleet.records()
         if recs:
-            await asyncio.gather(*(self._check(r.id, r.url, cfg.timeout_s) for r in recs))
+            await asyncio.gather(*(self._check(r.id, r.identity.url, cfg.timeout_s) for r in recs))
 
     async def _loop(self) -> None:
         while True:

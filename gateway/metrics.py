@@ -111,11 +111,12 @@ class _StateCollector(Collector):
             labels=["replica"],
         )
         for rec in self._fleet.records():
-            healthy.add_metric([rec.id], 1.0 if rec.healthy else 0.0)
-            inflight.add_metric([rec.id], rec.in_flight_requests)
-            pending.add_metric([rec.id], rec.pending_prefill_tokens)
-            if rec.audit_total:
-                exact.add_metric([rec.id], rec.audit_exact / rec.audit_total)
+            healthy.add_metric([rec.id], 1.0 if rec.health.healthy else 0.0)
+            inflight.add_metric([rec.id], rec.flights.requests)
+            pending.add_metric([rec.id], rec.flights.pending_prefill_tokens)
+            fraction = rec.audit.exact_fraction
+            if fraction is not None:
+                exact.add_metric([rec.id], fraction)
         yield healthy
         yield inflight
         yield pending

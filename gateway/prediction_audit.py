@@ -13,8 +13,8 @@ from typing import Any
 
 import orjson
 
-from gateway.fleet import ReplicaRecord
 from gateway.metrics import GatewayMetrics
+from gateway.replica_record import ReplicaRecord
 
 SSE_TAIL_BYTES = 64 * 1024  # the usage event is the last or second-to-last event of a stream
 
@@ -78,12 +78,7 @@ def cached_tokens_in_sse_tail(tail: bytes) -> int | None:
 
 
 def record_audit(metrics: GatewayMetrics, record: ReplicaRecord, predicted: int, reported: int) -> None:
-    record.audit_total += 1
-    diff = predicted - reported
-    if diff == 0:
-        record.audit_exact += 1
-        outcome = "exact"
-    else:
-        outcome = "over" if diff > 0 else "under"
+    """Count one audited request in the replica's statistics (their only writer) and metrics."""
+    outcome = record.audit.record(predicted, reported)
     metrics.audit_by(record.id, outcome).inc()
-    metrics.audit_error_by(record.id).observe(diff)
+    metrics.audit_error_by(record.id).observe(predicted - reported)

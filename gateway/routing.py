@@ -17,17 +17,17 @@ each decision is atomic on the event loop.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.config import GatewayConfig
 from gateway.features import Featurizer
 from gateway.fleet import Fleet, ReplicaRecord
+from router_policies.placement import TOUCH_REFRESH_S, predicted_cached_tokens
 from router_policies.policy import Decision, FleetSnapshot, Policy, RequestFeatures
 from router_policies.prefix_index import MatchResult, PrefixIndex
 
-TOUCH_REFRESH_S = 1.0  # a speculative chain's stamps are refreshed at most this often
+__all__ = ["TOUCH_REFRESH_S", "Choice", "Router", "RoutingState", "predicted_cached_tokens"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,17 +55,6 @@ class Speculation:
     held_blocks: int  # leading blocks the replica held before: never undone
     keys: Sequence[int] = ()  # the longest key chain recorded
     undone: bool = False
-
-
-def predicted_cached_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
-    """What the engine will report as cached for ``matched_blocks`` leading blocks.
-
-    vLLM always computes at least the prompt's last token (its cache-hit length is capped at
-    ``prompt_tokens - 1``), so a fully cached prompt whose length is a multiple of the block size
-    reports one block less."""
-    if prompt_tokens <= 0:
-        return 0
-    return min(matched_blocks, (prompt_tokens - 1) // block_size) * block_size
 
 
 class Router:
@@ -137,25 +126,7 @@ class Router:
         return choice
 
     def touch(self, state: RoutingState, replica: str, keys: Sequence[int]) -> None:
-        """Record the speculative entries of a request routed to ``replica`` with ``keys`` (the
-        speculative-touch rule: lifetime with/without agent, refreshed at most once a second)."""
-        if self._fleet.get(replica) is None:
-            return  # left the fleet since (a deferred encode finishing late)
-        now = time.monotonic()
-        idx_cfg = self._index.config
-        if self._fleet.has_agent(replica):
-            # The engine's own events will follow within moments; the entry only bridges that
-            # gap, so it is back-dated to expire after proxy.speculative_ttl_s instead of the
-            # index's approximate_ttl_s (one replica's entries keep a consistent age offset, so
-            # the index's oldest-first expiry order holds).
-            now -= max(0.0, idx_cfg.approximate_ttl_s - state.config.proxy.speculative_ttl_s)
-        cap = idx_cfg.approximate_blocks_per_replica
-        if not keys or not cap:
-            return
-        # A touch stamps a prompt's blocks leaf to root, so a leaf stamped since the last refresh
-        # means the whole chain was; one held precisely means the engine's events arrived. Either
-        # way re-touching would only move the chain's stamps by less than TOUCH_REFRESH_S (a
-        # hot prefix is touched by every request: this was ~10% of the event loop).
-        if self._index.holds_since(replica, keys[min(len(keys), cap) - 1], now - TOUCH_REFRESH_S):
-            return
-        self._index.touch_approximate(replica, keys, now)
+        """Record the speculative entries of a request routed to ``replica`` with ``keys``
+        (the placement rule: ``router_policies.placement.speculative_touch``, through the fleet
+        for whether an agent reports the replica and for the clock)."""
+        self._fleet.touch(replica, keys, state.config.proxy.speculative_ttl_s)

@@ -34,40 +34,19 @@ the index on virtual time.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
 
 from router_policies.block_table import BlockTable, as_keys
+from router_policies.index_types import IndexBoundError, IndexConfig, MatchResult, UnknownReplicaError
+
+__all__ = ["GPU", "IndexBoundError", "IndexConfig", "MatchResult", "PrefixIndex", "UnknownReplicaError"]
 
 GPU = "GPU"
-
-
-class IndexConfig(BaseModel):
-    """Bounds and weights of the prefix index."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    max_blocks_per_replica: int = Field(500_000, gt=0, description="Precise blocks one replica may hold.")
-    max_total_blocks: int = Field(
-        20_000_000, gt=0, description="Precise plus approximate entries over all replicas."
-    )
-    approximate_blocks_per_replica: int = Field(
-        50_000, ge=0, description="Approximate (routing-decision) entries kept per replica."
-    )
-    approximate_ttl_s: float = Field(120.0, gt=0, description="Lifetime of an untouched approximate entry.")
-    medium_weights: dict[str, float] = Field(
-        default_factory=lambda: {"GPU": 1.0, "CPU": 0.75},
-        description="Weight of a matched block by the medium that holds it (unknown media weigh 1.0).",
-    )
-    max_replicas: int = Field(1024, gt=0, description="Replicas the index tracks at once.")
-
-
-class IndexBoundError(Exception):
-    """A mutation would exceed a configured bound; the index is unchanged."""
 
 
 @dataclass(slots=True)
@@ -78,14 +57,6 @@ class _Replica:
     non_gpu: dict[int, str] = field(default_factory=dict)
     # key -> last touch time, oldest first, each block before its parent
     approx: OrderedDict[int, float] = field(default_factory=OrderedDict)
-
-
-@dataclass(frozen=True, slots=True)
-class MatchResult:
-    """Per replica, the number of leading request blocks it holds and their medium-weighted sum."""
-
-    blocks: Mapping[str, int]
-    scores: Mapping[str, float]
 
 
 class PrefixIndex:
@@ -129,9 +100,15 @@ class PrefixIndex:
     def _rep(self, replica: str) -> _Replica:
         rep = self._replicas.get(replica)
         if rep is None:
-            self.add_replica(replica)
-            rep = self._replicas[replica]
+            raise UnknownReplicaError(f"the index does not track replica {replica!r}")
         return rep
+
+    def _stamp(self, now: float, lifetime_s: float | None) -> float:
+        """The stamp that makes an entry touched at ``now`` expire after ``lifetime_s`` (at most
+        the TTL: a longer lifetime is the TTL)."""
+        if lifetime_s is None:
+            return now
+        return now - max(0.0, self.config.approximate_ttl_s - lifetime_s)
 
     # ---------------------------------------------------------------- precise
     def store(self, replica: str, keys: Sequence[int], medium: str = GPU) -> int:
@@ -245,8 +222,11 @@ class PrefixIndex:
         return rep.precise_count or len(rep.approx)
 
     # ---------------------------------------------------------------- approximate
-    def touch_approximate(self, replica: str, keys: Sequence[int], now: float) -> None:
-        """Record that a request with the leading blocks ``keys`` was routed to ``replica``.
+    def touch_approximate(
+        self, replica: str, keys: Sequence[int], now: float, lifetime_s: float | None = None
+    ) -> None:
+        """Record that a request with the leading blocks ``keys`` was routed to ``replica``; the
+        entries expire ``lifetime_s`` after ``now`` (default and at most: ``approximate_ttl_s``).
 
         Blocks the replica holds precisely are not duplicated. Evicts leaf-first LRU entries
         beyond ``approximate_blocks_per_replica`` and expires entries past their TTL."""
@@ -255,6 +235,9 @@ class PrefixIndex:
         self.expire(now, replica)
         if cap == 0:
             return
+        now = self._stamp(now, lifetime_s)
+        if rep.approx:
+            self._lower_later_stamps(rep.approx, now)
         if len(keys) > cap:
             # a prompt longer than the whole budget keeps its leading blocks: those are the ones
             # another request can share
@@ -301,6 +284,15 @@ class PrefixIndex:
         if overflow:
             self._drop_approximate(rep, [approx.popitem(last=False)[0] for _ in range(overflow)])
 
+    @staticmethod
+    def _lower_later_stamps(approx: OrderedDict[int, float], stamp: float) -> None:
+        """Keep stamps monotone along the order before entries stamped ``stamp`` are appended:
+        the newest entries stamped later are lowered to ``stamp`` (a suffix, as stamps are
+        monotone; values change in place, the order does not)."""
+        later = list(itertools.takewhile(lambda kv: kv[1] > stamp, reversed(approx.items())))
+        for k, _ in later:
+            approx[k] = stamp
+
     def _drop_approximate(self, rep: _Replica, keys: list[int]) -> None:
         """Clear the bits of approximate entries already popped from ``rep.approx``."""
         if keys:
@@ -342,21 +334,28 @@ class PrefixIndex:
         self._drop_approximate(rep, gone)
         return len(gone)
 
-    def holds_since(self, replica: str, key: int, since: float) -> bool:
+    def holds_since(self, replica: str, key: int, since: float, lifetime_s: float | None = None) -> bool:
         """Whether ``replica`` holds ``key`` precisely, or as an approximate entry touched at or
-        after ``since``."""
+        after ``since`` (by a touch with the same ``lifetime_s``)."""
         rep = self._replicas.get(replica)
         if rep is None:
             return False
         stamp = rep.approx.get(key)
         if stamp is not None:
-            return stamp >= since
+            return stamp >= self._stamp(since, lifetime_s)
         return bool(self._table.has(as_keys([key]), rep.slot)[0])
 
     def approximate_keys(self, replica: str) -> list[int]:
         """Approximate keys of ``replica``, eviction order first."""
         rep = self._replicas.get(replica)
         return list(rep.approx) if rep else []
+
+    def approximate_expiry(self, replica: str) -> list[tuple[int, float]]:
+        """``(key, time it expires)`` of each approximate entry of ``replica``, eviction order
+        first (times non-decreasing)."""
+        rep = self._replicas.get(replica)
+        ttl = self.config.approximate_ttl_s
+        return [(k, t + ttl) for k, t in rep.approx.items()] if rep else []
 
     # ---------------------------------------------------------------- queries
     def match(self, keys: Sequence[int]) -> MatchResult:

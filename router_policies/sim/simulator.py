@@ -5,13 +5,16 @@ Per arrival, exactly what the gateway does, with the very same objects:
      ``router_policies.block_keys.chain_keys`` from the root of the model namespace, treating
      each block id as the block's whole content (one "token" per block: ``chain_keys(root, ids,
      1)``). Trace ids are prefix identities, so equal keys <=> equal ids.
-  2. ``PrefixIndex.match(keys)``, then a ``FleetSnapshot`` of ``ReplicaState``s: the gateway's
-     own in-flight requests and tokens and pending prefill tokens (the prompt minus its matched
-     blocks at routing time, until the first token), the engine's running / waiting / kv usage
-     (the replica model's metrics, reported without lag), and the matched blocks.
-  3. ``policy.choose`` (a policy from ``router_policies.registry.build_policy``), then
-     ``index.touch_approximate(replica, keys, now)`` as the gateway does, then the request is
-     submitted to that replica model.
+  2. The gateway's decision path, run by ``SimGateway`` (``sim_gateway.py``) with the gateway's
+     own placement code (``router_policies.placement``): ``PrefixIndex.match(keys)``, a
+     ``FleetSnapshot`` (the gateway's own flights: in-flight requests and tokens and pending
+     prefill, the prompt minus its predicted cached tokens until the first token; the engine's
+     running / waiting / kv usage, the replica model's metrics reported without lag; the
+     matches), ``policy.choose`` and ``policy.commit`` (a policy from
+     ``router_policies.registry.build_policy``), the speculative index entry with the lifetime
+     the gateway gives a replica with an agent (``proxy.speculative_ttl_s``, 10 s) and the
+     sweep of expired entries each virtual second.
+  3. The request is submitted to the chosen replica model.
 The index learns precisely from each replica model's BlockStored / BlockRemoved /
 AllBlocksCleared events, applied when the step that produced them ends (what the agent reports).
 
@@ -35,7 +38,8 @@ from typing import Any, cast
 import numpy as np
 
 from router_policies.block_keys import chain_keys, root_key
-from router_policies.policy import FleetSnapshot, ReplicaState, RequestFeatures
+from router_policies.placement import Flight
+from router_policies.policy import RequestFeatures
 from router_policies.prefix_index import IndexConfig, PrefixIndex
 from router_policies.registry import build_policy
 from router_policies.sim.replica_model import (
@@ -47,6 +51,7 @@ from router_policies.sim.replica_model import (
     ReplicaModel,
     StepResult,
 )
+from router_policies.sim.sim_gateway import SimGateway
 from router_policies.sim.traces import Trace
 
 SIM_MODEL = "sim-model"
@@ -130,17 +135,6 @@ class RunResult:
 ProgressFn = Callable[[int, int], None]
 
 
-class _Gateway:
-    """What the gateway knows per replica (its own counters)."""
-
-    __slots__ = ("in_flight", "in_flight_tokens", "pending_prefill")
-
-    def __init__(self) -> None:
-        self.in_flight = 0
-        self.in_flight_tokens = 0
-        self.pending_prefill = 0
-
-
 def simulate(
     prep: PreparedTrace,
     *,
@@ -156,20 +150,18 @@ def simulate(
 ) -> RunResult:
     """One run of the trace (with arrival times ``arrival_s``) through ``policy``."""
     names = [f"r{i}" for i in range(replicas)]
-    index_of = {name: ri for ri, name in enumerate(names)}
     models = [ReplicaModel(engine) for _ in names]
-    gw = [_Gateway() for _ in names]
     index = PrefixIndex(index_config or IndexConfig())
-    for name in names:
-        index.add_replica(name)
-    pol = build_policy(policy, policy_params, seed=seed)
+    gw = SimGateway(
+        names, build_policy(policy, policy_params, seed=seed), index, lambda ri: models[ri].load()
+    )
     bs = prep.block_size
     key_of = prep.key_of
     n = len(prep.prompt)
     arrivals = arrival_s.tolist()
     first_at = [0.0] * n
     cached_tok = [0] * n
-    uncached_at_route = [0] * n
+    flights: list[Flight | None] = [None] * n
     routed_to = [0] * n
     done_at = [0.0] * n
     preemptions = 0
@@ -193,23 +185,26 @@ def simulate(
         name = names[ri]
         for ev in res.events:
             if isinstance(ev, BlockStored):
-                index.store(name, [key_of[b] for b in ev.block_ids])
+                gw.stored(name, [key_of[b] for b in ev.block_ids], res.end)
             elif isinstance(ev, BlockRemoved):
-                index.remove(name, [key_of[b] for b in ev.block_ids])
+                gw.removed(name, [key_of[b] for b in ev.block_ids], res.end)
             elif isinstance(ev, AllBlocksCleared):
-                index.clear_replica(name)
-        g = gw[ri]
+                gw.cleared(name, res.end)
         for ft in res.first_tokens:
             rid = ft.request_id
             assert isinstance(rid, int)
             first_at[rid] = res.end
             cached_tok[rid] = ft.cached_tokens
-            g.pending_prefill -= uncached_at_route[rid]
+            flight = flights[rid]
+            assert flight is not None
+            flight.first_byte()
         for rid in res.finished:
             assert isinstance(rid, int)
             done_at[rid] = res.end
-            g.in_flight -= 1
-            g.in_flight_tokens -= prep.prompt[rid] + prep.output[rid]
+            flight = flights[rid]
+            assert flight is not None
+            flight.end()
+            flights[rid] = None
         preemptions += len(res.preempted)
 
     i = 0
@@ -232,39 +227,17 @@ def simulate(
             continue
         # an arrival
         t = next_arr
-        keys = prep.keys[i]
         prompt = prep.prompt[i]
-        m = index.match(cast(Sequence[int], prep.key_arrays[i]))
-        states = []
-        for ri, name in enumerate(names):
-            running, waiting, kv_usage = models[ri].load()
-            g = gw[ri]
-            states.append(
-                ReplicaState(
-                    id=name,
-                    in_flight_requests=g.in_flight,
-                    in_flight_tokens=g.in_flight_tokens,
-                    pending_prefill_tokens=g.pending_prefill,
-                    engine_running=running,
-                    engine_waiting=waiting,
-                    kv_usage=kv_usage,
-                    matched_blocks=m.blocks.get(name, 0),
-                    match_score=m.scores.get(name, 0.0),
-                    held_blocks=index.held_count(name),
-                )
-            )
         feats = RequestFeatures(
-            model=SIM_MODEL, block_keys=keys, prompt_tokens=prompt, block_size=bs, session_id=prep.session[i]
+            model=SIM_MODEL,
+            block_keys=prep.keys[i],
+            prompt_tokens=prompt,
+            block_size=bs,
+            session_id=prep.session[i],
         )
-        decision = pol.choose(feats, FleetSnapshot(tuple(states)))
-        ri = index_of[decision.replica]
-        index.touch_approximate(decision.replica, cast(Sequence[int], prep.key_arrays[i]), t)
-        g = gw[ri]
-        matched_tokens = min(m.blocks.get(decision.replica, 0) * bs, prompt)
-        uncached_at_route[i] = prompt - matched_tokens
-        g.pending_prefill += uncached_at_route[i]
-        g.in_flight += 1
-        g.in_flight_tokens += prompt + prep.output[i]
+        routed = gw.route(feats, prep.output[i], t, cast(Sequence[int], prep.key_arrays[i]))
+        ri = routed.replica
+        flights[i] = routed.flight
         routed_to[i] = ri
         models[ri].submit(EngineRequest(i, prep.ids[i], prompt, prep.output[i]), t)
         if not scheduled[ri]:

@@ -18,6 +18,10 @@ from router_policies.prefix_index import IndexBoundError, IndexConfig, PrefixInd
 
 def _apply(ix: PrefixIndex | RefIndex, op: str, rep: str, keys: list[int], t: float) -> object:
     try:
+        if op in ("store", "store_cpu", "touch", "replace"):
+            # PrefixIndex tracks only replicas it is given (the gateway's Fleet adds them); the
+            # reference added them on first use, which this reproduces
+            ix.add_replica(rep)
         if op == "store":
             return ix.store(rep, keys)
         if op == "store_cpu":
@@ -102,6 +106,8 @@ def test_table_memory_per_key_stays_bounded_while_growing() -> None:
     replicas, at every size on the way up (load between MAX_LOAD / 2 and MAX_LOAD)."""
     rng = random.Random(7)
     ix = PrefixIndex(IndexConfig(max_blocks_per_replica=400_000, max_total_blocks=1_000_000))
+    for r in range(64):
+        ix.add_replica(f"r{r}")
     for step in range(300):
         keys = [rng.getrandbits(64) for _ in range(1000)]
         ix.store(f"r{step % 64}", keys)

@@ -3,6 +3,7 @@ routing step's prediction and speculative index entries."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -10,11 +11,11 @@ import pytest
 
 from gateway.config import GatewayConfig, parse_config
 from gateway.features import Featurizer
-from gateway.fleet import Fleet
+from gateway.fleet import Fleet, RemoteLoad
 from gateway.inventory_sink import AgentHello, AgentLoad
-from gateway.routing import Router, RoutingState, predicted_cached_tokens
+from gateway.routing import Router, RoutingState
 from router_policies.policy import NoReplicaError, RequestFeatures
-from router_policies.prefix_index import PrefixIndex
+from router_policies.prefix_index import PrefixIndex, UnknownReplicaError
 from router_policies.registry import build_policy
 
 
@@ -72,21 +73,24 @@ def test_connect_error_ejects_at_once() -> None:
     assert not a.healthy
 
 
-def test_flights_release_exactly_what_they_added() -> None:
+def test_flights_load_the_record_and_the_snapshot_until_released() -> None:
+    # the accounting itself: tests/unit/test_placement.py
     fleet = Fleet(_config(), PrefixIndex())
     a = fleet.get("a")
     assert a is not None
-    f1 = Fleet.begin(a, tokens=150, prefill=100)
-    f2 = Fleet.begin(a, tokens=20, prefill=10)
-    assert (a.in_flight_requests, a.in_flight_tokens, a.pending_prefill_tokens) == (2, 170, 110)
-    f1.first_byte()
-    f1.first_byte()
-    assert (a.in_flight_requests, a.pending_prefill_tokens) == (2, 10)
-    f1.end()
-    f1.end()
-    f2.end()  # ends without a first byte (a failed attempt): releases its prefill too
-    assert (a.in_flight_requests, a.in_flight_tokens, a.pending_prefill_tokens) == (0, 0, 0)
-    assert a.requests == 2
+    fleet.check_result("a", True)
+    fleet.apply_remote_load({"a": RemoteLoad(requests=1, tokens=10, prefill=5)})
+    flight = Fleet.begin(a, tokens=150, prefill=100)
+    assert (a.in_flight_requests, a.in_flight_tokens, a.pending_prefill_tokens, a.requests) == (
+        1,
+        150,
+        100,
+        1,
+    )
+    (state,) = fleet.snapshot([a], {}, {}).replicas
+    assert (state.in_flight_requests, state.in_flight_tokens, state.pending_prefill_tokens) == (2, 160, 105)
+    flight.end()
+    assert (a.in_flight_requests, a.in_flight_tokens, a.pending_prefill_tokens, a.requests) == (0, 0, 0, 1)
 
 
 def test_snapshot_is_immutable_and_honours_exclusions() -> None:
@@ -159,15 +163,6 @@ def test_reconfigure_adds_updates_and_removes_static_replicas() -> None:
     assert "a" not in index.replicas and fleet.get("a") is None
 
 
-@pytest.mark.parametrize(
-    ("matched", "prompt", "bs", "want"),
-    [(0, 100, 16, 0), (3, 100, 16, 48), (6, 100, 16, 96), (4, 64, 16, 48), (4, 65, 16, 64), (1, 0, 16, 0)],
-)
-def test_predicted_cached_tokens_follows_vllm(matched: int, prompt: int, bs: int, want: int) -> None:
-    # a fully cached prompt that is a whole number of blocks still computes its last block
-    assert predicted_cached_tokens(matched, prompt, bs) == want
-
-
 def _state(cfg: GatewayConfig) -> RoutingState:
     return RoutingState(cfg, build_policy("kv_aware", {}, seed=0), Featurizer.from_config(cfg))
 
@@ -238,7 +233,8 @@ def test_router_raises_when_nothing_is_healthy() -> None:
 def test_agent_replicas_long_gone_are_forgotten_static_ones_never() -> None:
     cfg = _config(health={"unhealthy_after": 1, "healthy_after": 1, "forget_after_s": 60.0})
     index = PrefixIndex(cfg.index)
-    fleet = Fleet(cfg, index)
+    # a clock on whole seconds: on time.monotonic(), (t + 60) - t is below 60 for some t
+    fleet = Fleet(cfg, index, clock=lambda: 5000.0)
     fleet.check_result("a", True)
     assert fleet.agent_hello(_hello("c")) is None
     fleet.agent_state("c", connected=True, degraded=False)
@@ -257,4 +253,58 @@ def test_agent_replicas_long_gone_are_forgotten_static_ones_never() -> None:
     assert fleet.agent_hello(_hello("d")) is None
     fleet.check_result("d", False, "down")
     fleet.check_result("d", True)
-    assert fleet.forget_stale(time.monotonic() + 3600, 60.0) == []
+    assert fleet.forget_stale(5000.0 + 3600, 60.0) == []
+
+
+def test_the_fleet_alone_changes_the_index_replica_set() -> None:
+    index = PrefixIndex()
+    fleet = Fleet(_config(), index)
+    assert index.replicas == ["a", "b"]
+    with pytest.raises(UnknownReplicaError):
+        index.store("c", [1])  # an agent's events for a replica the fleet does not hold
+    assert fleet.agent_hello(_hello("c")) is None and index.replicas == ["a", "b", "c"]
+    # a static replica another gateway instance follows through Redis is kept (as registered)
+    # when the config drops it: the follower still writes its inventory into the index
+    fleet.set_shared_inventory("a", True)
+    assert fleet.reconfigure(_config(replicas=[{"id": "b", "url": "http://b:1"}])) == []
+    a = fleet.get("a")
+    assert a is not None and not a.static and "a" in index.replicas
+    fleet.set_shared_inventory("a", False)
+    assert fleet.reconfigure(_config(replicas=[{"id": "b", "url": "http://b:1"}])) == []  # not static now
+    assert [r.id for r in fleet.records()] == ["a", "b", "c"] == index.replicas
+
+
+def test_record_parts_are_written_by_their_owners_only() -> None:
+    fleet = Fleet(_config(), PrefixIndex())
+    a = fleet.get("a")
+    assert a is not None
+    for name in ("healthy", "url", "in_flight_requests", "agent_connected", "kv_usage"):
+        with pytest.raises(AttributeError):
+            setattr(a, name, 1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.identity.url = "http://elsewhere:1"  # type: ignore[misc]
+
+
+def test_speculative_entries_of_a_replica_whose_agent_connects_later_expire_in_time() -> None:
+    """Entries touched before the agent connected (index TTL) must not hold back the ones touched
+    after (speculative_ttl_s): every entry is gone speculative_ttl_s after the last touch."""
+    now = [1000.0]
+    cfg = _config(index={"approximate_ttl_s": 120.0}, proxy={"speculative_ttl_s": 10.0})
+    index = PrefixIndex(cfg.index)
+    fleet = Fleet(cfg, index, clock=lambda: now[0])
+    fleet.touch("b", [1, 2], cfg.proxy.speculative_ttl_s)  # no agent: lives 120 s
+    assert fleet.agent_hello(_hello("b")) is None
+    fleet.agent_state("b", connected=True, degraded=False)
+    now[0] += 5.0
+    fleet.touch("b", [3, 4], cfg.proxy.speculative_ttl_s)  # with the agent: lives 10 s
+    assert [t for _, t in index.approximate_expiry("b")] == [1015.0] * 4
+    index.expire(1015.5)  # the app's housekeeping sweep
+    assert index.approximate_keys("b") == []
+
+
+def test_health_transitions_are_stamped_by_the_fleets_clock() -> None:
+    now = [50.0]
+    fleet = Fleet(_config(), PrefixIndex(), clock=lambda: now[0])
+    fleet.check_result("a", False, "refused")
+    a = fleet.get("a")
+    assert a is not None and a.unhealthy_since == 50.0 and a.last_error == "refused"

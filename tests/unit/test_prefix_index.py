@@ -7,11 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router_policies.prefix_index import IndexBoundError, IndexConfig, PrefixIndex
+from router_policies.prefix_index import IndexBoundError, IndexConfig, PrefixIndex, UnknownReplicaError
 
 
-def idx(**kw: float) -> PrefixIndex:
-    return PrefixIndex(IndexConfig(**kw))
+def idx(replicas: tuple[str, ...] = ("a", "b", "c"), **kw: float) -> PrefixIndex:
+    """An index tracking ``replicas`` (the gateway's Fleet adds them; the index never does)."""
+    ix = PrefixIndex(IndexConfig(**kw))
+    for r in replicas:
+        ix.add_replica(r)
+    return ix
 
 
 def test_match_returns_each_replicas_leading_run() -> None:
@@ -58,7 +62,7 @@ def test_shared_keys_keep_other_holders() -> None:
     assert ix.holders_of(2) == ["a", "b"]
     ix.remove_replica("b")
     assert ix.holders_of(1) == []
-    assert ix.replicas == ["a"]
+    assert ix.replicas == ["a", "c"]
 
 
 def test_precise_bound_refuses_and_leaves_index_unchanged() -> None:
@@ -163,7 +167,7 @@ def test_zero_capacity_disables_approximate_entries() -> None:
 
 
 def test_max_replicas_bound_and_slot_reuse() -> None:
-    ix = idx(max_replicas=2)
+    ix = idx((), max_replicas=2)
     ix.add_replica("a")
     ix.add_replica("b")
     with pytest.raises(IndexBoundError):
@@ -221,8 +225,75 @@ def test_bounds_hold_and_holders_agree_with_inventories(seq: list[tuple[str, str
 
 def test_holds_since_sees_precise_entries_and_fresh_approximate_ones() -> None:
     idx = PrefixIndex(IndexConfig())
+    idx.add_replica("a")
     idx.store("a", [1, 2])
     idx.touch_approximate("a", [1, 2, 3], now=10.0)
     assert idx.holds_since("a", 2, since=1e9)  # precise: always
     assert idx.holds_since("a", 3, since=10.0) and not idx.holds_since("a", 3, since=10.5)
     assert not idx.holds_since("a", 4, since=0.0) and not idx.holds_since("b", 1, since=0.0)
+
+
+def test_unknown_replicas_are_refused_and_nothing_changes() -> None:
+    ix = idx(("a",))
+    ix.store("a", [1])
+    for mutate in (
+        lambda: ix.store("x", [1, 2]),
+        lambda: ix.touch_approximate("x", [1, 2], now=0.0),
+        lambda: ix.replace_replica("x", {1: "GPU"}),
+    ):
+        with pytest.raises(UnknownReplicaError):
+            mutate()
+        assert ix.replicas == ["a"] and ix.entries == 1 and ix.holders_of(1) == ["a"]
+    assert ix.remove("x", [1]) == 0  # nothing to forget: not a refusal
+    ix.add_replica("x")
+    assert ix.store("x", [1, 2]) == 2
+
+
+def test_a_shorter_lifetime_lowers_later_stamps_so_nothing_outlives_its_ttl() -> None:
+    """The gateway back-dates the entries of a replica whose agent is connected (they live
+    ``speculative_ttl_s``, not the TTL). When the agent connects to a replica that already has
+    entries, the new back-dated stamps are older than those entries: unless the index keeps the
+    stamps monotone, expiry stops at the front entry and the new ones live up to TTL - lifetime
+    longer than they should (110 s with the defaults)."""
+    ix = idx(approximate_ttl_s=120)
+    ix.touch_approximate("a", [1, 2], now=100.0)  # no agent yet: lives until 220
+    ix.touch_approximate("a", [3, 4], now=105.0 - 110.0)  # back-dated as before: lives until 15
+    assert ix.expire(now=116.0) == 4  # every entry stamped at or before the newest one is gone
+    assert ix.approximate_keys("a") == []
+    # the same through ``lifetime_s``, which back-dates inside the index
+    ix.touch_approximate("b", [1, 2], now=100.0)
+    ix.touch_approximate("b", [3, 4], now=105.0, lifetime_s=10.0)
+    assert [t for _, t in ix.approximate_expiry("b")] == [115.0] * 4
+    assert ix.holds_since("b", 3, since=105.0, lifetime_s=10.0)
+    assert not ix.holds_since("b", 3, since=105.5, lifetime_s=10.0)
+    assert ix.expire(now=115.5) == 4
+
+
+@settings(max_examples=200)
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(min_value=0, max_value=9), max_size=5),
+            st.sampled_from([None, 1.0, 3.0, 50.0]),
+            st.integers(min_value=0, max_value=3),
+        ),
+        max_size=40,
+    )
+)
+def test_stamps_stay_monotone_and_nothing_outlives_its_lifetime(
+    seq: list[tuple[list[int], float | None, int]],
+) -> None:
+    ix = idx(approximate_ttl_s=5, approximate_blocks_per_replica=6)
+    now = 0.0
+    deadline: dict[int, float] = {}  # latest lifetime end each key was given
+    for keys, lifetime, step in seq:
+        now += step
+        ix.touch_approximate("a", keys, now=now, lifetime_s=lifetime)
+        for k in keys[:6]:
+            deadline[k] = now + min(lifetime or 5.0, 5.0)
+        expiry = ix.approximate_expiry("a")
+        assert [t for _, t in expiry] == sorted(t for _, t in expiry)
+        for k, t in expiry:
+            assert t <= deadline[k]  # never later than the lifetime its last touch gave it
+        ix.expire(now)
+        assert all(t >= now for _, t in ix.approximate_expiry("a"))

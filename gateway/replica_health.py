@@ -1,0 +1,89 @@
+"""A replica's health state machine (docs/architecture.md, "Fleet").
+
+Fed by the active checker (``gateway.health``) and passively by the proxy, through ``Fleet``: a
+replica that fails ``health.unhealthy_after`` times in a row is ejected, and comes back after
+``health.healthy_after`` consecutive successful checks. A connect error ejects at once: nothing
+listens at that address. The first check result of an unknown replica decides at once.
+
+Invariants: the methods below are the only writers of a ``ReplicaHealth``; ``unhealthy_since`` is
+set iff the replica is checked and unhealthy; at most one of ``ok_streak`` and ``fail_streak`` is
+non-zero.
+"""
+
+from __future__ import annotations
+
+from gateway.config import HealthConfig
+
+
+class ReplicaHealth:
+    __slots__ = (
+        "checked",
+        "fail_streak",
+        "failures",
+        "healthy",
+        "last_error",
+        "ok_streak",
+        "unhealthy_since",
+    )
+
+    def __init__(self) -> None:
+        self.healthy = False
+        self.checked = False  # at least one health result arrived
+        self.unhealthy_since: float | None = None  # monotonic time it last became unhealthy
+        self.ok_streak = 0
+        self.fail_streak = 0
+        self.last_error = ""
+        self.failures = 0  # proxied attempts that failed (a statistic)
+
+    def unknown(self) -> None:
+        """A new address is a new process: unknown until checked."""
+        self.checked = False
+        self.healthy = False
+
+    def assume_healthy(self) -> None:
+        """An agent runs beside a live engine; the active checks confirm or eject it."""
+        self.healthy = True
+        self.checked = True
+
+    def check_result(self, ok: bool, error: str, config: HealthConfig, now: float) -> None:
+        if not self.checked:
+            self.checked = True
+            self.healthy = ok
+            self.unhealthy_since = None if ok else now
+            self.ok_streak, self.fail_streak = (1, 0) if ok else (0, 1)
+            self.last_error = error
+            return
+        self._result(ok, error, config, now)
+
+    def proxy_success(self) -> None:
+        self.fail_streak = 0
+
+    def proxy_failure(self, error: str, connect: bool, config: HealthConfig, now: float) -> None:
+        self.failures += 1
+        if not connect:
+            self._result(False, error, config, now)
+            return
+        # nothing listens there: eject now rather than after unhealthy_after more requests
+        if self.healthy:
+            self.unhealthy_since = now
+        self.healthy = False
+        self.ok_streak = 0
+        self.fail_streak = max(self.fail_streak + 1, config.unhealthy_after)
+        self.last_error = error
+
+    def _result(self, ok: bool, error: str, config: HealthConfig, now: float) -> None:
+        self.checked = True
+        if ok:
+            self.ok_streak += 1
+            self.fail_streak = 0
+            if not self.healthy and self.ok_streak >= config.healthy_after:
+                self.healthy = True
+                self.unhealthy_since = None
+                self.last_error = ""
+            return
+        self.fail_streak += 1
+        self.ok_streak = 0
+        self.last_error = error
+        if self.healthy and self.fail_streak >= config.unhealthy_after:
+            self.healthy = False
+            self.unhealthy_since = now

@@ -1,0 +1,112 @@
+"""One replica as the gateway holds it (docs/architecture.md, "Fleet"): parts split by their one
+writer.
+
+=============  ====================================  ==========================================
+part           what                                  its only writer
+=============  ====================================  ==========================================
+``identity``   id, url, models, static, engine       ``Fleet`` (config reload, agent hello)
+``link``       agent connected / degraded / shared   ``Fleet`` (agent streams, shared state)
+``health``     the health state machine              ``ReplicaHealth``'s methods, via ``Fleet``
+``flights``    this gateway's in-flight load         ``placement.Flight``
+``engine``     the engine's running / waiting / KV   ``Fleet`` (agent load, shared state)
+``remote``     other instances' in-flight load       ``Fleet.apply_remote_load``
+``audit``      prediction-audit statistics           ``AuditStats.record``
+=============  ====================================  ==========================================
+
+The flat names other modules read (``rec.healthy``, ``rec.in_flight_requests``, ...) are
+read-only properties over those parts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+from gateway.replica_audit import AuditStats
+from gateway.replica_health import ReplicaHealth
+from gateway.replica_identity import AgentLink, ReplicaIdentity
+from gateway.replica_load import NO_REMOTE_LOAD, EngineLoad, RemoteLoad, combined_load
+from router_policies.placement import FlightCounters, ReplicaLoad
+
+T = TypeVar("T")
+
+
+class _Read(Generic[T]):
+    """A read-only attribute of a record, read through one of its parts."""
+
+    __slots__ = ("_get",)
+
+    def __init__(self, get: Callable[[ReplicaRecord], T]) -> None:
+        self._get = get
+
+    def __get__(self, obj: ReplicaRecord, owner: Any = None) -> T:
+        return self._get(obj)
+
+
+class ReplicaRecord:
+    __slots__ = ("audit", "engine_load", "flights", "health", "identity", "link", "remote")
+
+    def __init__(self, identity: ReplicaIdentity) -> None:
+        self.identity = identity
+        self.link = AgentLink()
+        self.health = ReplicaHealth()
+        self.flights = FlightCounters()
+        self.engine_load = EngineLoad()
+        self.remote: RemoteLoad = NO_REMOTE_LOAD
+        self.audit = AuditStats()
+
+    id = _Read[str](lambda r: r.identity.id)
+    url = _Read[str](lambda r: r.identity.url)
+    models = _Read[frozenset[str]](lambda r: r.identity.models)
+    static = _Read[bool](lambda r: r.identity.static)
+    agent_connected = _Read[bool](lambda r: r.link.connected)
+    index_degraded = _Read[bool](lambda r: r.link.degraded)
+    shared_inventory = _Read[bool](lambda r: r.link.shared)
+    healthy = _Read[bool](lambda r: r.health.healthy)
+    unhealthy_since = _Read["float | None"](lambda r: r.health.unhealthy_since)
+    last_error = _Read[str](lambda r: r.health.last_error)
+    failures = _Read[int](lambda r: r.health.failures)
+    in_flight_requests = _Read[int](lambda r: r.flights.requests)
+    in_flight_tokens = _Read[int](lambda r: r.flights.tokens)
+    pending_prefill_tokens = _Read[int](lambda r: r.flights.pending_prefill_tokens)
+    requests = _Read[int](lambda r: r.flights.started)
+    engine_running = _Read[int](lambda r: r.engine_load.running)
+    engine_waiting = _Read[int](lambda r: r.engine_load.waiting)
+    kv_usage = _Read[float](lambda r: r.engine_load.kv_usage)
+
+    def serves(self, model: str) -> bool:
+        return self.identity.serves(model)
+
+    def load(self) -> ReplicaLoad:
+        return combined_load(self.flights, self.remote, self.engine_load)
+
+    def describe(self) -> dict[str, object]:
+        ident, link, flights, engine = self.identity, self.link, self.flights, self.engine_load
+        return {
+            "id": ident.id,
+            "url": ident.url,
+            "models": sorted(ident.models),
+            "source": "static" if ident.static else "agent",
+            "agent_connected": link.connected,
+            "index_degraded": link.degraded,
+            "engine": ident.engine,
+            "block_size": ident.block_size,
+            "healthy": self.health.healthy,
+            "last_error": self.health.last_error,
+            "in_flight_requests": flights.requests,
+            "in_flight_tokens": flights.tokens,
+            "pending_prefill_tokens": flights.pending_prefill_tokens,
+            "engine_running": engine.running,
+            "engine_waiting": engine.waiting,
+            "kv_usage": engine.kv_usage,
+            "requests": flights.started,
+            "failures": self.health.failures,
+            "remote_in_flight_requests": self.remote.requests,
+            "remote_in_flight_tokens": self.remote.tokens,
+            "shared_inventory": link.shared,
+            "prediction_audit": {
+                "total": self.audit.total,
+                "exact": self.audit.exact,
+                "exact_fraction": self.audit.exact_fraction,
+            },
+        }

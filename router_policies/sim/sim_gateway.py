@@ -1,0 +1,117 @@
+"""The simulated gateway's decision path (docs/architecture.md, "Placement"; docs/simulator.md):
+the gateway's own placement code (``router_policies.placement``) over a ``PrefixIndex``, for
+replicas whose agents report their blocks, on virtual time.
+
+Per request, in the gateway's order: index match, ``FleetSnapshot`` (``placement.snapshot``),
+``policy.choose`` then ``policy.commit``, the speculative entry (``placement.speculative_touch``
+with the lifetime of a replica with an agent, ``TouchRule``), the predicted cached tokens and a
+``Flight`` whose pending prefill follows ``predicted_cached_tokens``' rule. Expired speculative
+entries are swept every ``placement.EXPIRE_INTERVAL_S`` of virtual time, as the gateway's
+housekeeping loop does. ``tests/integration/test_sim_gateway_parity.py`` checks this path and the
+gateway's ``Router`` + ``Fleet`` make the same decisions and leave the same index.
+
+Invariant: this object is the simulated fleet, the only owner of the index's replica set (it
+adds every replica once, at construction).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from router_policies import placement
+from router_policies.placement import (
+    Candidate,
+    ExpirySweep,
+    Flight,
+    FlightCounters,
+    IndexView,
+    ReplicaLoad,
+    TouchRule,
+)
+from router_policies.policy import Decision, FleetSnapshot, Policy, RequestFeatures
+from router_policies.prefix_index import PrefixIndex
+
+# (running, waiting, KV usage) of replica i, as its agent reports them
+EngineLoadFn = Callable[[int], tuple[int, int, float]]
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    decision: Decision
+    replica: int  # index of decision.replica in the fleet
+    snapshot: FleetSnapshot
+    predicted_tokens: int
+    flight: Flight
+
+
+class SimGateway:
+    def __init__(
+        self,
+        replicas: Sequence[str],
+        policy: Policy,
+        index: PrefixIndex,
+        engine_load: EngineLoadFn,
+        touch: TouchRule | None = None,
+    ) -> None:
+        self.names = list(replicas)
+        self.index = index
+        self._policy = policy
+        self._engine_load = engine_load
+        self._touch = touch or TouchRule()
+        self._slot = {name: i for i, name in enumerate(self.names)}
+        for name in self.names:
+            index.add_replica(name)
+        self._flights = [FlightCounters() for _ in self.names]
+        self._sweep = ExpirySweep(index)
+
+    def advance(self, now: float) -> None:
+        """Virtual time reached ``now``: run the housekeeping sweep due by then."""
+        self._sweep.advance(now)
+
+    # the engine's events, as its agent reports them
+    def stored(self, replica: str, keys: Sequence[int], now: float) -> None:
+        self.advance(now)
+        self.index.store(replica, keys)
+
+    def removed(self, replica: str, keys: Sequence[int], now: float) -> None:
+        self.advance(now)
+        self.index.remove(replica, keys)
+
+    def cleared(self, replica: str, now: float) -> None:
+        self.advance(now)
+        self.index.clear_replica(replica)
+
+    def _candidates(self) -> list[Candidate]:
+        out = []
+        for i, name in enumerate(self.names):
+            running, waiting, kv_usage = self._engine_load(i)
+            f = self._flights[i]
+            load = ReplicaLoad(f.requests, f.tokens, f.pending_prefill_tokens, running, waiting, kv_usage)
+            out.append(Candidate(name, True, load))
+        return out
+
+    def route(
+        self, features: RequestFeatures, output_tokens: int, now: float, keys: Sequence[int] | None = None
+    ) -> Routed:
+        """Decide and commit one request arriving at ``now``; its flight is the caller's to end.
+        ``keys``: ``features.block_keys`` as a uint64 array, when the caller has one (the index
+        takes it without a copy)."""
+        self.advance(now)
+        index = self.index
+        if keys is None:
+            keys = features.block_keys
+        m = index.match(keys)
+        snap = placement.snapshot(self._candidates(), IndexView(m.blocks, m.scores, index))
+        decision = self._policy.choose(features, snap)
+        self._policy.commit(decision)
+        name = decision.replica
+        lifetime = self._touch.lifetime_s(index, has_agent=True)
+        placement.speculative_touch(index, name, keys, now, lifetime)
+        prompt = features.prompt_tokens
+        predicted = placement.predicted_cached_tokens(m.blocks.get(name, 0), prompt, features.block_size)
+        ri = self._slot[name]
+        flight = Flight(
+            self._flights[ri], prompt + output_tokens, placement.uncached_prompt_tokens(prompt, predicted)
+        )
+        return Routed(decision, ri, snap, predicted, flight)
