@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gateway.local_fleet import FleetOptions, LocalFleet, http_text
+from kvgate_tools.local_fleet import FleetOptions, LocalFleet, http_text
 from tests.integration.gateway_harness import http, wait_until
 
 JSON = {"content-type": "application/json"}

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from gateway.local_fleet import FleetOptions, LocalFleet, http_json, http_text
+from kvgate_tools.local_fleet import FleetOptions, LocalFleet, http_json, http_text
 from tests.integration.gateway_harness import Gateway, Procs, RedisServer, http, wait_until
 
 pytestmark = pytest.mark.timeout(600)
