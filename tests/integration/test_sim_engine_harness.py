@@ -98,7 +98,7 @@ def start_engine(tmp: Path, **flags: Any) -> Engine:
 
 
 @pytest.fixture
-def engines(tmp_path: Path) -> Iterator[list[Engine]]:
+def engines() -> Iterator[list[Engine]]:
     """A list the test appends started engines to; all are killed at teardown."""
     started: list[Engine] = []
     yield started
