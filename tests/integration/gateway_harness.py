@@ -27,8 +27,9 @@ from gateway.config import GatewayConfig
 from gateway.fleet import Fleet
 from gateway.inventory_server import InventoryServer
 from gateway.shared_state import SharedState
-from kvgate_tools.procs import ProcessGroup, low_free_port, read_line, stop_group
-from kvgate_tools.redis_server import RedisServer
+from kvgate_tools.procs import ProcessGroup, read_line
+from kvgate_tools.procs import low_free_port as low_free_port  # re-exported for the tests
+from kvgate_tools.redis_server import RedisServer as RedisServer  # re-exported for the tests
 from router_policies.prefix_index import PrefixIndex
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,9 +38,6 @@ TOKENIZER = REPO / "assets" / "tokenizers" / "kvgate-tiny"
 ADMIN_TOKEN = "test-admin-token"
 AGENT_TOKEN = "test-agent-token"
 START_TIMEOUT_S = 30.0
-# re-exported for the tests that import them from here
-__all__ = ["RedisServer", "kill_group", "low_free_port"]
-kill_group = stop_group
 
 
 def http(
