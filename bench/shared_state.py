@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
-import socket
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
@@ -33,15 +31,9 @@ from gateway.inventory_ops import ops_of_events
 from gateway.inventory_server import InventoryServer
 from gateway.inventory_sink import AgentHello
 from gateway.shared_state import SharedState
+from kvgate_tools.redis_server import RedisServer
 from proto.kvgate.v1 import inventory_pb2 as pb
 from router_policies.prefix_index import PrefixIndex
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _instance(config: GatewayConfig, name: str) -> tuple[PrefixIndex, SharedState]:
@@ -139,33 +131,13 @@ def main() -> None:
     ap.add_argument("--keys", type=int, default=16, help="keys per stored batch")
     ap.add_argument("--probes", type=int, default=200)
     args = ap.parse_args()
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise SystemExit("redis-server is not installed (apt-get install -y redis-server)")
-    port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.Popen(
-            [
-                exe,
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                tmp,
-            ],
-            stdout=subprocess.DEVNULL,
-        )
+        server = RedisServer(Path(tmp))
+        server.start()
         try:
-            time.sleep(0.3)
-            asyncio.run(_run(f"redis://127.0.0.1:{port}/0", args.batches, args.keys, args.probes))
+            asyncio.run(_run(server.url, args.batches, args.keys, args.probes))
         finally:
-            proc.terminate()
-            proc.wait(10)
+            server.stop()
 
 
 if __name__ == "__main__":

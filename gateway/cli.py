@@ -2,7 +2,8 @@
 
 Each subcommand lives in its own module exposing ``configure(parser)`` and ``run(args) -> int``;
 modules are imported only when their subcommand runs, so ``kvgate compare`` never pays for
-aiohttp or grpc imports.
+aiohttp or grpc imports, and ``kvgate serve`` runs without the optional extras (pyproject.toml):
+a subcommand that needs one it lacks says which to install.
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("replica_agent.agent_cli", "run a replica agent beside an engine"),
     "sim-engine": ("replica_agent.sim_engine_cli", "run a simulated vLLM engine"),
     "compare": ("router_policies.sim.compare_cli", "compare policies on a trace in the simulator"),
-    "demo": ("gateway.demo", "live demo: simulated fleet, agents, gateway, four policies"),
+    "demo": ("kvgate_tools.demo", "live demo: simulated fleet, agents, gateway, four policies"),
 }
+
+# top-level modules only the optional extras install (pyproject.toml) -> the extra that does
+OPTIONAL_MODULES = {"transformers": "sim", "matplotlib": "plots"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -32,6 +36,17 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _dispatch(argv)
+    except ModuleNotFoundError as exc:
+        extra = OPTIONAL_MODULES.get((exc.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        print(f"kvgate {argv[0]}: needs {exc.name}: pip install 'kvgate[{extra}]'", file=sys.stderr)
+        return 2
+
+
+def _dispatch(argv: list[str]) -> int:
     parser = _Parser(prog="kvgate", description="KV-aware routing gateway for LLM-serving fleets")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     wanted = argv[0] if argv and argv[0] in SUBCOMMANDS else None

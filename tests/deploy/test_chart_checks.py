@@ -16,8 +16,8 @@ from tests.deploy.conftest import CASES, CHART, render
 SCHEMA = json.loads((CHART / "values.schema.json").read_text(encoding="utf-8"))
 
 
-@pytest.mark.parametrize(("case", "values"), CASES, ids=[c for c, _ in CASES])
-def test_helm_lint_is_clean(case: str, values: dict[str, Any]) -> None:
+@pytest.mark.parametrize("values", [pytest.param(v, id=c) for c, v in CASES])
+def test_helm_lint_is_clean(values: dict[str, Any]) -> None:
     report = helm.lint(str(CHART), values, strict=True, namespace="llm", kube_version="v1.25.0")
     assert report["total_charts_linted"] == 1
     assert report["errors"] == []

@@ -318,6 +318,19 @@ def test_without_replay_the_engine_publishes_no_replay_socket() -> None:
     assert "replay_endpoint" not in kv
 
 
+def test_the_simulated_engines_run_the_sim_build_of_the_image() -> None:
+    """The default image has no ``sim`` extra (deploy/docker/Dockerfile): the example's simulated
+    engines run the ``-sim`` build, the gateway and the agents the plain one."""
+    values: dict[str, Any] = {"image": {"repository": "reg/kvgate", "tag": "1.2"}}
+    for sim, want in (({}, "reg/kvgate:1.2-sim"), ({"imageTag": "custom"}, "reg/kvgate:custom")):
+        r = render({**values, "engineExample": {"enabled": True, "kind": "sim", "sim": sim}})
+        (pod, agent), *_ = containers_named(r, "kvgate-agent")
+        engine = next(x for x in pod["containers"] if x["name"] == "engine")
+        assert engine["args"][0] == "sim-engine"
+        assert engine["image"] == want
+        assert agent["image"] == gateway_container(r)["image"] == "reg/kvgate:1.2"
+
+
 def test_existing_tokens_secret_is_referenced_not_created(rendered_cases: dict[str, Rendered]) -> None:
     r = rendered_cases["one-gateway-values"]
     assert not [s for s in r.of_kind("Secret") if s["metadata"]["name"].endswith("-tokens")]

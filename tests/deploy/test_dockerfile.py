@@ -17,10 +17,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gateway.cli import OPTIONAL_MODULES
 from gateway.config import ListenConfig
 from tests.deploy.conftest import CHART, REPO
 
 DOCKERFILE = REPO / "deploy" / "docker" / "Dockerfile"
+# packages the distribution installs from a checkout that the image leaves out (they read the
+# repository's assets; the image runs `kvgate serve`, `kvgate agent`, `kvgate sim-engine`)
+IMAGE_LEAVES_OUT = ("kvgate_tools",)
 
 
 @dataclass
@@ -227,16 +231,49 @@ def test_the_build_stage_context_builds_a_complete_wheel(tmp_path: Path) -> None
         names = set(zf.namelist())
         entry_points = next(zf.read(n).decode() for n in names if n.endswith("entry_points.txt"))
     assert "kvgate = gateway.cli:main" in entry_points
-    # Every module of every package pyproject.toml ships is in the wheel.
+    # Every module of every package pyproject.toml ships is in the wheel, but for the tools (the
+    # demo, the supervisor of the tests and benchmarks), which read the repository's assets.
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
     packages = [p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]]
+    assert set(IMAGE_LEAVES_OUT) < set(packages)
     expected = {
         p.relative_to(REPO).as_posix()
         for pkg in packages
+        if pkg not in IMAGE_LEAVES_OUT
         for p in (REPO / pkg).rglob("*.py")
         if "__pycache__" not in p.parts and (p.parent / "__init__.py").exists()
     }
     assert expected and expected <= names, sorted(expected - names)[:10]
+    assert not [n for n in names if n.split("/")[0] in IMAGE_LEAVES_OUT]
+
+
+def test_the_default_image_installs_no_optional_extra() -> None:
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    base = " ".join(pyproject["project"]["dependencies"])
+    extras = pyproject["project"]["optional-dependencies"]
+    for module, extra in OPTIONAL_MODULES.items():
+        assert module not in base and any(d.startswith(f"{module}==") for d in extras[extra]), module
+    build = STAGES[0]
+    assert 'KVGATE_EXTRAS=""' in build.all("ARG")
+    (run,) = build.all("RUN")
+    assert 'if [ -n "$KVGATE_EXTRAS" ]' in run and '"$(ls /wheels/kvgate-*.whl)[$KVGATE_EXTRAS]"' in run
+
+
+def test_the_gateway_and_the_agent_import_no_optional_extra() -> None:
+    """``kvgate serve`` and ``kvgate agent``, every module they can load (all of ``gateway`` and
+    ``replica_agent`` but the simulated engine), without ``transformers`` or ``matplotlib``."""
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "import gateway, replica_agent\n"
+        "for pkg in (gateway, replica_agent):\n"
+        "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
+        "        if 'sim_engine' not in m.name:\n"
+        "            importlib.import_module(m.name)\n"
+        f"print(sorted(m for m in {sorted(OPTIONAL_MODULES)!r} if m in sys.modules))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]"
 
 
 def test_the_image_carries_the_tokenizer_the_simulated_fleet_uses() -> None:

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.gateway_harness import RedisServer, procs
+from kvgate_tools.redis_server import RedisServer
+from tests.integration.gateway_harness import procs
 
 __all__ = ["procs", "redis_server"]
 

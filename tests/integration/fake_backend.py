@@ -42,10 +42,10 @@ class Backend:
         self.cancelled = 0
         self.peers: set[str] = set()  # client addresses of generate requests (connection reuse)
 
-    async def health(self, request: web.Request) -> web.Response:
+    async def health(self, _request: web.Request) -> web.Response:
         return web.Response(text="")
 
-    async def stats(self, request: web.Request) -> web.Response:
+    async def stats(self, _request: web.Request) -> web.Response:
         return web.json_response(
             {
                 "active": self.active,
@@ -55,7 +55,7 @@ class Backend:
             }
         )
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, _request: web.Request) -> web.Response:
         return web.json_response(
             {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": self.replica}]}
         )

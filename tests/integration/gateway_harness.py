@@ -1,20 +1,14 @@
 """The gateway integration tests' harness: real processes on loopback: fake backends and the gateway
 (``kvgate serve``), each on a port it picks itself (port 0, read back from its first stdout line).
 
-Every process is started in its own session and killed with its whole process group when the test
-ends, whatever the outcome.
+Every process is started in its own session by one ``kvgate_tools.procs.ProcessGroup`` per test and
+killed with its whole process group when the test ends, whatever the outcome.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
-import re
-import select
-import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +28,9 @@ from gateway.config import GatewayConfig
 from gateway.fleet import Fleet
 from gateway.inventory_server import InventoryServer
 from gateway.shared_state import SharedState
+from kvgate_tools.procs import ProcessGroup, read_line
+from kvgate_tools.procs import low_free_port as low_free_port  # re-exported for the tests
+from kvgate_tools.redis_server import RedisServer as RedisServer  # re-exported for the tests
 from router_policies.prefix_index import PrefixIndex
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,61 +39,6 @@ TOKENIZER = REPO / "assets" / "tokenizers" / "kvgate-tiny"
 ADMIN_TOKEN = "test-admin-token"
 AGENT_TOKEN = "test-agent-token"
 START_TIMEOUT_S = 30.0
-
-
-# Ports for processes that restart at the same address while a client keeps reconnecting to them:
-# taken below the kernel's ephemeral range (32768-60999 here), since a TCP connect to a free port
-# inside it can be given that port as its source and connect to itself, leaving the port busy for
-# the process that comes back. One generator for the whole test process (seeded with the pid so
-# that concurrent runs try different ports); each port is checked free by binding it.
-_LOW_PORTS = random.Random(os.getpid())
-
-
-def low_free_port() -> int:
-    for _ in range(200):
-        port = _LOW_PORTS.randrange(20_000, 32_000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in [20000, 32000)")
-
-
-def read_line(
-    proc: subprocess.Popen[bytes], pattern: str, timeout_s: float = START_TIMEOUT_S
-) -> re.Match[str]:
-    """The first stdout line of ``proc`` matching ``pattern`` (the process's readiness line)."""
-    assert proc.stdout is not None
-    end = time.monotonic() + timeout_s
-    buf = b""
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before printing {pattern!r}: {buf!r}")
-        ready, _, _ = select.select([proc.stdout], [], [], 0.1)
-        if not ready:
-            continue
-        chunk = os.read(proc.stdout.fileno(), 4096)
-        buf += chunk
-        for line in buf.decode(errors="replace").splitlines():
-            m = re.search(pattern, line)
-            if m:
-                return m
-    raise TimeoutError(f"no line matching {pattern!r} after {timeout_s}s: {buf!r}")
-
-
-def kill_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, grace_s: float = 5.0) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, sig)
-        proc.wait(grace_s)
-    except ProcessLookupError:
-        return
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def http(
@@ -160,17 +102,18 @@ class Gateway:
 
 @dataclass
 class Procs:
+    """The test's fake backends and gateways; their stdout is piped (each prints its port first)."""
+
     tmp: Path
-    started: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    group: ProcessGroup = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.group = ProcessGroup(self.tmp, cwd=REPO)
 
     def backend(self, replica: str, model: str = "m", port: int = 0) -> Backend:
-        proc = subprocess.Popen(
-            [sys.executable, str(FAKE_BACKEND), "--id", replica, "--model", model, "--port", str(port)],
-            stdout=subprocess.PIPE,
-            start_new_session=True,
-        )
-        self.started.append(proc)
-        port = int(read_line(proc, r"fake-backend port=(\d+)").group(1))
+        cmd = [sys.executable, str(FAKE_BACKEND), "--id", replica, "--model", model, "--port", str(port)]
+        proc = self.group.spawn(f"backend-{replica}", cmd, stdout_pipe=True)
+        port = int(read_line(proc, r"fake-backend port=(\d+)", START_TIMEOUT_S).group(1))
         return Backend(replica, model, proc, port)
 
     def write_config(self, config: Mapping[str, Any], name: str = "gateway.yaml") -> Path:
@@ -182,29 +125,17 @@ class Procs:
         path = self.write_config(config)
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
         full_env.update({"KVGATE_ADMIN_TOKEN": ADMIN_TOKEN, "KVGATE_AGENT_TOKEN": AGENT_TOKEN})
-        full_env.update(env or {})
-        stderr_path = self.tmp / f"gateway-{len(self.started)}.err"
-        with stderr_path.open("wb") as err:
-            proc = subprocess.Popen(
-                [
-                    sys.executable, "-m", "gateway.cli", "serve", "--config", str(path),
-                    "--listen", "127.0.0.1:0", "--inventory", "127.0.0.1:0",
-                ],
-                stdout=subprocess.PIPE,
-                stderr=err,
-                env=full_env,
-                cwd=REPO,
-                start_new_session=True,
-            )  # fmt: skip
-        self.started.append(proc)
-        m = read_line(proc, r"kvgate serve: http=\S+:(\d+) inventory=\S+:(\d+)")
-        return Gateway(proc, int(m.group(1)), int(m.group(2)), path, stderr_path)
+        name = f"gateway-{len(self.group.started)}"
+        cmd = [
+            sys.executable, "-m", "gateway.cli", "serve", "--config", str(path),
+            "--listen", "127.0.0.1:0", "--inventory", "127.0.0.1:0",
+        ]  # fmt: skip
+        proc = self.group.spawn(name, cmd, env=full_env, extra_env=env, stdout_pipe=True)
+        m = read_line(proc, r"kvgate serve: http=\S+:(\d+) inventory=\S+:(\d+)", START_TIMEOUT_S)
+        return Gateway(proc, int(m.group(1)), int(m.group(2)), path, self.group.log_path(name))
 
     def stop_all(self) -> None:
-        for proc in reversed(self.started):  # gateways were started after their backends
-            kill_group(proc)
-            if proc.stdout is not None:
-                proc.stdout.close()
+        self.group.stop_all(grace_s=5.0)
 
 
 @pytest.fixture
@@ -244,53 +175,6 @@ def base_config(*backends: Backend, **extra: Any) -> dict[str, Any]:
         else:
             cfg[key] = value
     return cfg
-
-
-class RedisServer:
-    """A throwaway redis-server on a free loopback port, without persistence; restartable on the
-    same port (the gateways reconnect to the address they were given)."""
-
-    def __init__(self, tmp: Path, extra: tuple[str, ...] = ()) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            pytest.fail("redis-server is not installed (apt-get install -y redis-server; CI does)")
-        self.exe = exe
-        self.port = low_free_port()
-        self.tmp = tmp
-        self.extra = extra
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        assert self.proc is None or self.proc.poll() is not None
-        self.proc = subprocess.Popen(
-            [
-                self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", str(self.tmp), *self.extra,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-        wait_until(self.ping, 15.0, "redis-server accepting connections")
-
-    def ping(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            kill_group(self.proc)
-            if self.proc.stdout is not None:
-                self.proc.stdout.close()
-            self.proc = None
 
 
 @dataclass

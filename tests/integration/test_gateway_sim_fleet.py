@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gateway.local_fleet import FleetOptions, LocalFleet, http_text
+from kvgate_tools.local_fleet import FleetOptions, LocalFleet, http_text
 from tests.integration.gateway_harness import http, wait_until
 
 JSON = {"content-type": "application/json"}
@@ -115,7 +115,7 @@ def test_client_disconnect_aborts_the_engine_request(tmp_path: Path) -> None:
                 return sum(
                     float(line.rsplit(" ", 1)[1])
                     for line in fleet.engine_metrics(0).splitlines()
-                    if line.startswith(name + "{") or line.startswith(name + " ")
+                    if line.startswith((name + "{", name + " "))
                 )
 
             def running() -> float:

@@ -7,7 +7,7 @@ a gateway restart. An unrecoverable gap is reported as degraded and heals.
 
 Ports: each process binds port 0 except where a restart must come back at the same address (the
 engine's three sockets, the gateway's inventory port); those are checked free just before the
-first start, below the ephemeral port range (see ``gateway_harness.low_free_port``).
+first start, below the ephemeral port range (see ``kvgate_tools.procs.low_free_port``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ import json
 import os
 import random
 import re
-import select
-import signal
 import subprocess
 import sys
 import time
@@ -29,7 +27,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.integration.gateway_harness import ADMIN_TOKEN, AGENT_TOKEN, http, kill_group, low_free_port
+from kvgate_tools.procs import ProcessGroup, low_free_port, read_line
+from tests.integration.gateway_harness import ADMIN_TOKEN, AGENT_TOKEN, http
 
 REPO = Path(__file__).resolve().parents[2]
 KVGATE = [sys.executable, "-m", "gateway.cli"]
@@ -40,22 +39,6 @@ CONVERGE_S = 2.0  # the issue's bound: index == engine within 2 s of a fault end
 START_S = 60.0  # only bounds a hang while a process starts on a busy machine
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def wait_line(proc: subprocess.Popen[bytes], pattern: str, timeout_s: float = START_S) -> re.Match[str]:
-    assert proc.stdout is not None
-    end = time.monotonic() + timeout_s
-    buf = b""
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process exited {proc.returncode} before {pattern!r}: {buf!r}")
-        ready, _, _ = select.select([proc.stdout], [], [], 0.05)
-        if ready:
-            buf += os.read(proc.stdout.fileno(), 4096)
-            m = re.search(pattern, buf.decode(errors="replace"))
-            if m:
-                return m
-    raise TimeoutError(f"no {pattern!r} after {timeout_s}s: {buf!r}")
 
 
 def get_json(url: str, token: str | None = None) -> Any:
@@ -85,7 +68,7 @@ class Fleet:
     gateway: subprocess.Popen[bytes] | None = None
     gateway_url: str = ""
     agent_metrics: str = ""
-    started: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    group: ProcessGroup = field(init=False)
     engine_flags: list[str] = field(default_factory=list)
     agent_flags: list[str] = field(default_factory=list)
     gateway_block: int = BLOCK
@@ -96,23 +79,14 @@ class Fleet:
     def engine_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
 
+    def __post_init__(self) -> None:
+        self.group = ProcessGroup(self.tmp, cwd=REPO)
+
     def _spawn(
         self, args: list[str], name: str, env: dict[str, str] | None = None
     ) -> subprocess.Popen[bytes]:
-        err = (self.tmp / f"{name}-{len(self.started)}.err").open("wb")
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
-        full_env.update(env or {})
-        proc = subprocess.Popen(
-            [*KVGATE, *args],
-            stdout=subprocess.PIPE,
-            stderr=err,
-            cwd=REPO,
-            env=full_env,
-            start_new_session=True,
-        )
-        err.close()
-        self.started.append(proc)
-        return proc
+        return self.group.spawn(name, [*KVGATE, *args], env=full_env, extra_env=env, stdout_pipe=True)
 
     def start_engine(self) -> None:
         self.engine = self._spawn(
@@ -124,7 +98,7 @@ class Fleet:
             ],
             "engine",
         )  # fmt: skip
-        wait_line(self.engine, r"sim-engine ready")
+        read_line(self.engine, r"sim-engine ready", START_S)
 
     def start_agent(self) -> None:
         self.agent = self._spawn(
@@ -138,7 +112,7 @@ class Fleet:
             "agent",
             {"KVGATE_AGENT_TOKEN": AGENT_TOKEN},
         )  # fmt: skip
-        m = wait_line(self.agent, r"kvgate agent ready .* metrics=(\S+)")
+        m = read_line(self.agent, r"kvgate agent ready .* metrics=(\S+)", START_S)
         self.agent_metrics = m.group(1)
 
     def start_gateway(self) -> None:
@@ -168,13 +142,12 @@ class Fleet:
             "gateway",
             {"KVGATE_AGENT_TOKEN": AGENT_TOKEN, "KVGATE_ADMIN_TOKEN": ADMIN_TOKEN},
         )
-        m = wait_line(self.gateway, r"kvgate serve: http=\S+:(\d+)")
+        m = read_line(self.gateway, r"kvgate serve: http=\S+:(\d+)", START_S)
         self.gateway_url = f"http://127.0.0.1:{m.group(1)}"
 
     def stop(self, proc: subprocess.Popen[bytes] | None) -> int:
         assert proc is not None
-        kill_group(proc, signal.SIGTERM, grace_s=10.0)
-        return proc.returncode
+        return self.group.stop(proc, grace_s=10.0)
 
     # ---------------------------------------------------------------- observations
     def engine_keys(self) -> list[int]:
@@ -256,10 +229,7 @@ class Fleet:
         post_json(self.engine_url + "/debug/faults", counts)
 
     def stop_all(self) -> None:
-        for proc in reversed(self.started):
-            kill_group(proc, signal.SIGKILL)
-            if proc.stdout is not None:
-                proc.stdout.close()
+        self.group.stop_all()
 
 
 @pytest.fixture

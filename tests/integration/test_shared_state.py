@@ -6,7 +6,7 @@ gateway with the same config. After traffic through A, B's index equals A's and 
 in B's decisions. Killing redis-server: both keep serving, ``kvgate_shared_state_up`` says 0 and a
 log line says why; restarting it: state converges again.
 
-A machine without ``redis-server`` fails these tests (CI installs it, see .ci/run).
+A machine without ``redis-server`` on PATH runs the one the dev extra installs (kvgate_tools/redis_server.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from gateway.local_fleet import FleetOptions, LocalFleet, http_json, http_text
+from kvgate_tools.local_fleet import FleetOptions, LocalFleet, http_json, http_text
 from tests.integration.gateway_harness import Gateway, Procs, RedisServer, http, wait_until
 
 pytestmark = pytest.mark.timeout(600)

@@ -3,16 +3,15 @@ subprocess on ports it picks itself (port 0, read back from its ready line), HTT
 subscriber and replay client, and an independent re-keying of the event stream (engine hash ->
 kvgate key from the parent's key and ``token_ids``) to compare against ``/debug/blocks``.
 
-Every engine is started in its own session and its process group is killed when the test ends.
+Every engine is started in its own session and its process group is killed when the test ends
+(``kvgate_tools.procs``).
 """
 
 from __future__ import annotations
 
 import http.client
 import json
-import os
 import re
-import select
 import signal
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import msgpack
 import pytest
 import zmq
 
+from kvgate_tools.procs import read_line, stop_group
 from router_policies.block_keys import chain_keys, root_key
 
 KVGATE = Path(sys.executable).parent / "kvgate"
@@ -58,13 +58,7 @@ class Engine:
         return int(self.http.rsplit(":", 1)[1])
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+        stop_group(self.proc, sig)
         return self.proc.returncode
 
 
@@ -80,25 +74,17 @@ def start_engine(tmp: Path, **flags: Any) -> Engine:
     stderr_path = Path(tempfile.mkstemp(prefix="sim-engine-", suffix=".err", dir=tmp)[1])
     with open(stderr_path, "wb") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, start_new_session=True)
-    assert proc.stdout is not None
-    end = time.monotonic() + START_TIMEOUT_S
-    buf = b""
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"sim-engine exited {proc.returncode}: {stderr_path.read_text()}")
-        ready, _, _ = select.select([proc.stdout], [], [], 0.1)
-        if ready:
-            buf += os.read(proc.stdout.fileno(), 4096)
-            m = READY.search(buf.decode(errors="replace"))
-            if m:
-                replay = None if m.group(3) == "-" else m.group(3)
-                return Engine(proc, m.group(1), m.group(2), replay, stderr_path)
-    os.killpg(proc.pid, signal.SIGKILL)
-    raise TimeoutError(f"sim-engine not ready after {START_TIMEOUT_S}s: {buf!r}")
+    try:
+        m = read_line(proc, READY.pattern, START_TIMEOUT_S)
+    except (RuntimeError, TimeoutError) as exc:
+        stop_group(proc, signal.SIGKILL)
+        raise RuntimeError(f"sim-engine did not start: {exc}\n{stderr_path.read_text()}") from exc
+    replay = None if m.group(3) == "-" else m.group(3)
+    return Engine(proc, m.group(1), m.group(2), replay, stderr_path)
 
 
 @pytest.fixture
-def engines(tmp_path: Path) -> Iterator[list[Engine]]:
+def engines() -> Iterator[list[Engine]]:
     """A list the test appends started engines to; all are killed at teardown."""
     started: list[Engine] = []
     yield started

@@ -27,7 +27,7 @@ class LongestMatch:
         self.params = params
         self._cursor = seed
 
-    def choose(self, request: RequestFeatures, fleet: FleetSnapshot) -> Decision:
+    def choose(self, _request: RequestFeatures, fleet: FleetSnapshot) -> Decision:
         healthy = require_healthy(fleet)
         start = self._cursor % len(healthy)
         self._cursor += 1

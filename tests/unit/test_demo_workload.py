@@ -7,7 +7,7 @@ import itertools
 import subprocess
 import sys
 
-from gateway.demo_workload import AgentWorkloadSpec, agent_sessions
+from kvgate_tools.demo_workload import AgentWorkloadSpec, agent_sessions
 
 
 def test_same_seed_same_sessions_and_transcripts_grow() -> None:

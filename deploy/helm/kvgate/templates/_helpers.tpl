@@ -52,6 +52,12 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
+{{- /* The simulated engine's image: the kvgate image's `sim` build (Dockerfile KVGATE_EXTRAS=sim). */}}
+{{- define "kvgate.simEngineImage" -}}
+{{- $tag := default (printf "%s-sim" (default .Chart.AppVersion .Values.image.tag)) .Values.engineExample.sim.imageTag }}
+{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- end }}
+
 {{- define "kvgate.agentImage" -}}
 {{- $repo := default .Values.image.repository .Values.agent.image.repository }}
 {{- $tag := default (default .Chart.AppVersion .Values.image.tag) .Values.agent.image.tag }}

@@ -1,6 +1,6 @@
 """How much the segment cache saves when an agent resends its growing transcript.
 
-    python -m gateway.features.benchmark [--turns 40] [--vocab 0|32000] [--repeat 3]
+    python -m kvgate_tools.featurizer_benchmark [--turns 40] [--vocab 0|32000] [--repeat 3]
 
 Replays one seeded agent conversation turn by turn (each request carries the whole transcript so
 far, as agents do) through three featurizers and prints the CPU time per request:
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "assets/tokenizers/kvgate-tiny"
 
 

@@ -1,18 +1,15 @@
 """A whole kvgate deployment on loopback, as real processes: simulated engines, one agent beside
 each, and the gateway. Used by ``kvgate demo``, integration tests and live benchmarks.
 
-Ownership and shutdown order: the ``LocalFleet`` owns every process it starts, each in its own
-process group. ``stop()`` ends the gateway first (no new traffic), then the agents, then the
-engines, each with SIGTERM and a grace period before SIGKILL, and it runs on every exit path of the
-``with`` block.
+Ownership and shutdown order: the ``LocalFleet`` owns every process it starts, through one
+``kvgate_tools.procs.ProcessGroup`` (each child in its own process group). ``stop()`` ends the
+gateway first (no new traffic), then the agents, then the engines, each with SIGTERM and a grace
+period before SIGKILL, and it runs on every exit path of the ``with`` block (docs/architecture.md).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,15 +24,11 @@ from typing import Any
 
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from kvgate_tools.procs import REPO_ROOT, ProcessGroup, Ready, free_port
+
+__all__ = ["EngineSpec", "FleetOptions", "LocalFleet", "free_port", "http_json", "http_text"]
+
 DEFAULT_TOKENIZER = REPO_ROOT / "assets" / "tokenizers" / "kvgate-tiny"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def http_json(
@@ -54,22 +47,6 @@ def http_text(url: str, timeout: float = 5.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         text: str = resp.read().decode()
         return text
-
-
-def wait_http(url: str, deadline_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
-    end = time.monotonic() + deadline_s
-    last = ""
-    while time.monotonic() < end:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process for {url} exited with {proc.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(url, timeout=1.0) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError) as exc:
-            last = str(exc)
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} not ready after {deadline_s:.0f}s ({last})")
 
 
 @dataclass(frozen=True)
@@ -115,10 +92,10 @@ class LocalFleet:
         self._tmp = tempfile.TemporaryDirectory(prefix="kvgate-fleet-")
         self.workdir = Path(self._tmp.name)
         self.log_dir = opts.log_dir or self.workdir
+        self._group = ProcessGroup(self.log_dir)
         self._engines: list[subprocess.Popen[bytes]] = []
         self._agents: list[subprocess.Popen[bytes]] = []
         self._gateway: subprocess.Popen[bytes] | None = None
-        self._logs: list[Any] = []
 
     # ------------------------------------------------------------------ config
     @property
@@ -149,24 +126,17 @@ class LocalFleet:
                 cfg[key] = value
         return cfg
 
-    def _env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env["KVGATE_AGENT_TOKEN"] = self.opts.agent_token
-        env["KVGATE_ADMIN_TOKEN"] = self.opts.admin_token
-        env["PYTHONUNBUFFERED"] = "1"
-        return env
-
     def _spawn(self, name: str, args: Sequence[str]) -> subprocess.Popen[bytes]:
-        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
-        self._logs.append(log)
-        return subprocess.Popen(
-            [self.opts.python, "-m", "gateway.cli", *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=self._env(),
-            cwd=REPO_ROOT,
-            start_new_session=True,
-        )
+        env = {
+            "KVGATE_AGENT_TOKEN": self.opts.agent_token,
+            "KVGATE_ADMIN_TOKEN": self.opts.admin_token,
+            "PYTHONUNBUFFERED": "1",
+        }
+        return self._group.spawn(name, [self.opts.python, "-m", "gateway.cli", *args], extra_env=env)
+
+    def _wait_http(self, name: str, proc: subprocess.Popen[bytes] | None, url: str, timeout_s: float) -> None:
+        assert proc is not None
+        self._group.wait_ready(name, proc, Ready(url=url, timeout_s=timeout_s))
 
     # ------------------------------------------------------------------ lifecycle
     def start_engine(self, i: int) -> None:
@@ -221,11 +191,11 @@ class LocalFleet:
             self.start_engine(i)
         self.start_gateway()
         for i, e in enumerate(self.engines):
-            wait_http(f"{e.url}/health", ready_timeout_s, self._engines[i])
+            self._wait_http(f"engine-{e.replica_id}", self._engines[i], f"{e.url}/health", ready_timeout_s)
         if self.opts.agents:
             for i in range(len(self.engines)):
                 self.start_agent(i)
-        wait_http(f"{self.gateway_url}/ready", ready_timeout_s, self._gateway)
+        self._wait_http("gateway", self._gateway, f"{self.gateway_url}/ready", ready_timeout_s)
         if self.opts.agents:
             self.wait_agents_connected(ready_timeout_s)
         return self
@@ -250,27 +220,14 @@ class LocalFleet:
         return list(reps)
 
     def stop_process(self, proc: subprocess.Popen[bytes] | None, grace_s: float = 5.0) -> None:
-        if proc is None or proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        if proc is not None:
+            self._group.stop(proc, grace_s)
 
     def stop(self) -> None:
         self.stop_process(self._gateway)
-        for p in self._agents:
+        for p in [*self._agents, *self._engines]:
             self.stop_process(p)
-        for p in self._engines:
-            self.stop_process(p)
-        for log in self._logs:
-            log.close()
-        self._logs.clear()
+        self._group.stop_all(grace_s=5.0)
 
     def __enter__(self) -> LocalFleet:
         try:

@@ -25,8 +25,8 @@ from typing import Any
 
 import aiohttp
 
-from gateway.demo_workload import AgentWorkloadSpec, Session, agent_sessions
-from gateway.local_fleet import FleetOptions, LocalFleet
+from kvgate_tools.demo_workload import AgentWorkloadSpec, Session, agent_sessions
+from kvgate_tools.local_fleet import FleetOptions, LocalFleet
 from router_policies.errors import UserInputError
 
 POLICIES = ("round_robin", "least_loaded", "consistent_hash", "kv_aware")

@@ -1,0 +1,60 @@
+"""A process tree's CPU time read from /proc (utime + stime of the process, its threads, and its
+live descendants): how the benchmarks charge CPU seconds to a gateway. The processes themselves are
+started and stopped by ``kvgate_tools.procs.ProcessGroup``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(parent pid, CPU seconds) of ``pid``, or None if it is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # the command name (field 2) may hold spaces and parentheses: split after its last ')'
+    rest = raw[raw.rindex(")") + 2 :].split()
+    return int(rest[1]), (int(rest[11]) + int(rest[12])) / _TICK
+
+
+def threads_cpu_s(pid: int, name: str) -> float:
+    """CPU seconds used so far by the threads of ``pid`` whose OS name is ``name``."""
+    total = 0.0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    for tid in tids:
+        try:
+            if Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip() != name:
+                continue
+            raw = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        rest = raw[raw.rindex(")") + 2 :].split()
+        total += (int(rest[11]) + int(rest[12])) / _TICK
+    return total
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds used so far by ``root`` and its live descendants."""
+    parents: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = _stat(int(entry))
+            if st is not None:
+                parents[int(entry)], cpu[int(entry)] = st
+    total = 0.0
+    for pid, c in cpu.items():
+        p = pid
+        while p and p != root:
+            p = parents.get(p, 0)
+        if p == root:
+            total += c
+    return total
