@@ -167,7 +167,7 @@ class BoundCheck:
         held = set(index.precise_keys(replica))
         return cls(held, bound, index.entries - len(held), index.config.max_total_blocks)
 
-    def store(self, keys: Sequence[int], medium: str) -> None:
+    def store(self, keys: Sequence[int], _medium: str) -> None:
         self.held.update(keys)
         count = len(self.held)
         if count > self.bound:

@@ -27,6 +27,7 @@ import hmac
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeAlias
 
 import grpc
@@ -50,6 +51,10 @@ WRITER_DRAIN_S = 5.0
 
 _Context: TypeAlias = "grpc.aio.ServicerContext[bytes, pb.GatewayMessage]"
 _Stream = StreamState  # the name bench/ingest.py imports
+
+
+def _read_files(*paths: str) -> tuple[bytes, ...]:
+    return tuple(Path(p).read_bytes() for p in paths)
 
 
 class InventoryServer:
@@ -120,10 +125,7 @@ class InventoryServer:
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {METHOD: handler}),))
         if self._tls is not None:
             cert_path, key_path = self._tls
-            with open(cert_path, "rb") as f:
-                cert = f.read()
-            with open(key_path, "rb") as f:
-                key = f.read()
+            cert, key = _read_files(cert_path, key_path)  # once, at start-up
             port = int(server.add_secure_port(host_port, grpc.ssl_server_credentials([(key, cert)])))
         else:
             port = int(server.add_insecure_port(host_port))

@@ -201,7 +201,7 @@ class _Collector(otlp_grpc.TraceServiceServicer):
     def __init__(self) -> None:
         self.spans: list[Any] = []
 
-    def Export(self, request: Any, context: Any) -> Any:
+    def Export(self, request: Any, _context: Any) -> Any:
         for rs in request.resource_spans:
             for ss in rs.scope_spans:
                 self.spans.extend(ss.spans)

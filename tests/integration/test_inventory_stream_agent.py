@@ -134,7 +134,8 @@ async def test_wrong_token_never_touches_the_index(stopped: list[InventoryServer
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
 async def test_tls(tmp_path: Path, stopped: list[InventoryServer]) -> None:
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
+    await asyncio.to_thread(
+        subprocess.run,
         ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
          "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key), "-out", str(cert)],
         check=True, capture_output=True,

@@ -180,9 +180,11 @@ KV_TABLE: list[tuple[str, RequestFeatures, FleetSnapshot, str, str]] = [
 
 
 @pytest.mark.parametrize(
-    ("case", "request_", "f", "expected", "reason"), KV_TABLE, ids=[c[0] for c in KV_TABLE]
+    ("_case", "request_", "f", "expected", "reason"), KV_TABLE, ids=[c[0] for c in KV_TABLE]
 )
-def test_kv_aware(case: str, request_: RequestFeatures, f: FleetSnapshot, expected: str, reason: str) -> None:
+def test_kv_aware(
+    _case: str, request_: RequestFeatures, f: FleetSnapshot, expected: str, reason: str
+) -> None:
     d = build_policy("kv_aware", {"request_cost_tokens": 64}).choose(request_, f)
     assert (d.replica, d.reason) == (expected, reason)
     assert set(d.scores) == {r.id for r in f.replicas if r.healthy}
@@ -261,7 +263,7 @@ class OutOfTree:
     def __init__(self, params: object, seed: int) -> None:
         pass
 
-    def choose(self, request: RequestFeatures, fleet: FleetSnapshot) -> Decision:
+    def choose(self, _request: RequestFeatures, fleet: FleetSnapshot) -> Decision:
         return Decision(fleet.replicas[0].id, "first")
 
     def commit(self, decision: Decision) -> None:
