@@ -160,10 +160,13 @@ class InventoryServer:
         try:
             refusal = await self._serve(stream, context)
         finally:
-            # the one way a stream ends: no write in flight from here on, then the status
-            await self._stop_writer(stream)
-            self.metrics.streams.dec()
-            self._streams.release(stream)
+            # the one way a stream ends: no write in flight from here on, then the status; the
+            # fleet hears of the end even if stopping the writer is cancelled (a client that left)
+            try:
+                await self._stop_writer(stream)
+            finally:
+                self.metrics.streams.dec()
+                self._streams.release(stream)
         if refusal is not None:
             await context.abort(refusal.code, refusal.message)
 
