@@ -139,8 +139,22 @@ def _stored(f: dict[str, Any]) -> BlockStored:
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
         raise MalformedEvent(f"BlockStored: bad block_size {block_size!r}")
     medium = f.get("medium")
-    lora_name = _opt_str(f.get("lora_name"))
-    salt = _salt(f.get("extra_keys"), lora_name) if parent is None else None
+    lora_name = f.get("lora_name")
+    metadata = f.get("metadata")
+    if isinstance(lora_name, dict):
+        # SGLang 0.5.19's BlockStoredWithMetadata: the array's 8th field is a metadata map, in the
+        # place where vLLM puts lora_name
+        metadata, lora_name = lora_name, None
+    lora_name = _opt_str(lora_name)
+    salt: str | None = None
+    if parent is None:
+        # SGLang >= 0.5.20 (maps): a cache_salt field; 0.5.19: metadata {"cache_salt"};
+        # vLLM: the first block's extra keys
+        salt = _opt_str(f.get("cache_salt"))
+        if salt is None and isinstance(metadata, dict):
+            salt = _opt_str(metadata.get("cache_salt"))
+        if salt is None:
+            salt = _salt(f.get("extra_keys"), lora_name)
     return BlockStored(
         hashes,
         parent,
