@@ -86,6 +86,11 @@ class _Allocator:
         return None
 
 
+def _sglang(module: str) -> Any:
+    """A module of the installed SGLang (imported at run time: kvgate's venv has no sglang)."""
+    return importlib.import_module(f"sglang.srt.{module}")
+
+
 def _usable(name: str) -> bool:
     if importlib.util.find_spec(name) is None:
         return False
@@ -101,34 +106,32 @@ class Recorder:
 
     def __init__(self, out: Path, page_size: int, endpoint_id: str) -> None:
         import zmq
-        from sglang.srt.disaggregation.kv_events import KVEventBatch, ZmqEventPublisher
-        from sglang.srt.mem_cache.radix_cache import RadixCache
+
+        kv_events = _sglang("disaggregation.kv_events")
+        radix = _sglang("mem_cache.radix_cache")
+        RadixCache = radix.RadixCache
 
         self.out = out
         self.page_size = page_size
-        self.KVEventBatch = KVEventBatch
+        self.KVEventBatch = kv_events.KVEventBatch
         sim = inspect.signature(RadixCache.create_simulated).parameters
         kwargs: dict[str, Any] = {"page_size": page_size, "enable_kv_cache_events": True}
         kwargs["mock_allocator"] = _Allocator()
         self.lora = "kv_event_lora_names" in sim
         if self.lora:
-            from sglang.srt.mem_cache.events import KvEventLoraNames
-
-            names = KvEventLoraNames()
+            names = _sglang("mem_cache.events").KvEventLoraNames()
             # what the scheduler does for a request naming the adapter
             names.register(types.SimpleNamespace(extra_key=LORA_ID, lora_id=LORA_ID), LORA_NAME)
             kwargs["kv_event_lora_names"] = names
         self.cache = RadixCache.create_simulated(**kwargs)
-        from sglang.srt.mem_cache.radix_cache import RadixKey
-
-        self.RadixKey = RadixKey
-        self.salt = "cache_salt" in inspect.signature(RadixKey.__init__).parameters
-        self.ctx = zmq.Context.instance()
+        self.RadixKey = radix.RadixKey
+        self.salt = "cache_salt" in inspect.signature(radix.RadixKey.__init__).parameters
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         pub_ep = f"ipc:///tmp/kvgate-sglang-rec-{endpoint_id}.pub"
         replay_ep = f"ipc:///tmp/kvgate-sglang-rec-{endpoint_id}.replay"
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.publisher = ZmqEventPublisher(
+        self.publisher = kv_events.ZmqEventPublisher(
             attn_dp_rank=0, endpoint=pub_ep, replay_endpoint=replay_ep, topic="kv-events"
         )
         self.sub.connect(pub_ep)
@@ -144,15 +147,13 @@ class Recorder:
         return self.RadixKey(ids, **kw)
 
     def insert(self, tokens: list[int], lora: bool = False, salt: str | None = None) -> None:
-        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
-
-        self.cache.insert(InsertParams(key=self.key(tokens, lora, salt)))
+        self.cache.insert(
+            _sglang("mem_cache.base_prefix_cache").InsertParams(key=self.key(tokens, lora, salt))
+        )
         self.publish()
 
     def evict(self, tokens: int) -> None:
-        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-        self.cache.evict(EvictParams(num_tokens=tokens))
+        self.cache.evict(_sglang("mem_cache.base_prefix_cache").EvictParams(num_tokens=tokens))
         self.publish()
 
     def publish(self) -> None:
@@ -164,7 +165,7 @@ class Recorder:
     def paths(self) -> list[dict[str, Any]]:
         """Every cached node's path from the root: token ids and namespace."""
         out: list[dict[str, Any]] = []
-        stack = [(self.cache.root_node, [])]
+        stack: list[tuple[Any, list[int]]] = [(self.cache.root_node, [])]
         while stack:
             node, prefix = stack.pop()
             for child in node.children.values():
