@@ -287,6 +287,11 @@ class Fleet:
             return
         self._set_health(rec, False, error)
 
+    def key_block_size(self, models: Iterable[str]) -> int:
+        """The block size the gateway keys the first of ``models`` it serves at (0: none); told
+        to an agent in the Ack of its Hello, so that it re-keys a smaller engine page (W5a)."""
+        return next((self._block_sizes[m] for m in models if m in self._block_sizes), 0)
+
     # ------------------------------------------------------------------ agents (FleetSink)
     def agent_hello(self, hello: AgentHello) -> str | None:
         """Accept an agent, registering its replica when the config does not list it. Refuses a

@@ -91,6 +91,7 @@ class _Stream:
     resync_reason: str | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     last_gaps: tuple[int, int] = (0, 0)
+    key_block_size: int = 0  # the gateway's block size, sent on the Ack of the Hello (seq 1)
 
     @property
     def degraded(self) -> bool:
@@ -276,7 +277,8 @@ class InventoryServer:
                 await context.write(pb.GatewayMessage(resync=pb.Resync(reason=reason)))
             if stream.ack_seq is not None:
                 seq, stream.ack_seq = stream.ack_seq, None
-                await context.write(pb.GatewayMessage(ack=pb.Ack(seq=seq)))
+                kbs = stream.key_block_size if seq == 1 else 0
+                await context.write(pb.GatewayMessage(ack=pb.Ack(seq=seq, key_block_size=kbs)))
 
     def _release(self, stream: _Stream) -> None:
         replica = stream.replica
@@ -391,7 +393,10 @@ class InventoryServer:
         if self.observer is not None:
             self.observer.inventory_hello(hello)
         self.metrics.degraded.labels(h.replica_id).set(1)
-        # acknowledging the hello tells the agent it was accepted before it sends its snapshot
+        # acknowledging the hello tells the agent it was accepted before it sends its snapshot, and
+        # at which block size the gateway keys (an agent keying a smaller engine page re-keys)
+        key_block_size = getattr(self.fleet, "key_block_size", None)
+        stream.key_block_size = key_block_size(hello.models) if callable(key_block_size) else 0
         self._ack(stream, 1)
 
     def _state(self, stream: _Stream, st: pb.AgentState) -> None:
