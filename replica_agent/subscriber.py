@@ -1,10 +1,12 @@
-"""The engine event subscriber: ZMQ SUB on the engine's KV-event endpoint, in order, gap-free.
+"""The engine event subscriber: ZMQ SUB on the engine's KV-event endpoint, in order, gap-free
+(docs/architecture.md, the agent).
 
 Sequence rules (``seq`` is the engine publisher's per-batch counter, restarting at 0 with it):
 
 * ``seq == expected``: apply.
 * ``seq > expected``: a gap. Ask the replay endpoint (a DEALER sends ``["", start_seq]``; the engine
-  answers one ``["", (topic,) seq, payload]`` per buffered batch, then a seq of -1) for
+  answers one ``["", (topic,) seq, payload]`` per buffered batch, then a seq of -1: vLLM and
+  SGLang >= 0.5.22 send the topic, older SGLang does not) for
   ``[expected, seq)``. If it returns them all, apply them, then this batch. If not (no replay
   endpoint, a timeout, or the buffer no longer reaches back), the gap is unrecoverable: the
   inventory is cleared and marked degraded until fresh events have rebuilt it.
@@ -20,6 +22,11 @@ Sequence rules (``seq`` is the engine publisher's per-batch counter, restarting 
   its cache with it: the frames already received are applied, then the inventory is cleared at
   once rather than when the restarted engine's first batch shows its seq going back (an empty
   engine sends nothing until it caches something). The next batch is treated as the first.
+
+* Re-keying (``request_rekey``): the gateway keys at a multiple of the engine's block size (an
+  SGLang page of 1 token under a gateway block of 16): between two frames the inventory is
+  cleared, set to the new key size and rebuilt from the replay buffer; it stays degraded unless the
+  buffer reached back to seq 0 and up to every batch seen before.
 
 A payload that does not decode is counted and skipped, like a single bad event inside a batch;
 nothing a publisher sends can stop the subscriber.
