@@ -22,6 +22,7 @@ tests/data/sglang_events/):
   are kept as the Python value msgpack gives (int or bytes).
 * SGLang publishes one BlockStored per page (``block_size = len(page)``: a partial last page has
   a smaller one and is not keyed); >= 0.5.19 merges a node's consecutive pages into one event.
+  With EAGLE its token ids are ``[token, next token]`` bigrams: keyed by their first tokens.
 
 The cache salt of a request's first block: SGLang's ``cache_salt`` field or metadata map; vLLM
 carries it in ``extra_keys`` (per block, ``lora_name`` first, then multimodal identifiers, then
@@ -143,6 +144,10 @@ def _stored(f: dict[str, Any]) -> BlockStored:
     tokens = f.get("token_ids")
     if not isinstance(tokens, list):
         raise MalformedEvent("BlockStored: token_ids must be a list")
+    if tokens and type(tokens[0]) is list:
+        # SGLang with EAGLE speculative decoding: its tree holds bigrams, a page of [token, next
+        # token] pairs; the KV at each position is the first token's
+        tokens = [t[0] if type(t) is list and t else t for t in tokens]
     block_size = f.get("block_size")
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
         raise MalformedEvent(f"BlockStored: bad block_size {block_size!r}")

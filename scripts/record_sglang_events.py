@@ -104,7 +104,7 @@ def _usable(name: str) -> bool:
 class Recorder:
     """One radix cache and one publisher of one SGLang version, at one page size."""
 
-    def __init__(self, out: Path, page_size: int, endpoint_id: str) -> None:
+    def __init__(self, out: Path, page_size: int, variant: str) -> None:
         import zmq
 
         kv_events = _sglang("disaggregation.kv_events")
@@ -117,6 +117,8 @@ class Recorder:
         sim = inspect.signature(RadixCache.create_simulated).parameters
         kwargs: dict[str, Any] = {"page_size": page_size, "enable_kv_cache_events": True}
         kwargs["mock_allocator"] = _Allocator()
+        if variant == "dynamo":
+            kwargs["dynamo_kv_event_format"] = True  # --kv-events-config '{"format": "dynamo"}'
         self.lora = "kv_event_lora_names" in sim
         if self.lora:
             names = _sglang("mem_cache.events").KvEventLoraNames()
@@ -124,9 +126,15 @@ class Recorder:
             names.register(types.SimpleNamespace(extra_key=LORA_ID, lora_id=LORA_ID), LORA_NAME)
             kwargs["kv_event_lora_names"] = names
         self.cache = RadixCache.create_simulated(**kwargs)
+        if variant == "eagle":
+            # what CacheInitParams(is_eagle=True) sets (speculative decoding with EAGLE: the tree
+            # holds bigrams and events carry [token, next token] pairs); create_simulated has no
+            # parameter for it
+            self.cache.is_eagle = True
         self.RadixKey = radix.RadixKey
         self.salt = "cache_salt" in inspect.signature(radix.RadixKey.__init__).parameters
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        endpoint_id = f"{out.parent.name}-{out.name}"
         pub_ep = f"ipc:///tmp/kvgate-sglang-rec-{endpoint_id}.pub"
         replay_ep = f"ipc:///tmp/kvgate-sglang-rec-{endpoint_id}.replay"
         self.sub = self.ctx.socket(zmq.SUB)
@@ -266,11 +274,16 @@ def main() -> None:
     package = types.ModuleType("sglang")
     package.__path__ = [str(root)]
     sys.modules["sglang"] = package
-    for ps in (int(p) for p in args.page_sizes.split(",")):
-        rec = Recorder(args.out / version / f"page{ps}", ps, f"{version}-{ps}")
+    radix = _sglang("mem_cache.radix_cache")
+    runs = [(int(p), "") for p in args.page_sizes.split(",")]
+    if "dynamo_kv_event_format" in inspect.signature(radix.RadixCache.create_simulated).parameters:
+        runs += [(16, "dynamo"), (1, "eagle")]  # the event shapes of two more modes
+    for ps, variant in runs:
+        name = f"page{ps}-{variant}" if variant else f"page{ps}"
+        rec = Recorder(args.out / version / name, ps, variant)
         scenario(rec, random.Random(ps))
         rec.finish(version)
-        print(f"sglang {version} page {ps}: {rec.steps} batches -> {rec.out}")
+        print(f"sglang {version} {name}: {rec.steps} batches -> {rec.out}")
 
 
 if __name__ == "__main__":
