@@ -99,3 +99,38 @@ async def test_page_size_1_is_rekeyed_at_the_gateways_block_size() -> None:
         await server.stop(0)
         await engine.close()
         ctx.destroy(linger=0)
+
+
+async def _keyed_at_1(ctx: zmq.asyncio.Context, replay: str | None) -> tuple[AgentInventory, EventSubscriber]:
+    live, _replay, expected = _load(REC)
+    inv = AgentInventory(expected["model"], None, 100_000)
+    sub = EventSubscriber(ctx, "tcp://127.0.0.1:9", replay, inv, replay_timeout_s=2.0)
+    for frames in live:
+        await sub.handle_frames(frames)
+    assert inv.block_size == 1 and set(inv.keys()) == _expected_keys(expected, 1)
+    return inv, sub
+
+
+async def test_rekey_without_replay_starts_empty_and_degraded() -> None:
+    ctx = zmq.asyncio.Context()
+    try:
+        inv, sub = await _keyed_at_1(ctx, None)
+        await sub.rekey(16)
+        assert inv.key_block_size == 16 and len(inv) == 0 and inv.degraded
+    finally:
+        ctx.destroy(linger=0)
+
+
+async def test_rekey_with_a_replay_buffer_that_no_longer_reaches_seq_0_is_degraded() -> None:
+    _live, replay, expected = _load(REC)
+    ctx = zmq.asyncio.Context()
+    engine = Engine(ctx, replay[1:])  # the buffer dropped the first batch
+    try:
+        inv, sub = await _keyed_at_1(ctx, f"tcp://127.0.0.1:{engine.replay_port}")
+        await sub.rekey(16)
+        assert inv.key_block_size == 16 and inv.degraded
+        # what it holds is still only what the engine holds
+        assert set(inv.keys()) <= _expected_keys(expected, 16)
+    finally:
+        await engine.close()
+        ctx.destroy(linger=0)
