@@ -26,7 +26,7 @@ import cProfile
 import pstats
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgpack
@@ -134,6 +134,9 @@ class _Fleet:
 
     def agent_load(self, replica_id: str, load: AgentLoad) -> None:
         pass
+
+    def key_block_size(self, _models: Iterable[str]) -> int:
+        return 0
 
     def agent_state(self, replica_id: str, *, connected: bool, degraded: bool) -> None:
         pass

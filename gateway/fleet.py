@@ -214,6 +214,11 @@ class Fleet:
     def proxy_failure(self, rec: ReplicaRecord, error: str, connect: bool = False) -> None:
         rec.health.proxy_failure(error, connect, self._health, self._clock())
 
+    def key_block_size(self, models: Iterable[str]) -> int:
+        """The block size the gateway keys the first of ``models`` it serves at (0: none); told
+        to an agent in the Ack of its Hello, so that it re-keys a smaller engine page (W5a)."""
+        return next((self._block_sizes[m] for m in models if m in self._block_sizes), 0)
+
     # ------------------------------------------------------------------ agents (FleetSink)
     def agent_load(self, replica_id: str, load: AgentLoad) -> None:
         rec = self._records.get(replica_id)

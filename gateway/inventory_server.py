@@ -266,5 +266,6 @@ def _next_message(stream: StreamState) -> pb.GatewayMessage | None:
         return pb.GatewayMessage(resync=pb.Resync(reason=reason))
     if stream.ack_seq is not None:
         seq, stream.ack_seq = stream.ack_seq, None
-        return pb.GatewayMessage(ack=pb.Ack(seq=seq))
+        kbs = stream.key_block_size if seq == 1 else 0
+        return pb.GatewayMessage(ack=pb.Ack(seq=seq, key_block_size=kbs))
     return None

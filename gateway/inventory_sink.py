@@ -6,6 +6,7 @@ from the event loop that runs the inventory server and must not block or await.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -46,6 +47,11 @@ class FleetSink(Protocol):
         ...
 
     def agent_load(self, replica_id: str, load: AgentLoad) -> None: ...
+
+    def key_block_size(self, models: Iterable[str]) -> int:
+        """The block size the gateway keys the first of ``models`` it serves at (0: none). Sent
+        on the Ack of the Hello, so that an agent keying a smaller engine page re-keys."""
+        ...
 
     def agent_state(self, replica_id: str, *, connected: bool, degraded: bool) -> None:
         """The replica's agent stream connected or went away, or its inventory became (in)complete.

@@ -103,6 +103,7 @@ class StreamState:
     closing: bool = False  # the writer stops before its next write
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     last_gaps: tuple[int, int] = (0, 0)
+    key_block_size: int = 0  # the gateway's block size, sent on the Ack of the Hello (seq 1)
 
     @property
     def degraded(self) -> bool:
@@ -236,7 +237,9 @@ class Streams:
         if self.observer is not None:
             self.observer.inventory_hello(hello)
         self.metrics.degraded.labels(h.replica_id).set(1)
-        # acknowledging the hello tells the agent it was accepted before it sends its snapshot
+        # acknowledging the hello tells the agent it was accepted before it sends its snapshot, and
+        # at which block size the gateway keys (an agent keying a smaller engine page re-keys)
+        stream.key_block_size = self.fleet.key_block_size(hello.models)
         self._ack(stream, 1)
 
     def _state(self, stream: StreamState, st: pb.AgentState) -> None:

@@ -73,6 +73,8 @@ class Agent:
         inv = self.inventory
         if inv is None or inv.block_size is None:
             return None
+        if self.subscriber is not None and self.subscriber.rekey_pending:
+            return None  # the hello waits for the keys of the new block size
         load = self.load
         capacity = self.cfg.capacity_blocks or (load.capacity_blocks if load else None) or 0
         inv.capacity_blocks = capacity
@@ -86,6 +88,18 @@ class Agent:
             engine=engine,
             engine_version=self.engine_version,
         )
+
+    def _gateway_block_size(self, key_block_size: int) -> bool:
+        """The gateway keys this replica's model at ``key_block_size`` tokens: re-key at that size
+        when the engine's block (page) divides it, so that the keys match the gateway's (an engine
+        page smaller than the gateway's block, e.g. SGLang's default page of 1 token)."""
+        inv, sub = self.inventory, self.subscriber
+        if inv is None or sub is None or inv.block_size is None:
+            return False
+        if inv.reported_block_size == key_block_size or key_block_size % inv.block_size:
+            return False  # already there, or a size the engine cannot be keyed at (gateway refuses)
+        sub.request_rekey(key_block_size)
+        return True
 
     def _state(self) -> pb.AgentState:
         inv = self.inventory
@@ -220,6 +234,7 @@ class Agent:
                     load=self._load,
                     seed=cfg.seed,
                     backoff_max_s=cfg.backoff_max_s,
+                    on_key_block_size=self._gateway_block_size,
                 )
                 tasks.insert(0, asyncio.create_task(self.subscriber.run(), name="agent-subscriber"))
                 tasks.insert(0, asyncio.create_task(self.client.run(), name="agent-gateway"))

@@ -1,26 +1,35 @@
-"""Decoding of the KV-cache events vLLM and SGLang publish over ZMQ (ARCHITECTURE.md §4).
+"""Decoding of the KV-cache events vLLM and SGLang publish over ZMQ (docs/architecture.md, the
+agent; docs/agent.md "SGLang" for the versions checked).
 
-Wire format (checked against vllm/distributed/kv_events.py and SGLang's
-srt/disaggregation/kv_events.py, and against bytes recorded from a real vLLM):
+Wire format (checked against vllm/distributed/kv_events.py and bytes recorded from a real vLLM,
+and against bytes SGLang 0.5.10, 0.5.19 and 0.5.23's own radix cache and publisher produced,
+tests/data/sglang_events/):
 
 * frames ``[topic, seq, payload]``, ``seq`` an 8-byte big-endian counter per publisher;
 * ``payload`` is msgpack of an EventBatch: an array ``[ts, events]`` or ``[ts, events, dp_rank]``
-  (SGLang, older vLLM and vLLM 0.32 as observed), or a map ``{"ts", "events",
-  "data_parallel_rank"}`` (a msgspec Struct without ``array_like``);
-* each event is a map with a ``type`` key (current vLLM) or a tagged array whose first item is the
-  type name (older vLLM, SGLang), with fields in declaration order:
-  ``BlockStored``: block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-  lora_name, extra_keys, group_idx, ...; ``BlockRemoved``: block_hashes, medium, group_idx;
-  ``AllBlocksCleared``: nothing. Trailing fields with defaults may be omitted (``omit_defaults``).
+  (SGLang: ``[ts, events, attn_dp_rank]``; older vLLM and vLLM 0.32 as observed), or a map
+  ``{"ts", "events", "data_parallel_rank"}`` (a msgspec Struct without ``array_like``);
+* each event is a map with a ``type`` key (current vLLM; SGLang >= 0.5.20) or a tagged array whose
+  first item is the type name (older vLLM; SGLang <= 0.5.19), with fields in declaration order:
+  ``BlockStored``: block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, then
+  vLLM: lora_name, extra_keys, group_idx, ...; SGLang 0.5.19 (``BlockStoredWithMetadata``, salted
+  requests only): a map ``{"cache_salt": ...}`` in the place of vLLM's lora_name.
+  ``BlockRemoved``: block_hashes, medium, group_idx; ``AllBlocksCleared``: nothing. Trailing
+  fields with defaults may be omitted (``omit_defaults``). SGLang's map events name
+  ``cache_salt`` (>= 0.5.20), ``session_id`` and ``lora_name`` (>= 0.5.22) as fields.
 * block hashes are ints (vLLM: unsigned 64-bit; SGLang: signed 64-bit) or byte digests (vLLM with
   ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``). They are only ever compared with each other, so both
   are kept as the Python value msgpack gives (int or bytes).
+* SGLang publishes one BlockStored per page (``block_size = len(page)``: a partial last page has
+  a smaller one and is not keyed); >= 0.5.19 merges a node's consecutive pages into one event.
+  With EAGLE its token ids are ``[token, next token]`` bigrams: keyed by their first tokens.
 
-The cache salt travels in ``extra_keys`` of a request's first block (vLLM puts, per block,
-``lora_name`` first, then multimodal identifiers, then ``cache_salt`` on the first block only, then
-prompt-embedding hashes). A first block's salt is therefore its last ``str`` extra key that is not
-the LoRA name. Multimodal requests are not keyed faithfully (their placeholder tokens hide the
-image), which matches the gateway, which does not see the image either.
+The cache salt of a request's first block: SGLang's ``cache_salt`` field or metadata map; vLLM
+carries it in ``extra_keys`` (per block, ``lora_name`` first, then multimodal identifiers, then
+``cache_salt`` on the first block only, then prompt-embedding hashes), so there it is the first
+block's last ``str`` extra key that is not the LoRA name. Multimodal requests are not keyed
+faithfully (their placeholder tokens hide the image), which matches the gateway, which does not
+see the image either.
 """
 
 from __future__ import annotations
@@ -135,12 +144,30 @@ def _stored(f: dict[str, Any]) -> BlockStored:
     tokens = f.get("token_ids")
     if not isinstance(tokens, list):
         raise MalformedEvent("BlockStored: token_ids must be a list")
+    if tokens and type(tokens[0]) is list:
+        # SGLang with EAGLE speculative decoding: its tree holds bigrams, a page of [token, next
+        # token] pairs; the KV at each position is the first token's
+        tokens = [t[0] if type(t) is list and t else t for t in tokens]
     block_size = f.get("block_size")
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
         raise MalformedEvent(f"BlockStored: bad block_size {block_size!r}")
     medium = f.get("medium")
-    lora_name = _opt_str(f.get("lora_name"))
-    salt = _salt(f.get("extra_keys"), lora_name) if parent is None else None
+    lora_name = f.get("lora_name")
+    metadata = f.get("metadata")
+    if isinstance(lora_name, dict):
+        # SGLang 0.5.19's BlockStoredWithMetadata: the array's 8th field is a metadata map, in the
+        # place where vLLM puts lora_name
+        metadata, lora_name = lora_name, None
+    lora_name = _opt_str(lora_name)
+    salt: str | None = None
+    if parent is None:
+        # SGLang >= 0.5.20 (maps): a cache_salt field; 0.5.19: metadata {"cache_salt"};
+        # vLLM: the first block's extra keys
+        salt = _opt_str(f.get("cache_salt"))
+        if salt is None and isinstance(metadata, dict):
+            salt = _opt_str(metadata.get("cache_salt"))
+        if salt is None:
+            salt = _salt(f.get("extra_keys"), lora_name)
     return BlockStored(
         hashes,
         parent,

@@ -71,6 +71,7 @@ class GatewayClient:
         backoff_initial_s: float = 0.1,
         backoff_max_s: float = 5.0,
         flush_interval_s: float = 0.005,
+        on_key_block_size: Callable[[int], bool] | None = None,
     ) -> None:
         self.target = target
         self.inventory = inventory
@@ -84,6 +85,8 @@ class GatewayClient:
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.flush_interval_s = flush_interval_s
+        # the gateway's block size from the hello's Ack; True: the agent re-keys, say hello again
+        self._on_key_block_size = on_key_block_size
         self.stats = ClientStats()
         self.connected = asyncio.Event()
         self._snapshot_id = 0
@@ -164,6 +167,11 @@ class GatewayClient:
                 if first is grpc.aio.EOF:
                     await self._raise_status(call)
                     return False
+                kbs = first.ack.key_block_size if first.WhichOneof("body") == "ack" else 0
+                rekey = self._on_key_block_size
+                if kbs and kbs != hello.block_size and rekey is not None and rekey(kbs):
+                    log.info("gateway keys at %d tokens, hello said %d: re-keying", kbs, hello.block_size)
+                    return True  # say hello again once the inventory is keyed at the gateway's size
                 reader = asyncio.create_task(self._read(call), name="agent-gateway-reader")
                 self._last_state = self._last_load = None
                 await self._send_snapshot(send)

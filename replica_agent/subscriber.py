@@ -1,10 +1,12 @@
-"""The engine event subscriber: ZMQ SUB on the engine's KV-event endpoint, in order, gap-free.
+"""The engine event subscriber: ZMQ SUB on the engine's KV-event endpoint, in order, gap-free
+(docs/architecture.md, the agent).
 
 Sequence rules (``seq`` is the engine publisher's per-batch counter, restarting at 0 with it):
 
 * ``seq == expected``: apply.
 * ``seq > expected``: a gap. Ask the replay endpoint (a DEALER sends ``["", start_seq]``; the engine
-  answers one ``["", (topic,) seq, payload]`` per buffered batch, then a seq of -1) for
+  answers one ``["", (topic,) seq, payload]`` per buffered batch, then a seq of -1: vLLM and
+  SGLang >= 0.5.22 send the topic, older SGLang does not) for
   ``[expected, seq)``. If it returns them all, apply them, then this batch. If not (no replay
   endpoint, a timeout, or the buffer no longer reaches back), the gap is unrecoverable: the
   inventory is cleared and marked degraded until fresh events have rebuilt it.
@@ -20,6 +22,11 @@ Sequence rules (``seq`` is the engine publisher's per-batch counter, restarting 
   its cache with it: the frames already received are applied, then the inventory is cleared at
   once rather than when the restarted engine's first batch shows its seq going back (an empty
   engine sends nothing until it caches something). The next batch is treated as the first.
+
+* Re-keying (``request_rekey``): the gateway keys at a multiple of the engine's block size (an
+  SGLang page of 1 token under a gateway block of 16): between two frames the inventory is
+  cleared, set to the new key size and rebuilt from the replay buffer; it stays degraded unless the
+  buffer reached back to seq 0 and up to every batch seen before.
 
 A payload that does not decode is counted and skipped, like a single bad event inside a batch;
 nothing a publisher sends can stop the subscriber.
@@ -93,6 +100,8 @@ class EventSubscriber:
         self.last_ts = float("-inf")  # engine timestamp of the newest batch applied
         self._rejoin = False  # the engine went away: catch up from replay when it is back
         self._on_applied = on_applied
+        # a new key block size to rebuild the inventory at (set by request_rekey, applied by run)
+        self._rekey: int | None = None
 
     async def run(self) -> None:
         """Subscribe and apply until cancelled."""
@@ -112,7 +121,15 @@ class EventSubscriber:
                 except Exception:
                     self._internal_error()
             while True:
-                ready = dict(await poller.poll())
+                # bounded wait: a re-key request (from the gateway stream's task) is applied here,
+                # between frames, never in the middle of a batch
+                ready = dict(await poller.poll(100 if self._rekey is None else 0))
+                if self._rekey is not None:
+                    try:
+                        await self.rekey(self._rekey)
+                    except Exception:
+                        self._internal_error()
+                    self._rekey = None
                 if sub in ready:
                     await self._drain(sub)
                 if monitor in ready:
@@ -137,18 +154,46 @@ class EventSubscriber:
             monitor.close(linger=0)
             sub.close(linger=0)
 
-    async def catch_up(self) -> None:
+    @property
+    def rekey_pending(self) -> bool:
+        return self._rekey is not None
+
+    def request_rekey(self, key_block_size: int) -> None:
+        """Rebuild the inventory with keys of ``key_block_size`` tokens (the gateway's block size),
+        from the engine's replay buffer, at the run loop's next turn."""
+        self._rekey = key_block_size
+
+    async def rekey(self, key_block_size: int) -> None:
+        """Forget the keys (they cover the old block size) and key the engine's cache again from
+        replay. Complete when the replay reaches back to seq 0 and up to every batch already seen;
+        otherwise degraded, like an unrecoverable gap, until the inventory's rebuild rule clears it."""
+        seen = self.expected
+        inv = self.inventory
+        inv.clear()
+        inv.key_block_size = key_block_size
+        inv.mark_degraded(f"re-keying at the gateway's block size {key_block_size}")
+        self.expected = None
+        self.last_ts = float("-inf")
+        if self.replay_endpoint is not None and await self.catch_up() and (self.expected or 0) >= (seen or 0):
+            inv.mark_complete()
+        log.info("re-keyed at %d tokens per key (degraded: %s)", key_block_size, inv.degraded)
+
+    async def catch_up(self) -> bool:
         """Apply the engine's whole replay buffer (called once the SUB socket is connected, so that
-        nothing published meanwhile is lost: later duplicates are recognised as stale)."""
+        nothing published meanwhile is lost: later duplicates are recognised as stale). True when
+        the buffer reached back to seq 0 and was applied whole (or the engine published nothing)."""
         replayed = await self.replay(0)
         if not replayed:
-            return  # nothing published yet, or no answer: the first live batch decides
+            # nothing published yet, or no answer: the first live batch decides
+            return replayed is not None
         first = replayed[0][0]
         if first > 0:
             self.inventory.mark_degraded(f"joined at engine seq {first}: replay no longer reaches seq 0")
         prev = first - 1
+        whole = first == 0
         for s, payload in replayed:
             if s != prev + 1:
+                whole = False
                 break  # not contiguous: the live stream's gap handling takes over
             prev = s
             batch = self._decode(payload)
@@ -157,6 +202,7 @@ class EventSubscriber:
             else:
                 self.expected = s + 1
             self.stats.replayed_batches += 1
+        return whole
 
     async def _drain(self, sub: zmq.asyncio.Socket) -> None:
         """Handle every frame already queued on ``sub``, without waiting for more (yielding to the

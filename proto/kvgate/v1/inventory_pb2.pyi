@@ -383,15 +383,23 @@ class Ack(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SEQ_FIELD_NUMBER: _builtins.int
+    KEY_BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
+    key_block_size: _builtins.int
+    """Only on the Ack of the Hello: the block size (tokens) the gateway keys the agent's models at
+    (its models[].block_size); 0 when it has none. An agent whose Hello reported a smaller size
+    that divides it (an engine page smaller than the gateway's block, e.g. SGLang's default page
+    of 1 token) re-keys its inventory at this size and says Hello again.
+    """
     def __init__(
         self,
         *,
         seq: _builtins.int = ...,
+        key_block_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key_block_size", b"key_block_size", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
