@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from replica_agent.engine_events import AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent, EngineHash
+from replica_agent.kv_groups import GroupedEvents, GroupTracker
 from router_policies.block_keys import chain_keys, root_key
 
 GPU = "GPU"
@@ -56,7 +57,7 @@ class InventoryStats:
     bad_tokens: int = 0  # stored events whose token ids are not uint32 ints (skipped)
 
 
-class AgentInventory:
+class AgentInventory(GroupedEvents):
     def __init__(
         self,
         model: str,
@@ -87,6 +88,14 @@ class AgentInventory:
         )
         self._refs: dict[int, int] = {}
         self._medium: dict[int, str] = {}
+        # parent of every held key (dropped with the key): what a switch to per-group tracking
+        # needs to check sliding windows through blocks stored before it
+        self._link: dict[int, int] = {}
+        # Hybrid-attention engines (several KV-cache groups, or one that is not full attention)
+        # are tracked per group by ``_groups`` (kv_groups.py), which then holds the inventory;
+        # ``_group0`` is the group of the events seen before the switch.
+        self._groups: GroupTracker | None = None
+        self._group0: int | None = None
         # root keys of the (LoRA, cache salt) namespaces seen, at most max_namespaces (then reset)
         self._roots: dict[tuple[str | None, str | None], int] = {}
         self.max_namespaces = max_namespaces
@@ -100,15 +109,24 @@ class AgentInventory:
         self.capacity_blocks = 0
 
     # ------------------------------------------------------------------ views
+    @property
+    def _view(self) -> dict[int, str]:
+        return self._groups.reported if self._groups is not None else self._medium
+
     def __len__(self) -> int:
-        return len(self._medium)
+        return len(self._view)
 
     def snapshot(self) -> dict[int, str]:
-        """A copy of the inventory: key -> medium."""
-        return dict(self._medium)
+        """A copy of the inventory: key -> medium (hybrid models: the reusable keys)."""
+        return dict(self._view)
 
     def keys(self) -> list[int]:
-        return list(self._medium)
+        return list(self._view)
+
+    @property
+    def hybrid(self) -> bool:
+        """The engine runs several KV-cache groups (or a non-full-attention one)."""
+        return self._groups is not None
 
     # ------------------------------------------------------------------ state changes
     def clear(self) -> None:
@@ -117,6 +135,9 @@ class AgentInventory:
         self._partial.clear()
         self._refs.clear()
         self._medium.clear()
+        self._link.clear()
+        if self._groups is not None:
+            self._groups.clear()
         self.stats.clears += 1
         if self.sink is not None:
             self.sink.cleared()
@@ -139,9 +160,17 @@ class AgentInventory:
     def apply(self, events: Iterable[EngineEvent]) -> None:
         for ev in events:
             if type(ev) is BlockStored:
-                self._store(ev)
+                if self._groups is None and self._needs_groups(ev):
+                    self._switch_to_groups()
+                if self._groups is not None:
+                    self._store_grouped(ev, self._groups)
+                else:
+                    self._store(ev)
             elif type(ev) is BlockRemoved:
-                self._remove(ev)
+                if self._groups is not None:
+                    self._remove_grouped(ev, self._groups)
+                else:
+                    self._remove(ev)
             elif type(ev) is AllBlocksCleared:
                 self.clear()
                 self.mark_complete()
@@ -218,6 +247,7 @@ class AgentInventory:
             r = refs.get(k, 0)
             refs[k] = r + 1
             held[k] = medium
+            self._link[k] = parent_key if i == 0 else keys[i - 1]
         self.stats.stored_blocks += n
         if changed and self.sink is not None:
             self.sink.stored(keys, parent_key, medium)
@@ -302,6 +332,7 @@ class AgentInventory:
             else:
                 del self._refs[k]
                 del self._medium[k]
+                self._link.pop(k, None)
                 dropped.append(k)
         if dropped and self.sink is not None:
             self.sink.removed(dropped, GPU)
@@ -313,6 +344,7 @@ class AgentInventory:
             return
         del self._refs[k]
         del self._medium[k]
+        self._link.pop(k, None)
         if self.sink is not None:
             self.sink.removed([k], medium)
 
@@ -338,6 +370,7 @@ class AgentInventory:
             else:
                 del refs[k]
                 del held[k]
+                self._link.pop(k, None)
                 gone.append(k)
         self.stats.removed_blocks += len(gone)
         if self.degraded:
