@@ -196,6 +196,23 @@ def decode_payload(payload: bytes) -> tuple[float, list[dict[str, Any]], int | N
 # ---- independent reconstruction -------------------------------------------------------------
 
 
+def _dense_stores_first(events: list[dict[str, Any]], block_size: int) -> list[dict[str, Any]]:
+    """Within each run of consecutive BlockStored events, the ones listing a hash for every block
+    first (stores commute); removals and clears keep their place."""
+    out: list[dict[str, Any]] = []
+    run: list[dict[str, Any]] = []
+    for ev in [*events, None]:
+        if ev is not None and ev["type"] == "BlockStored":
+            run.append(ev)
+            continue
+        dense = [e for e in run if len(e["block_hashes"]) * block_size >= len(e["token_ids"])]
+        out += dense + [e for e in run if all(e is not d for d in dense)]
+        run = []
+        if ev is not None:
+            out.append(ev)
+    return out
+
+
 @dataclass
 class HeldBlocks:
     """The blocks one engine holds, rebuilt from its event stream in seq order, and the keys it
@@ -248,7 +265,7 @@ class HeldBlocks:
                 self.gaps += 1
             self.last_seq = f.seq
             _, events, _ = decode_payload(f.payload)
-            for ev in events:
+            for ev in _dense_stores_first(events, self.block_size):
                 self.apply(ev)
 
     def apply(self, ev: dict[str, Any]) -> None:
@@ -300,8 +317,16 @@ class HeldBlocks:
                 assert k is not None
                 self.parent_of.setdefault(k, up)
                 up = k
-        # A sliding-window group lists only the blocks it cached: the last ones of the range.
-        for h, k in zip(hashes, keys[n - len(hashes) :], strict=True):
+        # A sliding-window group lists only the blocks it cached. The hash of a position is the
+        # same in every group: a block another group stored (applied first, see
+        # _dense_stores_first) is at its position; otherwise assume the range's last blocks.
+        positions = {k: i for i, k in enumerate(keys) if k is not None}
+        offset = n - len(hashes)
+        placed = [
+            self.key_of[h] if self.key_of.get(h) in positions else keys[offset + i]
+            for i, h in enumerate(hashes)
+        ]
+        for h, k in zip(hashes, placed, strict=True):
             if self.hybrid and (group, h) in self.engine:
                 self.copies[(group, h)] = self.copies.get((group, h), 1) + 1
             self.engine[(group, h)] = k

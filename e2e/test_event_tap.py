@@ -113,11 +113,12 @@ def test_tagged_array_encoding_decodes_like_the_map() -> None:
     assert {k: v for k, v in decode_event(raw).items() if k in fields} == {f: ev[f] for f in fields}
 
 
-def test_hybrid_reconstruction_equals_the_agents_reusable_keys() -> None:
+@pytest.mark.parametrize("name", ["hybrid_gemma3.json", "hybrid_gemma3_sessions.json"])
+def test_hybrid_reconstruction_equals_the_agents_reusable_keys(name: str) -> None:
     """On the recorded Gemma-3 (sliding-window + full attention) stream, the harness's own
     reconstruction of what vLLM can reuse equals the agent's inventory after every batch, and
     predicts the engine's cached tokens."""
-    capture = json.loads((DATA / "hybrid_gemma3.json").read_text())
+    capture = json.loads((DATA / name).read_text())
     model, bs = capture["model"], capture["block_size"]
     frames = [Frame(b"kv-events", f["seq"], bytes.fromhex(f["payload_hex"]), 0.0) for f in capture["frames"]]
     held = HeldBlocks(model, bs, hybrid=True)

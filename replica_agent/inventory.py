@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from replica_agent.engine_events import AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent, EngineHash
-from replica_agent.kv_groups import GroupedEvents, GroupTracker
+from replica_agent.kv_groups import GroupedEvents, GroupTracker, order_stores
 from router_policies.block_keys import chain_keys, root_key
 
 GPU = "GPU"
@@ -158,6 +158,12 @@ class AgentInventory(GroupedEvents):
         self.degraded_reason = ""
 
     def apply(self, events: Iterable[EngineEvent]) -> None:
+        if self._groups is not None or self._group0 is None:
+            events = list(events)
+            if self._groups is not None or any(
+                type(e) is BlockStored and e.group is not None for e in events
+            ):
+                events = order_stores(events)
         for ev in events:
             if type(ev) is BlockStored:
                 if self._groups is None and self._needs_groups(ev):

@@ -52,6 +52,26 @@ class Sink:
     def removed(self, keys: list[int], medium: str) -> None: ...
 
 
+def order_stores(events: list[Any]) -> list[Any]:
+    """Within each run of consecutive BlockStored events of one engine step, those listing every
+    block of their range first (stores commute; removals keep their place): a sliding-window
+    group's sparse store can then find its blocks' positions by hash."""
+    out: list[Any] = []
+    run: list[BlockStored] = []
+    for ev in [*events, None]:
+        if type(ev) is BlockStored:
+            run.append(ev)
+            continue
+        if run:
+            bs = [len(e.token_ids) // max(e.block_size, 1) for e in run]
+            out += [e for e, n in zip(run, bs, strict=True) if len(e.block_hashes) >= n]
+            out += [e for e, n in zip(run, bs, strict=True) if len(e.block_hashes) < n]
+            run = []
+        if ev is not None:
+            out.append(ev)
+    return out
+
+
 def window_blocks(kind: str | None, window: int | None, block_size: int) -> int:
     """Blocks ending at ``j`` a group must hold for a prefix through ``j`` to hit."""
     if kind == SLIDING and window:
@@ -93,16 +113,27 @@ class GroupTracker:
         group = ev.group if ev.group is not None else default_group
         self.learn(group, ev.spec_kind, ev.window)
         self.link(None if ev.parent is None else parent_key, list(keys))
-        # vLLM lists only the blocks the group cached (a sliding-window group skips those already
-        # out of its window: the leading ones), while token_ids spans the whole range: the hashes
-        # are the range's last blocks. (SGLang may list one more hash, for a partial last page.)
+        # vLLM lists only the blocks the group cached (a sliding-window group skips those out of
+        # its window, but keeps the window ending at a shared-prefix junction), while token_ids
+        # spans the whole range. A listed hash is the same for every group at one position, so its
+        # position is where another group's store put it (``order_stores`` applies the stores that
+        # list every block first); failing that, the range's last blocks. (SGLang may list one
+        # more hash than full blocks, for a partial last page: it is not keyed.)
         hashes = ev.block_hashes[:n]
-        offset = n - len(hashes)
         medium = ev.medium
         gpu = medium == "GPU"
-        self.hold(
-            group, [(h if gpu else (h, medium), keys[offset + i]) for i, h in enumerate(hashes)], medium
-        )
+        if len(hashes) < n:
+            at = {k: i for i, k in enumerate(keys)}
+            key_of = self.key_of
+            offset = n - len(hashes)
+            picked = []
+            for i, h in enumerate(hashes):
+                mk = h if gpu else (h, medium)
+                known = key_of.get(mk)
+                picked.append((mk, known if known in at else keys[offset + i]))
+        else:
+            picked = [(h if gpu else (h, medium), k) for h, k in zip(hashes, keys, strict=False)]
+        self.hold(group, picked, medium)
         return len(hashes)
 
     def adopt(

@@ -331,13 +331,16 @@ def test_hybrid_model_inventory_predicts_the_engines_cached_tokens(path: Path) -
         applied = start
         tokens = tok["response"]["tokens"]
         predicted = _deepest_reusable(block_keys(tokens, bs, model), set(inv.keys()), (len(tokens) - 1) // bs)
-        assert predicted * bs == req["cached_tokens"], req["request"].get("prompt", "chat")[:40]
+        assert predicted * bs == req["cached_tokens"], (
+            req.get("tag") or req["request"].get("prompt", "chat")[:40]
+        )
         hits += predicted > 0
     for p in payloads[applied:]:
         inv.apply(decode_payload(p).events)
     assert hits >= 2 and inv.hybrid
     assert inv.stats.unknown_removals == 0 and inv.stats.skipped_blocks == 0
-    assert len(inv) == 0  # the capture ends with a prefix-cache reset
+    if "reset_prefix_cache" in capture:
+        assert len(inv) == 0  # the capture ends with a prefix-cache reset
 
 
 @pytest.mark.skipif(not HYBRID, reason="no recorded hybrid-model events")
