@@ -40,6 +40,7 @@ from replica_agent.engine_events import BlockRemoved, BlockStored, EngineHash
 from router_policies.block_keys import chain_keys
 
 FULL = "full_attention"
+MAX_GROUPS = 64  # KV-cache groups tracked (a real model has a handful)
 SLIDING = "sliding_window"
 ResKey = tuple[int, EngineHash | tuple[EngineHash, str]]
 
@@ -111,6 +112,8 @@ class GroupTracker:
         except (ValueError, TypeError, OverflowError):
             return None
         group = ev.group if ev.group is not None else default_group
+        if group not in self.need and len(self.need) >= MAX_GROUPS:
+            return 0  # not an engine's group layout: bounded, ignored
         self.learn(group, ev.spec_kind, ev.window)
         self.link(None if ev.parent is None else parent_key, list(keys))
         # vLLM lists only the blocks the group cached (a sliding-window group skips those out of
