@@ -29,16 +29,17 @@ class Replica:
     child: Child | None = None
     tap: EventTap | None = None
     model: str = MODEL
+    hybrid: bool = False  # several KV-cache groups: ``held`` reports what vLLM can reuse
     held: HeldBlocks = field(init=False)
     applied: int = 0  # frames of the tap already applied to ``held``
 
     def __post_init__(self) -> None:
-        self.held = HeldBlocks(self.model, BLOCK_SIZE, hybrid=self.model != MODEL)
+        self.held = HeldBlocks(self.model, BLOCK_SIZE, hybrid=self.hybrid)
 
     def restart_view(self) -> None:
         """The engine restarted: rebuild from its new frames only."""
         assert self.tap is not None
-        self.held = HeldBlocks(self.model, BLOCK_SIZE, hybrid=self.model != MODEL)
+        self.held = HeldBlocks(self.model, BLOCK_SIZE, hybrid=self.hybrid)
         self.applied = len(self.tap.snapshot())
 
     def refresh(self) -> HeldBlocks:

@@ -21,6 +21,7 @@ After every request the gateway's keys must equal the reconstruction's reusable 
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -76,9 +77,9 @@ def run(vllm_python: Path, model_dir: Path, logs: Path, seed: int) -> dict[str, 
     """Run the hybrid phase; returns its summary (the ``models`` entry and the details)."""
     ensure_model(vllm_python, model_dir)
     procs = ProcessSet(logs / "hybrid")
-    ports = random.Random(seed + 7919)
+    ports = random.Random(os.getpid() + 1)  # port choice only, as in run.py
     spec = vllm_replica.new_spec("g0", core=0, kv_cache_bytes=KV_CACHE_BYTES, rng=ports)
-    replica = Replica("g0", spec, model=HYBRID_MODEL)
+    replica = Replica("g0", spec, model=HYBRID_MODEL, hybrid=True)
     gateway = Gateway(procs, logs / "hybrid", HYBRID_MODEL, model_dir, [("g0", spec)], ports)
     h = Harness(procs, vllm_python, model_dir, [replica], gateway, model=HYBRID_MODEL)
     rows: list[dict[str, Any]] = []
