@@ -158,25 +158,30 @@ class AgentInventory(GroupedEvents):
         self.degraded_reason = ""
 
     def apply(self, events: Iterable[EngineEvent]) -> None:
-        if self._groups is not None or self._group0 is None:
-            events = list(events)
-            if self._groups is not None or any(
-                type(e) is BlockStored and e.group is not None for e in events
-            ):
-                events = order_stores(events)
+        if self._groups is not None:
+            self._apply_grouped(order_stores(list(events)), self._groups)
+            return
+        evs = events if isinstance(events, list) else list(events)
+        for i, ev in enumerate(evs):
+            if type(ev) is BlockStored:
+                if ev.group is not None and self._needs_groups(ev):
+                    self._switch_to_groups()
+                    assert self._groups is not None
+                    self._apply_grouped(order_stores(evs[i:]), self._groups)
+                    return
+                self._store(ev)
+            elif type(ev) is BlockRemoved:
+                self._remove(ev)
+            elif type(ev) is AllBlocksCleared:
+                self.clear()
+                self.mark_complete()
+
+    def _apply_grouped(self, events: list[EngineEvent], groups: GroupTracker) -> None:
         for ev in events:
             if type(ev) is BlockStored:
-                if self._groups is None and self._needs_groups(ev):
-                    self._switch_to_groups()
-                if self._groups is not None:
-                    self._store_grouped(ev, self._groups)
-                else:
-                    self._store(ev)
+                self._store_grouped(ev, groups)
             elif type(ev) is BlockRemoved:
-                if self._groups is not None:
-                    self._remove_grouped(ev, self._groups)
-                else:
-                    self._remove(ev)
+                self._remove_grouped(ev, groups)
             elif type(ev) is AllBlocksCleared:
                 self.clear()
                 self.mark_complete()
@@ -253,7 +258,8 @@ class AgentInventory(GroupedEvents):
             r = refs.get(k, 0)
             refs[k] = r + 1
             held[k] = medium
-            self._link[k] = parent_key if i == 0 else keys[i - 1]
+            if self._group0 is not None:  # the engine names groups: it may turn out hybrid
+                self._link[k] = parent_key if i == 0 else keys[i - 1]
         self.stats.stored_blocks += n
         if changed and self.sink is not None:
             self.sink.stored(keys, parent_key, medium)

@@ -363,8 +363,6 @@ class GroupedEvents:
     def _needs_groups(self, ev: BlockStored) -> bool:
         """A block of a second group, or of a group that is not full attention: per-group
         tracking from here on (kv_groups.py)."""
-        if ev.group is None:
-            return False
         if self._group0 is None:
             self._group0 = ev.group
         return ev.group != self._group0 or (ev.spec_kind is not None and ev.spec_kind != FULL)
