@@ -277,3 +277,21 @@ def test_namespace_cache_is_bounded() -> None:
     assert sorted(inv.keys()) == sorted(
         block_keys([1, 2], 2, "m", cache_salt=f"salt-{i}")[0] for i in range(10)
     )
+
+
+def test_window_blocks_kept_at_a_junction_are_placed_by_hash() -> None:
+    """vLLM keeps the window ending at a shared-prefix junction as well as the range's tail: the
+    window group lists blocks 1, 2, 4, 5 of six, before the full group's store of the same step.
+    Their positions come from the full group's hashes (the same hash per position)."""
+    inv = AgentInventory("m", 2, max_blocks=100)
+    tokens = list(range(1, 13))
+    k = block_keys(tokens, 2, "m")
+    inv.apply(
+        [
+            grouped([11, 12, 14, 15], None, tokens, group=0, window=4),
+            grouped([10, 11, 12, 13, 14, 15], None, tokens, group=1),
+        ]
+    )
+    assert set(inv.keys()) == {k[2], k[5]}  # placed as the last four blocks: {k[3], k[4], k[5]}
+    inv.apply([removed([12], group=0)])
+    assert inv.keys() == [k[5]]
