@@ -12,11 +12,14 @@ Invariants
   engine cannot hold more blocks than that, so a removal event was lost).
 * ``_refs[k]`` is the number of mappings pointing to key ``k``; ``k`` is in ``_medium`` (the
   inventory) exactly when ``_refs[k] > 0``. Two engine hashes can share a key when the engine hashes
-  something we do not key (multimodal inputs, KV-cache groups); a key leaves the inventory only when
-  its last engine block does.
+  something we do not key (multimodal inputs); a key leaves the inventory only when its last
+  engine block does.
 * A block stored in a medium other than GPU is mapped under ``(hash, medium)``, so that a CPU copy
   and a GPU copy of one block are removed independently. ``_medium[k]`` is the medium of the most
   recent copy stored.
+* An engine with several KV-cache groups (vLLM hybrid-attention models), or one whose group is not
+  full attention, is tracked per group by ``kv_groups.GroupTracker`` from its first such event
+  on; the inventory is then the set of keys vLLM's hybrid prefix lookup can reuse.
 * Every change is reported to the sink in the order it happens, so the sink's view (the gateway's
   index) equals ``snapshot()`` whenever the sink has seen every report since the last snapshot.
 """
