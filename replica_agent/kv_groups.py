@@ -25,7 +25,7 @@ Invariants
   ``_held[g][k]`` counts the entries of group ``g`` mapping to ``k``.
 * ``_up``/``_down`` link keys to parents/children for every position of every stored range
   (held or not: a window check walks through blocks a group never cached), at most
-  ``4 * max_blocks`` links, oldest dropped first; an unknown parent ends the walk.
+  ``2 * max_blocks`` links and hashes, oldest dropped first; an unknown parent ends the walk.
 * ``reported[k]`` exists exactly when ``k`` is reusable (``_reusable(k)``) over the groups seen,
   and every change of it is passed to the sink in order.
 """
@@ -176,7 +176,7 @@ class GroupTracker:
                 if parent is not None:
                     down.setdefault(parent, set()).add(k)
             parent = k
-        bound = 4 * self.max_blocks
+        bound = 2 * self.max_blocks
         key_of = self.key_of
         while len(key_of) > bound:
             key_of.popitem(last=False)

@@ -157,7 +157,9 @@ def test_groups_bound_and_clear() -> None:
                 grouped([100 + i], None, [i], group=1, bs=1),
             ]
         )
-        assert len(inv._groups._res) <= 6  # type: ignore[union-attr]
+        groups = inv._groups
+        assert groups is not None
+        assert len(groups._res) <= 6 and len(groups._up) <= 12 and len(groups.key_of) <= 12
     assert inv.stats.overflow_evictions == 14
     assert len(inv) == 3 and sink.view == inv.snapshot()
     inv.apply([AllBlocksCleared()])
