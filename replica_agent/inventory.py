@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from replica_agent.engine_events import AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent, EngineHash
-from replica_agent.kv_groups import GroupedEvents, GroupTracker, order_stores
+from replica_agent.inventory_groups import GroupedEvents
+from replica_agent.kv_groups import GroupTracker, order_stores
 from router_policies.block_keys import chain_keys, root_key
 
 GPU = "GPU"
