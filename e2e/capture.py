@@ -3,6 +3,7 @@
 
     .venv/bin/python -m e2e.capture --name int_hashes
     .venv/bin/python -m e2e.capture --name digest_hashes --digest-hashes
+    .venv/bin/python -m e2e.capture --name hybrid_gemma3 --model models/tiny-gemma3   # served as tiny-gemma3
 
 One replica is started on core 0 with a 2 MiB KV budget (64 blocks of 32 tokens), so the
 workload (completions sharing prefixes, then multi-turn chats with a system prompt, then a prefix
@@ -69,6 +70,7 @@ def _requests(seed: int) -> list[tuple[str, dict[str, Any]]]:
 
 
 def capture(python: Path, model_dir: Path, out_dir: Path, name: str, int_hashes: bool, seed: int) -> Path:
+    model_name = MODEL if model_dir.name == "tiny-llama" else model_dir.name
     procs = ProcessSet(ROOT / "out/capture-logs" / name)
     spec = vllm_replica.new_spec(
         "vllm-capture",
@@ -82,14 +84,14 @@ def capture(python: Path, model_dir: Path, out_dir: Path, name: str, int_hashes:
     try:
         env = vllm_replica.env(spec)
         env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes POST /reset_prefix_cache (AllBlocksCleared)
-        child = procs.start(spec.name, vllm_replica.launch_argv(python, model_dir, MODEL, spec), env)
+        child = procs.start(spec.name, vllm_replica.launch_argv(python, model_dir, model_name, spec), env)
         tap = EventTap(spec.events_endpoint)
         ready_s = vllm_replica.wait_ready(child, spec)
         print(f"vLLM ready after {ready_s:.1f} s on {spec.url}", file=sys.stderr)
         records: list[dict[str, Any]] = []
         tokenized: list[dict[str, Any]] = []
         for path, body in _requests(seed):
-            full = {"model": MODEL, **body}
+            full = {"model": model_name, **body}
             before = len(tap.snapshot())
             resp = http_client.post(spec.url + path, full)
             tap.wait_quiet(0.4)
@@ -105,7 +107,7 @@ def capture(python: Path, model_dir: Path, out_dir: Path, name: str, int_hashes:
                     "frames": [before, after],  # indexes into "frames" this request produced
                 }
             )
-            tok_body: dict[str, Any] = {"model": MODEL}
+            tok_body: dict[str, Any] = {"model": model_name}
             if "prompt" in body:
                 tok_body["prompt"] = body["prompt"]
             else:
@@ -117,7 +119,7 @@ def capture(python: Path, model_dir: Path, out_dir: Path, name: str, int_hashes:
         reset = http_client.post(spec.url + "/reset_prefix_cache", None)
         # AllBlocksCleared arrives only with the next engine step: send one more request.
         last = http_client.post(
-            spec.url + "/v1/completions", {"model": MODEL, "prompt": "After the reset.", "max_tokens": 2}
+            spec.url + "/v1/completions", {"model": model_name, "prompt": "After the reset.", "max_tokens": 2}
         )
         tap.wait_quiet(0.6)
         frames = tap.snapshot()
@@ -125,7 +127,7 @@ def capture(python: Path, model_dir: Path, out_dir: Path, name: str, int_hashes:
         mid = frames[len(frames) // 2].seq if frames else 0
         replay_mid = replay(spec.replay_endpoint, mid)
         replay_future = replay(spec.replay_endpoint, (frames[-1].seq + 100) if frames else 100)
-        held = HeldBlocks(MODEL, vllm_replica.BLOCK_SIZE)
+        held = HeldBlocks(model_name, vllm_replica.BLOCK_SIZE)
         held.apply_frames(frames[:frames_before_reset])
         counts: dict[str, int] = {}
         for f in frames:
@@ -135,11 +137,13 @@ def capture(python: Path, model_dir: Path, out_dir: Path, name: str, int_hashes:
             "about": "Raw KV-event frames of a real vLLM, captured by e2e/capture.py; see README.md.",
             "vllm_version": _vllm_version(python),
             "captured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "model": MODEL,
+            "model": model_name,
             "block_size": vllm_replica.BLOCK_SIZE,
             "kv_cache_bytes": spec.kv_cache_bytes,
             "int_block_hashes": int_hashes,
-            "launch_flags": vllm_replica.argv(Path("python"), Path("models/tiny-llama"), MODEL, spec)[1:],
+            "launch_flags": vllm_replica.argv(
+                Path("python"), Path("models") / model_dir.name, model_name, spec
+            )[1:],
             "launch_env": env,
             "event_counts": counts,
             "frames": [_frame_json(f) for f in frames],

@@ -196,20 +196,49 @@ def decode_payload(payload: bytes) -> tuple[float, list[dict[str, Any]], int | N
 # ---- independent reconstruction -------------------------------------------------------------
 
 
+def _dense_stores_first(events: list[dict[str, Any]], block_size: int) -> list[dict[str, Any]]:
+    """Within each run of consecutive BlockStored events, the ones listing a hash for every block
+    first (stores commute); removals and clears keep their place."""
+    out: list[dict[str, Any]] = []
+    run: list[dict[str, Any]] = []
+    for ev in [*events, None]:
+        if ev is not None and ev["type"] == "BlockStored":
+            run.append(ev)
+            continue
+        dense = [e for e in run if len(e["block_hashes"]) * block_size >= len(e["token_ids"])]
+        out += dense + [e for e in run if all(e is not d for d in dense)]
+        run = []
+        if ev is not None:
+            out.append(ev)
+    return out
+
+
 @dataclass
 class HeldBlocks:
-    """The set of blocks one engine holds, rebuilt from its event stream in seq order.
+    """The blocks one engine holds, rebuilt from its event stream in seq order, and the keys it
+    can reuse.
 
-    ``engine`` maps the engine's block hash to kvgate's key for every block currently held (or
-    ``None`` when the parent was never seen, so the key cannot be computed). Applying events is
-    idempotent: a block stored twice stays one entry; removing an unknown block is a no-op.
+    ``engine`` maps (KV-cache group, engine block hash) to kvgate's key for every block a group
+    currently holds (``None`` when the parent was never seen, so the key cannot be computed).
+    Applying events is idempotent: a block stored twice stays one entry; removing an unknown block
+    is a no-op. ``keys()`` is the set of keys whose prefix vLLM's prefix lookup would hit: for a
+    plain model every held block; for a hybrid model (several groups, vLLM 0.32
+    ``HybridKVCacheCoordinator.find_longest_cache_hit``) a key whose every group holds the blocks
+    it needs there: full attention the block itself, a sliding window of W tokens the
+    ``cdiv(W - 1, block_size)`` blocks ending at it (all of the prefix when it is shorter).
     """
 
     model: str
     block_size: int
-    engine: dict[EngineHash, int | None] = field(default_factory=dict)
+    # hybrid: count physical copies (vLLM caches a block again when a hybrid lookup missed it;
+    # each copy has its own BlockStored and BlockRemoved)
+    hybrid: bool = False
+    engine: dict[tuple[int | None, EngineHash], int | None] = field(default_factory=dict)
+    copies: dict[tuple[int | None, EngineHash], int] = field(default_factory=dict)
     # Keys survive removal here: vLLM can remove a parent and later store a child of it.
     key_of: dict[EngineHash, int] = field(default_factory=dict)
+    parent_of: dict[int, int | None] = field(default_factory=dict)  # key -> parent key (None: first)
+    windows: dict[int | None, int] = field(default_factory=dict)  # group -> blocks needed at a hit
     last_seq: int = -1
     gaps: int = 0
     unkeyed: int = 0
@@ -226,7 +255,9 @@ class HeldBlocks:
                 # seq restarts only with the engine, whose cache then starts empty: rebuild.
                 self.restarts += 1
                 self.engine.clear()
+                self.copies.clear()
                 self.key_of.clear()
+                self.parent_of.clear()
                 self.last_seq = -1
             elif f.seq <= self.last_seq:
                 continue  # duplicate (replayed) batch
@@ -234,44 +265,101 @@ class HeldBlocks:
                 self.gaps += 1
             self.last_seq = f.seq
             _, events, _ = decode_payload(f.payload)
-            for ev in events:
+            for ev in _dense_stores_first(events, self.block_size):
                 self.apply(ev)
 
     def apply(self, ev: dict[str, Any]) -> None:
         kind = ev["type"]
         if kind == "BlockStored":
-            self.stored_events += 1
-            bs = int(ev.get("block_size") or self.block_size)
-            if bs != self.block_size:
-                raise ValueError(f"engine block_size {bs} != expected {self.block_size}")
-            hashes: list[EngineHash] = ev["block_hashes"]
-            tokens: list[int] = ev["token_ids"]
-            parent = ev.get("parent_block_hash")
-            if parent is None:
-                parent_key: int | None = root_key(self.model, ev.get("lora_name"))
-            else:
-                parent_key = self.key_of.get(parent)
-            keys: list[int | None]
-            if parent_key is None:
-                keys = [None] * len(hashes)
-                self.unkeyed += len(hashes)
-            else:
-                keys = list(chain_keys(parent_key, tokens, bs))
-                if len(keys) != len(hashes):
-                    raise ValueError(f"BlockStored: {len(hashes)} hashes but {len(tokens)} tokens")
-            for h, k in zip(hashes, keys, strict=True):
-                self.engine[h] = k
-                if k is not None:
-                    self.key_of[h] = k
+            self._stored(ev)
         elif kind == "BlockRemoved":
             self.removed_events += 1
             for h in ev["block_hashes"]:
-                self.engine.pop(h, None)
+                gh = (ev.get("group_idx"), h)
+                if self.copies.get(gh, 1) > 1:
+                    self.copies[gh] -= 1
+                else:
+                    self.copies.pop(gh, None)
+                    self.engine.pop(gh, None)
         elif kind == "AllBlocksCleared":
             self.cleared += 1
             self.engine.clear()
+            self.copies.clear()
         else:
             raise ValueError(f"unknown event type {kind!r}")
 
+    def _stored(self, ev: dict[str, Any]) -> None:
+        self.stored_events += 1
+        bs = int(ev.get("block_size") or self.block_size)
+        if bs != self.block_size:
+            raise ValueError(f"engine block_size {bs} != expected {self.block_size}")
+        group = ev.get("group_idx")
+        window = ev.get("kv_cache_spec_sliding_window")
+        if ev.get("kv_cache_spec_kind") == "sliding_window" and window:
+            self.windows[group] = -(-(int(window) - 1) // bs)
+        else:
+            self.windows.setdefault(group, 1)
+        hashes: list[EngineHash] = ev["block_hashes"]
+        tokens: list[int] = ev["token_ids"]
+        n = len(tokens) // bs
+        if len(hashes) > n or len(tokens) != n * bs:
+            raise ValueError(f"BlockStored: {len(hashes)} hashes but {len(tokens)} tokens")
+        parent = ev.get("parent_block_hash")
+        parent_key = root_key(self.model, ev.get("lora_name")) if parent is None else self.key_of.get(parent)
+        keys: list[int | None]
+        if parent_key is None:
+            keys = [None] * n
+            self.unkeyed += len(hashes)
+        else:
+            keys = list(chain_keys(parent_key, tokens, bs))
+            up: int | None = None if parent is None else parent_key
+            for k in keys:
+                assert k is not None
+                self.parent_of.setdefault(k, up)
+                up = k
+        # A sliding-window group lists only the blocks it cached. The hash of a position is the
+        # same in every group: a block another group stored (applied first, see
+        # _dense_stores_first) is at its position; otherwise assume the range's last blocks.
+        positions = {k: i for i, k in enumerate(keys) if k is not None}
+        offset = n - len(hashes)
+        placed = [
+            self.key_of[h] if self.key_of.get(h) in positions else keys[offset + i]
+            for i, h in enumerate(hashes)
+        ]
+        for h, k in zip(hashes, placed, strict=True):
+            if self.hybrid and (group, h) in self.engine:
+                self.copies[(group, h)] = self.copies.get((group, h), 1) + 1
+            self.engine[(group, h)] = k
+            if k is not None:
+                self.key_of[h] = k
+
     def keys(self) -> set[int]:
-        return {k for k in self.engine.values() if k is not None}
+        held: dict[int | None, set[int]] = {g: set() for g in self.windows}
+        for (g, _h), k in self.engine.items():
+            if k is not None:
+                held.setdefault(g, set()).add(k)
+        if len(held) <= 1:
+            return {k for ks in held.values() for k in ks}
+        candidates = set().union(*held.values())
+        return {
+            k for k in candidates if all(self._window_held(k, held[g], self.windows.get(g, 1)) for g in held)
+        }
+
+    def _window_held(self, k: int, held: set[int], need: int) -> bool:
+        x: int | None = k
+        for _ in range(need):
+            if x is None:
+                return True  # the prefix is shorter than the window
+            if x not in held:
+                return False
+            x = self.parent_of.get(x)
+        return True
+
+    def hit_blocks(self, request_keys: list[int], max_blocks: int) -> int:
+        """vLLM's prefix hit, in blocks, for a request with these block keys: the deepest
+        reusable key among the first ``max_blocks``."""
+        reusable = self.keys()
+        for j in range(min(max_blocks, len(request_keys)) - 1, -1, -1):
+            if request_keys[j] in reusable:
+                return j + 1
+        return 0

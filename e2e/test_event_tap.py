@@ -15,6 +15,8 @@ import msgpack
 import pytest
 
 from e2e.event_tap import Frame, HeldBlocks, decode_event, decode_payload
+from replica_agent.engine_events import decode_payload as agent_decode
+from replica_agent.inventory import AgentInventory
 from router_policies.block_keys import block_keys
 
 DATA = Path(__file__).resolve().parent.parent / "tests/data/vllm_events"
@@ -109,3 +111,25 @@ def test_tagged_array_encoding_decodes_like_the_map() -> None:
     fields = ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"]
     raw = msgpack.unpackb(msgpack.packb(["BlockStored", *[ev[f] for f in fields]]), raw=False)
     assert {k: v for k, v in decode_event(raw).items() if k in fields} == {f: ev[f] for f in fields}
+
+
+@pytest.mark.parametrize("name", ["hybrid_gemma3.json", "hybrid_gemma3_sessions.json"])
+def test_hybrid_reconstruction_equals_the_agents_reusable_keys(name: str) -> None:
+    """On the recorded Gemma-3 (sliding-window + full attention) stream, the harness's own
+    reconstruction of what vLLM can reuse equals the agent's inventory after every batch, and
+    predicts the engine's cached tokens."""
+    capture = json.loads((DATA / name).read_text())
+    model, bs = capture["model"], capture["block_size"]
+    frames = [Frame(b"kv-events", f["seq"], bytes.fromhex(f["payload_hex"]), 0.0) for f in capture["frames"]]
+    held = HeldBlocks(model, bs, hybrid=True)
+    inv = AgentInventory(model, bs, max_blocks=100_000)
+    starts = {r["frames"][0]: (r, t) for r, t in zip(capture["requests"], capture["tokenize"], strict=True)}
+    for i, f in enumerate(frames):
+        if i in starts:
+            req, tok = starts[i]
+            tokens = tok["response"]["tokens"]
+            hit = held.hit_blocks(block_keys(tokens, bs, model), (len(tokens) - 1) // bs)
+            assert hit * bs == req["cached_tokens"]
+        held.apply_frames([f])
+        inv.apply(agent_decode(f.payload).events)
+        assert held.keys() == set(inv.keys())

@@ -12,9 +12,10 @@ tests/data/sglang_events/):
 * each event is a map with a ``type`` key (current vLLM; SGLang >= 0.5.20) or a tagged array whose
   first item is the type name (older vLLM; SGLang <= 0.5.19), with fields in declaration order:
   ``BlockStored``: block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, then
-  vLLM: lora_name, extra_keys, group_idx, ...; SGLang 0.5.19 (``BlockStoredWithMetadata``, salted
+  vLLM: lora_name, extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window, ...; SGLang 0.5.19 (``BlockStoredWithMetadata``, salted
   requests only): a map ``{"cache_salt": ...}`` in the place of vLLM's lora_name.
-  ``BlockRemoved``: block_hashes, medium, group_idx; ``AllBlocksCleared``: nothing. Trailing
+  ``BlockRemoved``: block_hashes, medium, group_idx (hybrid models: one group per attention type);
+  ``AllBlocksCleared``: nothing. Trailing
   fields with defaults may be omitted (``omit_defaults``). SGLang's map events name
   ``cache_salt`` (>= 0.5.20), ``session_id`` and ``lora_name`` (>= 0.5.22) as fields.
 * block hashes are ints (vLLM: unsigned 64-bit; SGLang: signed 64-bit) or byte digests (vLLM with
@@ -34,6 +35,7 @@ see the image either.
 
 from __future__ import annotations
 
+from types import NoneType
 from typing import Any
 
 import msgpack
@@ -46,7 +48,18 @@ class MalformedEvent(ValueError):
 
 
 class BlockStored:
-    __slots__ = ("block_hashes", "block_size", "cache_salt", "lora_name", "medium", "parent", "token_ids")
+    __slots__ = (
+        "block_hashes",
+        "block_size",
+        "cache_salt",
+        "group",
+        "lora_name",
+        "medium",
+        "parent",
+        "spec_kind",
+        "token_ids",
+        "window",
+    )
 
     def __init__(
         self,
@@ -57,6 +70,9 @@ class BlockStored:
         medium: str,
         lora_name: str | None,
         cache_salt: str | None,
+        group: int | None = None,
+        spec_kind: str | None = None,
+        window: int | None = None,
     ) -> None:
         self.block_hashes = block_hashes
         self.parent = parent
@@ -65,6 +81,11 @@ class BlockStored:
         self.medium = medium
         self.lora_name = lora_name
         self.cache_salt = cache_salt
+        # vLLM's KV-cache group (hybrid models: one per attention type), its spec kind
+        # ("full_attention", "sliding_window", "mamba", ...) and sliding window in tokens
+        self.group = group
+        self.spec_kind = spec_kind
+        self.window = window
 
     def __repr__(self) -> str:
         return (
@@ -75,11 +96,12 @@ class BlockStored:
 
 
 class BlockRemoved:
-    __slots__ = ("block_hashes", "medium")
+    __slots__ = ("block_hashes", "group", "medium")
 
-    def __init__(self, block_hashes: list[EngineHash], medium: str | None) -> None:
+    def __init__(self, block_hashes: list[EngineHash], medium: str | None, group: int | None = None) -> None:
         self.block_hashes = block_hashes
         self.medium = medium
+        self.group = group
 
     def __repr__(self) -> str:
         return f"BlockRemoved({self.block_hashes!r}, medium={self.medium!r})"
@@ -176,13 +198,22 @@ def _stored(f: dict[str, Any]) -> BlockStored:
         medium if isinstance(medium, str) and medium else "GPU",
         lora_name,
         salt,
+        _opt_int(f.get("group_idx")),
+        _opt_str(f.get("kv_cache_spec_kind")),
+        _opt_int(f.get("kv_cache_spec_sliding_window")),
     )
+
+
+def _opt_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _removed(f: dict[str, Any]) -> BlockRemoved:
     medium = f.get("medium")
     return BlockRemoved(
-        _hashes(f.get("block_hashes"), "BlockRemoved"), medium if isinstance(medium, str) else None
+        _hashes(f.get("block_hashes"), "BlockRemoved"),
+        medium if isinstance(medium, str) else None,
+        _opt_int(f.get("group_idx")),
     )
 
 
@@ -245,16 +276,25 @@ def decode_payload(payload: bytes) -> EventBatch:
         if type(raw) is dict and raw.get("type") == "BlockRemoved":
             hashes = raw.get("block_hashes")
             medium = raw.get("medium")
-            if type(hashes) is list and (medium is None or type(medium) is str):
+            group = raw.get("group_idx")
+            if (
+                type(hashes) is list
+                and (medium is None or type(medium) is str)
+                and type(group) in (int, NoneType)
+            ):
                 for h in hashes:
                     t = type(h)
                     if t is not int and t is not bytes:
                         break
                 else:
-                    if last_removed is not None and last_removed.medium == medium:
+                    if (
+                        last_removed is not None
+                        and last_removed.medium == medium
+                        and last_removed.group == group
+                    ):
                         last_removed.block_hashes.extend(hashes)
                     else:
-                        last_removed = BlockRemoved(hashes, medium)
+                        last_removed = BlockRemoved(hashes, medium, group)
                         events.append(last_removed)
                     continue
         try:
@@ -263,7 +303,10 @@ def decode_payload(payload: bytes) -> EventBatch:
             malformed += 1
             continue
         if type(ev) is BlockRemoved:
-            if last_removed is not None and last_removed.medium == ev.medium:
+            if last_removed is not None and (last_removed.medium, last_removed.group) == (
+                ev.medium,
+                ev.group,
+            ):
                 last_removed.block_hashes.extend(ev.block_hashes)
                 continue
             last_removed = ev

@@ -12,11 +12,14 @@ Invariants
   engine cannot hold more blocks than that, so a removal event was lost).
 * ``_refs[k]`` is the number of mappings pointing to key ``k``; ``k`` is in ``_medium`` (the
   inventory) exactly when ``_refs[k] > 0``. Two engine hashes can share a key when the engine hashes
-  something we do not key (multimodal inputs, KV-cache groups); a key leaves the inventory only when
-  its last engine block does.
+  something we do not key (multimodal inputs); a key leaves the inventory only when its last
+  engine block does.
 * A block stored in a medium other than GPU is mapped under ``(hash, medium)``, so that a CPU copy
   and a GPU copy of one block are removed independently. ``_medium[k]`` is the medium of the most
   recent copy stored.
+* An engine with several KV-cache groups (vLLM hybrid-attention models), or one whose group is not
+  full attention, is tracked per group by ``kv_groups.GroupTracker`` from its first such event
+  on; the inventory is then the set of keys vLLM's hybrid prefix lookup can reuse.
 * Every change is reported to the sink in the order it happens, so the sink's view (the gateway's
   index) equals ``snapshot()`` whenever the sink has seen every report since the last snapshot.
 """
@@ -30,6 +33,8 @@ from typing import Protocol
 
 from proto.contract import GPU
 from replica_agent.engine_events import AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent, EngineHash
+from replica_agent.inventory_groups import GroupedEvents
+from replica_agent.kv_groups import GroupTracker, order_stores
 from router_policies.block_keys import chain_keys, root_key
 
 
@@ -55,7 +60,7 @@ class InventoryStats:
     bad_tokens: int = 0  # stored events whose token ids are not uint32 ints (skipped)
 
 
-class AgentInventory:
+class AgentInventory(GroupedEvents):
     def __init__(
         self,
         model: str,
@@ -86,6 +91,14 @@ class AgentInventory:
         )
         self._refs: dict[int, int] = {}
         self._medium: dict[int, str] = {}
+        # parent of every held key (dropped with the key): what a switch to per-group tracking
+        # needs to check sliding windows through blocks stored before it
+        self._link: dict[int, int] = {}
+        # Hybrid-attention engines (several KV-cache groups, or one that is not full attention)
+        # are tracked per group by ``_groups`` (kv_groups.py), which then holds the inventory;
+        # ``_group0`` is the group of the events seen before the switch.
+        self._groups: GroupTracker | None = None
+        self._group0: int | None = None
         # root keys of the (LoRA, cache salt) namespaces seen, at most max_namespaces (then reset)
         self._roots: dict[tuple[str | None, str | None], int] = {}
         self.max_namespaces = max_namespaces
@@ -99,15 +112,24 @@ class AgentInventory:
         self.capacity_blocks = 0
 
     # ------------------------------------------------------------------ views
+    @property
+    def _view(self) -> dict[int, str]:
+        return self._groups.reported if self._groups is not None else self._medium
+
     def __len__(self) -> int:
-        return len(self._medium)
+        return len(self._view)
 
     def snapshot(self) -> dict[int, str]:
-        """A copy of the inventory: key -> medium."""
-        return dict(self._medium)
+        """A copy of the inventory: key -> medium (hybrid models: the reusable keys)."""
+        return dict(self._view)
 
     def keys(self) -> list[int]:
-        return list(self._medium)
+        return list(self._view)
+
+    @property
+    def hybrid(self) -> bool:
+        """The engine runs several KV-cache groups (or a non-full-attention one)."""
+        return self._groups is not None
 
     # ------------------------------------------------------------------ state changes
     def clear(self) -> None:
@@ -116,6 +138,9 @@ class AgentInventory:
         self._partial.clear()
         self._refs.clear()
         self._medium.clear()
+        self._link.clear()
+        if self._groups is not None:
+            self._groups.clear()
         self.stats.clears += 1
         if self.sink is not None:
             self.sink.cleared()
@@ -136,11 +161,30 @@ class AgentInventory:
         self.degraded_reason = ""
 
     def apply(self, events: Iterable[EngineEvent]) -> None:
-        for ev in events:
+        if self._groups is not None:
+            self._apply_grouped(order_stores(list(events)), self._groups)
+            return
+        evs = events if isinstance(events, list) else list(events)
+        for i, ev in enumerate(evs):
             if type(ev) is BlockStored:
+                if ev.group is not None and self._needs_groups(ev):
+                    self._switch_to_groups()
+                    assert self._groups is not None
+                    self._apply_grouped(order_stores(evs[i:]), self._groups)
+                    return
                 self._store(ev)
             elif type(ev) is BlockRemoved:
                 self._remove(ev)
+            elif type(ev) is AllBlocksCleared:
+                self.clear()
+                self.mark_complete()
+
+    def _apply_grouped(self, events: list[EngineEvent], groups: GroupTracker) -> None:
+        for ev in events:
+            if type(ev) is BlockStored:
+                self._store_grouped(ev, groups)
+            elif type(ev) is BlockRemoved:
+                self._remove_grouped(ev, groups)
             elif type(ev) is AllBlocksCleared:
                 self.clear()
                 self.mark_complete()
@@ -217,6 +261,8 @@ class AgentInventory:
             r = refs.get(k, 0)
             refs[k] = r + 1
             held[k] = medium
+            if self._group0 is not None:  # the engine names groups: it may turn out hybrid
+                self._link[k] = parent_key if i == 0 else keys[i - 1]
         self.stats.stored_blocks += n
         if changed and self.sink is not None:
             self.sink.stored(keys, parent_key, medium)
@@ -301,6 +347,7 @@ class AgentInventory:
             else:
                 del self._refs[k]
                 del self._medium[k]
+                self._link.pop(k, None)
                 dropped.append(k)
         if dropped and self.sink is not None:
             self.sink.removed(dropped, GPU)
@@ -312,6 +359,7 @@ class AgentInventory:
             return
         del self._refs[k]
         del self._medium[k]
+        self._link.pop(k, None)
         if self.sink is not None:
             self.sink.removed([k], medium)
 
@@ -337,6 +385,7 @@ class AgentInventory:
             else:
                 del refs[k]
                 del held[k]
+                self._link.pop(k, None)
                 gone.append(k)
         self.stats.removed_blocks += len(gone)
         if self.degraded:

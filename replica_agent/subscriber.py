@@ -225,7 +225,7 @@ class EventSubscriber:
         """Nothing an engine sends may stop the agent; a frame applied half-way leaves the
         inventory unknown, so start over as after an unrecoverable gap. Call from an except block."""
         self.stats.internal_errors += 1
-        log.exception("error handling engine events: clearing the inventory")
+        log.error("error handling engine events: clearing the inventory", exc_info=True)
         self.inventory.clear()
         self.inventory.mark_degraded("internal error while applying events")
 

@@ -65,13 +65,117 @@ def test_unmapped_parent_is_skipped_and_counted() -> None:
     assert inv.stats.unknown_removals == 2
 
 
+def grouped(
+    hashes: list[int],
+    parent: int | None,
+    tokens: list[int],
+    group: int,
+    window: int | None = None,
+    bs: int = 2,
+) -> BlockStored:
+    """A BlockStored as vLLM 0.32 publishes it for KV-cache group ``group``: a sliding-window
+    group (``window`` tokens) lists only the blocks it cached, the last ones of ``tokens``."""
+    kind = "full_attention" if window is None else "sliding_window"
+    return BlockStored(list(hashes), parent, tokens, bs, "GPU", None, None, group, kind, window)
+
+
+def removed(hashes: list[int], group: int) -> BlockRemoved:
+    return BlockRemoved(list(hashes), "GPU", group)
+
+
 def test_two_engine_blocks_sharing_a_key_are_refcounted() -> None:
+    """vLLM stores one block hash once per KV-cache group (same hash, another group_idx). A
+    removal in one group leaves the other group's block mapped; the key is reusable only while
+    every group holds it (vLLM's lookup asks each group: BlockPool.get_cached_block)."""
+    sink = RecordingSink()
+    inv = AgentInventory("m", 2, max_blocks=100, sink=sink)
+    inv.apply([grouped([1], None, [1, 2], group=0), grouped([1], None, [1, 2], group=1)])
+    key = block_keys([1, 2], 2, "m")[0]
+    assert inv.keys() == [key] and inv.hybrid
+    inv.apply([removed([1], group=0)])
+    assert len(inv) == 0  # group 0 lost it: no prefix hit
+    assert inv.stats.unknown_removals == 0
+    inv.apply([grouped([1], None, [1, 2], group=0)])
+    assert inv.keys() == [key]  # group 1's block was kept all along
+    inv.apply([removed([1], group=1)])
+    assert len(inv) == 0 and inv.stats.unknown_removals == 0
+    inv.apply([removed([1], group=1)])
+    assert inv.stats.unknown_removals == 1  # already gone from group 1
+    assert sink.view == inv.snapshot()
+
+
+def test_sliding_window_group_reports_what_the_window_needs() -> None:
+    """Gemma-3 shape: group 0 sliding window of 4 tokens (2 blocks of 2), group 1 full attention.
+    The sliding-window event lists only the hashes it cached (the last two blocks) while its
+    token_ids span the whole range, as vLLM publishes it."""
+    sink = RecordingSink()
+    inv = AgentInventory("m", 2, max_blocks=100, sink=sink)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    k = block_keys(tokens, 2, "m")
+    inv.apply(
+        [
+            grouped([13, 14], None, tokens, group=0, window=4),
+            grouped([10, 11, 12, 13, 14], None, tokens, group=1),
+        ]
+    )
+    # a hit ending at block j needs blocks j-1 and j in the window group: only block 4 qualifies
+    assert inv.keys() == [k[4]]
+    # the window group's removal of block 3 takes the hit away; the full group keeps its blocks
+    inv.apply([removed([13], group=0)])
+    assert len(inv) == 0
+    # the next request recomputes block 3 in the window group (vLLM stores it again): hit back
+    inv.apply([grouped([13], 12, tokens[6:8], group=0, window=4)])
+    assert inv.keys() == [k[4]]
+    # a decode block completes block 5: its window (blocks 4, 5) is held by both groups
+    inv.apply([grouped([15], 14, [11, 12], group=0, window=4), grouped([15], 14, [11, 12], group=1)])
+    k5 = block_keys([*tokens, 11, 12], 2, "m")[5]
+    assert set(inv.keys()) == {k[4], k5}
+    # the full group evicting block 4 ends both hits that need it
+    inv.apply([removed([14], group=1)])
+    assert inv.keys() == [k5] or set(inv.keys()) == {k5}
+    assert inv.stats.unknown_removals == 0 and inv.stats.skipped_blocks == 0
+    assert sink.view == inv.snapshot()
+
+
+def test_short_prefix_needs_all_its_blocks_in_the_window_group() -> None:
     inv = AgentInventory("m", 2, max_blocks=100)
-    inv.apply([stored([1], None, [1, 2]), stored([2], None, [1, 2])])  # e.g. two KV-cache groups
-    assert len(inv) == 1
-    inv.apply([BlockRemoved([1], "GPU")])
-    assert len(inv) == 1
-    inv.apply([BlockRemoved([2], "GPU")])
+    tokens = [1, 2, 3, 4]
+    k = block_keys(tokens, 2, "m")
+    inv.apply([grouped([10, 11], None, tokens, group=0, window=6), grouped([10, 11], None, tokens, group=1)])
+    assert set(inv.keys()) == set(k)  # both prefixes are shorter than the 3-block window
+    inv.apply([removed([10], group=0)])
+    assert len(inv) == 0
+
+
+def test_groups_bound_and_clear() -> None:
+    sink = RecordingSink()
+    inv = AgentInventory("m", 1, max_blocks=6, sink=sink)
+    for i in range(10):
+        inv.apply(
+            [
+                grouped([100 + i], None, [i], group=0, window=1, bs=1),
+                grouped([100 + i], None, [i], group=1, bs=1),
+            ]
+        )
+        groups = inv._groups
+        assert groups is not None
+        assert len(groups._res) <= 6 and len(groups._up) <= 12 and len(groups.key_of) <= 12
+    assert inv.stats.overflow_evictions == 14
+    assert len(inv) == 3 and sink.view == inv.snapshot()
+    inv.apply([AllBlocksCleared()])
+    assert len(inv) == 0 and sink.view == {}
+
+
+def test_plain_state_carries_over_when_a_second_group_appears() -> None:
+    """Full attention in group 0 first (as gpt-oss orders its groups), then a window group."""
+    inv = AgentInventory("m", 2, max_blocks=100)
+    tokens = [1, 2, 3, 4, 5, 6]
+    k = block_keys(tokens, 2, "m")
+    inv.apply([grouped([10, 11, 12], None, tokens, group=0)])
+    assert not inv.hybrid and set(inv.keys()) == set(k)
+    inv.apply([grouped([11, 12], None, tokens, group=1, window=4)])
+    assert inv.hybrid and inv.keys() == [k[2]]
+    inv.apply([removed([12], group=0)])
     assert len(inv) == 0
 
 
@@ -175,3 +279,21 @@ def test_namespace_cache_is_bounded() -> None:
     assert sorted(inv.keys()) == sorted(
         block_keys([1, 2], 2, "m", cache_salt=f"salt-{i}")[0] for i in range(10)
     )
+
+
+def test_window_blocks_kept_at_a_junction_are_placed_by_hash() -> None:
+    """vLLM keeps the window ending at a shared-prefix junction as well as the range's tail: the
+    window group lists blocks 1, 2, 4, 5 of six, before the full group's store of the same step.
+    Their positions come from the full group's hashes (the same hash per position)."""
+    inv = AgentInventory("m", 2, max_blocks=100)
+    tokens = list(range(1, 13))
+    k = block_keys(tokens, 2, "m")
+    inv.apply(
+        [
+            grouped([11, 12, 14, 15], None, tokens, group=0, window=4),
+            grouped([10, 11, 12, 13, 14, 15], None, tokens, group=1),
+        ]
+    )
+    assert set(inv.keys()) == {k[2], k[5]}  # placed as the last four blocks: {k[3], k[4], k[5]}
+    inv.apply([removed([12], group=0)])
+    assert inv.keys() == [k[5]]

@@ -21,7 +21,8 @@ from replica_agent.inventory import AgentInventory
 from router_policies.block_keys import block_keys, chain_keys, root_key
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "vllm_events"
-CAPTURES = sorted(DATA.glob("*.json"))
+CAPTURES = sorted(p for p in DATA.glob("*.json") if not p.name.startswith("hybrid_"))
+HYBRID = sorted(DATA.glob("hybrid_*.json"))  # hybrid-attention models: several KV-cache groups
 
 _STORED_ORDER = (
     "block_hashes",
@@ -292,3 +293,66 @@ def test_malformed_events_are_counted_and_skipped() -> None:
     batch = decode_payload(msgpack.packb([1.0, [*bad, good], 0]))
     assert batch.malformed == len(bad)
     assert [type(e) for e in batch.events] == [AllBlocksCleared]
+
+
+def _deepest_reusable(keys: list[int], reusable: set[int], max_blocks: int) -> int:
+    """vLLM's hybrid prefix hit in blocks: the deepest key of the request that the engine can
+    reuse, among the first ``max_blocks`` (HybridKVCacheCoordinator.find_longest_cache_hit)."""
+    for j in range(min(max_blocks, len(keys)) - 1, -1, -1):
+        if keys[j] in reusable:
+            return j + 1
+    return 0
+
+
+@pytest.mark.skipif(not HYBRID, reason="no recorded hybrid-model events")
+@pytest.mark.parametrize("path", HYBRID, ids=[p.name for p in HYBRID])
+def test_hybrid_model_inventory_predicts_the_engines_cached_tokens(path: Path) -> None:
+    """A real vLLM serving a Gemma-3 model (a sliding-window group and a full-attention group):
+    before each request, the agent's reusable keys give exactly the cached tokens the engine then
+    reported, hits and misses alike; the events carry both groups, the window group's stores
+    list fewer hashes than blocks, and blocks are stored (and removed) more than once."""
+    capture = _load(path)
+    model, bs = capture["model"], capture["block_size"]
+    payloads = [bytes.fromhex(f["payload_hex"]) for f in capture["frames"]]
+    kinds = {
+        (ev.group, ev.spec_kind, ev.window)
+        for p in payloads
+        for ev in decode_payload(p).events
+        if isinstance(ev, BlockStored)
+    }
+    assert {k[1] for k in kinds} == {"full_attention", "sliding_window"}
+    inv = AgentInventory(model, bs, max_blocks=100_000)
+    applied = 0
+    hits = 0
+    for req, tok in zip(capture["requests"], capture["tokenize"], strict=True):
+        start, _end = req["frames"]
+        for p in payloads[applied:start]:
+            inv.apply(decode_payload(p).events)
+        applied = start
+        tokens = tok["response"]["tokens"]
+        predicted = _deepest_reusable(block_keys(tokens, bs, model), set(inv.keys()), (len(tokens) - 1) // bs)
+        assert predicted * bs == req["cached_tokens"], (
+            req.get("tag") or req["request"].get("prompt", "chat")[:40]
+        )
+        hits += predicted > 0
+    for p in payloads[applied:]:
+        inv.apply(decode_payload(p).events)
+    assert hits >= 2 and inv.hybrid
+    assert inv.stats.unknown_removals == 0 and inv.stats.skipped_blocks == 0
+    if "reset_prefix_cache" in capture:
+        assert len(inv) == 0  # the capture ends with a prefix-cache reset
+
+
+@pytest.mark.skipif(not HYBRID, reason="no recorded hybrid-model events")
+def test_hybrid_group_fields_decode() -> None:
+    capture = _load(HYBRID[0])
+    removed_groups = set()
+    for f in capture["frames"]:
+        for ev in decode_payload(bytes.fromhex(f["payload_hex"])).events:
+            if isinstance(ev, BlockStored):
+                assert ev.group in (0, 1)
+                assert (ev.spec_kind, ev.window) in {("sliding_window", 64), ("full_attention", None)}
+                assert len(ev.block_hashes) <= len(ev.token_ids) // ev.block_size
+            elif isinstance(ev, BlockRemoved):
+                removed_groups.add(ev.group)
+    assert removed_groups == {0, 1}
