@@ -118,8 +118,8 @@ class EventSubscriber:
             if self.replay_endpoint is not None:
                 try:
                     await self.catch_up()
-                except Exception:
-                    self._internal_error()
+                except Exception as exc:
+                    self._internal_error(exc)
             while True:
                 # bounded wait: a re-key request (from the gateway stream's task) is applied here,
                 # between frames, never in the middle of a batch
@@ -127,8 +127,8 @@ class EventSubscriber:
                 if self._rekey is not None:
                     try:
                         await self.rekey(self._rekey)
-                    except Exception:
-                        self._internal_error()
+                    except Exception as exc:
+                        self._internal_error(exc)
                     self._rekey = None
                 if sub in ready:
                     await self._drain(sub)
@@ -146,8 +146,8 @@ class EventSubscriber:
                         if self.replay_endpoint is not None:
                             try:
                                 await self.catch_up()
-                            except Exception:
-                                self._internal_error()
+                            except Exception as exc:
+                                self._internal_error(exc)
         finally:
             with contextlib.suppress(zmq.ZMQError):
                 sub.disable_monitor()
@@ -218,14 +218,14 @@ class EventSubscriber:
                 await asyncio.sleep(0)
             try:
                 await self.handle_frames(frames)
-            except Exception:
-                self._internal_error()
+            except Exception as exc:
+                self._internal_error(exc)
 
-    def _internal_error(self) -> None:
+    def _internal_error(self, exc: Exception) -> None:
         """Nothing an engine sends may stop the agent; a frame applied half-way leaves the
-        inventory unknown, so start over as after an unrecoverable gap. Call from an except block."""
+        inventory unknown, so start over as after an unrecoverable gap."""
         self.stats.internal_errors += 1
-        log.error("error handling engine events: clearing the inventory", exc_info=True)
+        log.error("error handling engine events: clearing the inventory", exc_info=exc)
         self.inventory.clear()
         self.inventory.mark_degraded("internal error while applying events")
 

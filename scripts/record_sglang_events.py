@@ -52,7 +52,7 @@ class _AbsentModule(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def __init__(self, names: tuple[str, ...]) -> None:
         self.names = names
 
-    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(self, name: str, _path: Any, _target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if name.split(".")[0] in self.names:
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
         return None
@@ -67,10 +67,10 @@ class _AbsentModule(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         mod.__path__ = []
         mod.__version__ = "0.0.0"  # type: ignore[attr-defined]
         mod.__file__ = f"<absent {spec.name}>"
-        mod.__getattr__ = lambda attr: anything  # type: ignore[method-assign]
+        mod.__getattr__ = lambda _attr: anything  # type: ignore[method-assign]
         return mod
 
-    def exec_module(self, module: types.ModuleType) -> None:
+    def exec_module(self, _module: types.ModuleType) -> None:
         return None
 
 

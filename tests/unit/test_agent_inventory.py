@@ -12,7 +12,7 @@ class RecordingSink:
         self.ops: list[tuple[str, list[int], str]] = []
         self.view: dict[int, str] = {}
 
-    def stored(self, keys: list[int], parent: int | None, medium: str) -> None:
+    def stored(self, keys: list[int], _parent: int | None, medium: str) -> None:
         self.ops.append(("stored", keys, medium))
         for k in keys:
             self.view.setdefault(k, medium)

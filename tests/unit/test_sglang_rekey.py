@@ -84,7 +84,7 @@ async def test_page_size_1_is_rekeyed_at_the_gateways_block_size() -> None:
         want = _expected_keys(expected, 16)
         await until(lambda: set(index.precise_keys("r0")) == want)
         rec = fleet.get("r0")
-        assert rec is not None and rec.block_size == 16
+        assert rec is not None and rec.identity.block_size == 16
         assert inv.key_block_size == 16 and set(inv.keys()) == want and not inv.degraded
         assert engine.requests >= 2  # the start-up catch-up, then the rebuild at 16
         # the live stream goes on at 16: a batch already applied through replay is stale
