@@ -38,6 +38,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gateway.access_log import AccessLog, configure_logging
 from gateway.admin import Admin
+from gateway.agent_credentials import stream_access_of
 from gateway.config import GatewayConfig, load_config
 from gateway.features import Featurizer
 from gateway.features.remote_tokenizer import UrlChooser
@@ -140,7 +141,8 @@ class GatewayApp:
         self.inventory = InventoryServer(
             self.index,
             self.fleet,
-            token=_env_token(config.auth.agent_token_env, self._env),
+            token=None,
+            access=stream_access_of(config.auth, self._env, lambda: {r.id for r in self.config.replicas}),
             registry=self.registry,
             block_bound_factor=config.inventory.block_bound_factor,
             ack_every=config.inventory.ack_every,
