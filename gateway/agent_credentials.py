@@ -143,11 +143,47 @@ def credentials_of(auth: AuthConfig, env: Mapping[str, str]) -> AgentCredentials
     return AgentCredentials(shared=shared_digest, per_replica=per_replica)
 
 
+_DEFAULT_PORTS = {"http": "80", "https": "443"}
+
+
+def _url_parts(url: str) -> tuple[str, str, str] | None:
+    """``(scheme, host, port)`` of a replica base URL, or None for anything else: a URL with
+    user info, a path, a query or a fragment is never a replica's base URL."""
+    try:
+        parts = urlsplit(url.rstrip("/"))
+        port = parts.port
+    except ValueError:
+        return None
+    host = (parts.hostname or "").lower()
+    if parts.scheme not in _DEFAULT_PORTS or not host or "@" in parts.netloc:
+        return None
+    if parts.path or parts.query or parts.fragment:
+        return None
+    return parts.scheme, host, str(port) if port is not None else _DEFAULT_PORTS[parts.scheme]
+
+
+def _pattern_matches(pattern: str, scheme: str, host: str, port: str) -> bool:
+    """``SCHEME://HOST[:PORT]`` with shell wildcards, one host label per pattern label (so
+    ``*.replicas.svc`` never matches ``evil.com.replicas.svc`` nor ``10.0.0.*`` ``10.0.0.5.evil.com``);
+    a missing port is the scheme's default, ``*`` any port."""
+    p_scheme, sep, rest = pattern.partition("://")
+    p_host, _, p_port = rest.partition(":")
+    if (
+        not sep
+        or p_scheme != scheme
+        or not fnmatch.fnmatchcase(port, p_port or _DEFAULT_PORTS.get(scheme, ""))
+    ):
+        return False
+    labels, p_labels = host.split("."), p_host.lower().split(".")
+    return len(labels) == len(p_labels) and all(map(fnmatch.fnmatchcase, labels, p_labels))
+
+
 @dataclass(frozen=True, slots=True)
 class RegistrationRules:
-    """``urls``: shell patterns of the whole URL; ``cidrs``: networks an IP host must be in. A URL
-    is allowed when it matches a pattern or its host is in a network; both empty: any URL.
-    ``static``: the ids of configured replicas now (their URL is never taken from a Hello)."""
+    """``urls``: patterns ``SCHEME://HOST[:PORT]`` (``_pattern_matches``); ``cidrs``: networks an
+    IP host must be in. A URL is allowed when it matches a pattern or its host is an address in a
+    network (names are never resolved here); both empty: any URL. ``static``: the ids of the
+    configured replicas now (their URL is never taken from a Hello, so it is not checked)."""
 
     urls: tuple[str, ...] = ()
     cidrs: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
@@ -168,16 +204,17 @@ class RegistrationRules:
         """Why a Hello of ``replica`` at ``url`` may not (re)register it, or None."""
         if not self.restricted or replica in self.static():
             return None
-        url = url.rstrip("/")
-        if any(fnmatch.fnmatchcase(url, pattern) for pattern in self.urls):
-            return None
-        try:
-            host = urlsplit(url).hostname or ""
-            addr = ipaddress.ip_address(host)
-        except ValueError:  # not an IP literal: names are never resolved here
-            addr = None
-        if addr is not None and any(addr in net for net in self.cidrs):
-            return None
+        parts = _url_parts(url)
+        if parts is not None:
+            scheme, host, port = parts
+            if any(_pattern_matches(p, scheme, host, port) for p in self.urls):
+                return None
+            try:
+                addr = ipaddress.ip_address(host.strip("[]"))
+            except ValueError:
+                addr = None
+            if addr is not None and any(addr in net for net in self.cidrs):
+                return None
         return f"url {url!r} is not allowed by auth.registration (allowed_urls, allowed_cidrs)"
 
 
