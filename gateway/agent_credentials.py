@@ -30,14 +30,17 @@ import fnmatch
 import hashlib
 import hmac
 import ipaddress
+import logging
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
-from gateway.config import AuthConfig, RegistrationConfig
+from gateway.config import AuthConfig, GatewayConfig, RegistrationConfig
 from router_policies.errors import UserInputError
+
+log = logging.getLogger("kvgate.auth")
 
 ANY_REPLICA = None  # what the shared token speaks for
 
@@ -226,7 +229,18 @@ class StreamAccess(NamedTuple):
 
 
 def stream_access_of(
-    auth: AuthConfig, env: Mapping[str, str], static: Callable[[], Collection[str]]
+    config: GatewayConfig, env: Mapping[str, str], static: Callable[[], Collection[str]]
 ) -> StreamAccess:
-    """The inventory stream's access rules from the config (raises ``CredentialsError``)."""
-    return StreamAccess(credentials_of(auth, env), RegistrationRules.of(auth.registration, static))
+    """The inventory stream's access rules from the config (raises ``CredentialsError``). Warns
+    when a token holder may register a replica at any URL (and so receive client prompts)."""
+    auth = config.auth
+    access = StreamAccess(credentials_of(auth, env), RegistrationRules.of(auth.registration, static))
+    if config.inventory.allow_registration and not access.registration.restricted:
+        creds = access.credentials
+        who = "any agent token" if creds.required else "any client of the inventory port"
+        log.warning(
+            "inventory.allow_registration is on and auth.registration sets no allowed_urls or "
+            "allowed_cidrs: %s may register a replica at any URL and receive client prompts",
+            who,
+        )
+    return access

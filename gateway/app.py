@@ -144,7 +144,7 @@ class GatewayApp:
             self.index,
             self.fleet,
             token=None,
-            access=stream_access_of(config.auth, self._env, lambda: {r.id for r in self.config.replicas}),
+            access=stream_access_of(config, self._env, lambda: {r.id for r in self.config.replicas}),
             registry=self.registry,
             block_bound_factor=config.inventory.block_bound_factor,
             ack_every=config.inventory.ack_every,

@@ -273,7 +273,9 @@ class RegistrationConfig(_Strict):
     replica's URL never changes). Both empty: any http(s) URL."""
 
     allowed_urls: list[str] = Field(
-        default_factory=list, description="Shell patterns of the whole URL, e.g. 'http://10.1.*:8000'."
+        default_factory=list,
+        description="Patterns SCHEME://HOST[:PORT] with shell wildcards, one host label per wildcard, "
+        "e.g. 'http://10.1.*.*:8000', 'http://*.replicas.svc:*' (no user info, path or query).",
     )
     allowed_cidrs: list[str] = Field(
         default_factory=list, description="Networks the URL's host must be an IP address in, e.g. 10.0.0.0/8."

@@ -119,7 +119,7 @@ async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
     index = PrefixIndex(IndexConfig(max_blocks_per_replica=5000))
     fleet = Fleet(config, index)
     registry = CollectorRegistry()
-    access = stream_access_of(config.auth, env, lambda: {r.id for r in config.replicas})
+    access = stream_access_of(config, env, lambda: {r.id for r in config.replicas})
     server = InventoryServer(index, fleet, token=None, access=access, registry=registry)
     port = await server.start("127.0.0.1:0")
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
