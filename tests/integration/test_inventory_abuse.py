@@ -7,6 +7,8 @@ it gets and that no replica's index entries, URL or membership in the fleet chan
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -22,6 +24,9 @@ from gateway.config import parse_config
 from gateway.fleet import Fleet
 from gateway.inventory_server import InventoryServer
 from proto.kvgate.v1 import inventory_pb2 as pb
+from replica_agent.gateway_client import GatewayClient, HelloInfo
+from replica_agent.inventory import AgentInventory
+from replica_agent.outbox import Outbox
 from router_policies.prefix_index import IndexConfig, PrefixIndex
 from tests.integration.test_inventory_server import events, snap, status_after_reading, stored
 
@@ -37,6 +42,7 @@ class Rig:
     index: PrefixIndex
     registry: CollectorRegistry
     channel: grpc.aio.Channel
+    port: int
 
     def call(self, token: str | None) -> grpc.aio.StreamStreamCall:
         sync = self.channel.stream_stream(
@@ -123,7 +129,7 @@ async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
     server = InventoryServer(index, fleet, token=None, access=access, registry=registry)
     port = await server.start("127.0.0.1:0")
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    r = Rig(server, fleet, index, registry, channel)
+    r = Rig(server, fleet, index, registry, channel, port)
     try:
         # the legitimate agents first: each replica holds its own blocks
         for who, url, keys in (("r0", "", [1, 2, 3]), ("r1", "", [11, 12]), ("a0", A0_URL, [21, 22])):
@@ -226,3 +232,40 @@ async def test_impersonation_does_not_supersede_the_live_stream(rig: Rig) -> Non
     assert rig.server.connected_replicas() == ["r0"]
     await live.done_writing()
     assert await status_after_reading(live) == grpc.StatusCode.OK
+
+
+async def test_real_agent_with_another_replicas_token(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+    """The agent's own client (replica_agent/gateway_client.py) holding r1's token but configured
+    as r0: its attempts end PERMISSION_DENIED with that status (the client waits for the Hello's
+    verdict), it logs an error and never connects; r0 keeps its index entries."""
+    before = rig.state()
+    outbox = Outbox(max_events=100)
+    inventory = AgentInventory("m", 16, max_blocks=100, sink=outbox)
+    info = HelloInfo("r0", "", ["m"], 16, 100, "vllm", "0")
+    client = GatewayClient(
+        f"127.0.0.1:{rig.port}",
+        inventory,
+        outbox,
+        lambda: info,
+        token=TOKENS["r1"],
+        seed=1,
+        backoff_initial_s=0.01,
+        backoff_max_s=0.02,
+    )
+    task = asyncio.create_task(client.run())
+    try:
+        for _ in range(1000):  # bounds a hang, not a speed
+            if client.stats.failures >= 3:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert client.stats.failures >= 3 and client.stats.connects == 0
+    assert client.stats.last_error.startswith("PERMISSION_DENIED")
+    assert any(
+        r.levelname == "ERROR" and "refused this agent's credentials" in r.getMessage()
+        for r in caplog.records
+    )
+    assert rig.state() == before
