@@ -20,7 +20,9 @@ def _values(auth: dict[str, Any]) -> dict[str, Any]:
 def _schemes(auth: dict[str, Any]) -> tuple[set[str], str | None]:
     r = render(_values(auth))
     c = gateway_container(r)
-    probes = {c[p]["httpGet"].get("scheme", "HTTP") for p in ("startupProbe", "livenessProbe", "readinessProbe")}
+    probes = {
+        c[p]["httpGet"].get("scheme", "HTTP") for p in ("startupProbe", "livenessProbe", "readinessProbe")
+    }
     (monitor,) = r.of_kind("ServiceMonitor")
     return probes, monitor["spec"]["endpoints"][0].get("scheme")
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import ssl
 import subprocess
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -19,7 +21,7 @@ import grpc.aio
 import pytest
 
 from proto.kvgate.v1 import inventory_pb2 as pb
-from tests.integration.gateway_harness import AGENT_TOKEN, Procs, base_config, procs
+from tests.integration.gateway_harness import AGENT_TOKEN, REPO, Procs, base_config, procs
 from tests.integration.test_inventory_abuse import hello
 
 __all__ = ["procs"]  # the fixture
@@ -155,3 +157,28 @@ def test_agent_identity_on_the_serving_gateway(procs: Procs) -> None:
     assert status(AGENT_TOKEN, hello("x", "http://10.1.2.3:8000")) == grpc.StatusCode.OK
     after = {rid: r["url"] for rid, r in gw.replicas().items()}
     assert after == {**before, "x": "http://10.1.2.3:8000"}
+
+
+@pytest.mark.parametrize(
+    ("auth", "error"),
+    [
+        (
+            {"agent_tokens": {"r0": "KVGATE_TEST_UNSET"}},
+            "auth.agent_tokens.r0: environment variable KVGATE_TEST_UNSET is not set",
+        ),
+        (
+            {"http_tls": {"cert": "/nonexistent/c.pem", "key": "/nonexistent/k.pem"}},
+            "auth.http_tls: cannot load cert",
+        ),
+        ({"api_keys": {"env": "KVGATE_TEST_UNSET"}}, "auth.api_keys: no key found"),
+    ],
+)
+def test_start_refused_without_its_secrets(procs: Procs, auth: dict[str, Any], error: str) -> None:
+    """A security option whose secret or file is missing stops start-up (exit 2, one line): the
+    gateway never runs open when it was configured closed."""
+    path = procs.write_config({"models": [{"name": "m"}], "auth": auth})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--listen", "127.0.0.1:0",
+           "--inventory", "127.0.0.1:0"]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 2 and f"kvgate serve: error: {error}" in done.stderr
