@@ -21,7 +21,8 @@ credential, replica id).
 Invariants
 * Tokens are kept only as SHA-256 digests. A presented token is hashed and looked up by digest:
   the lookup's timing depends on the digest, which a client cannot steer, never on the token.
-* Two replicas never share a token (refused at start-up): a token names at most one replica.
+* Two replicas never share a token (refused at start-up): a token names at most one replica. A
+  replica may have several tokens (rotation).
 """
 
 from __future__ import annotations
@@ -96,17 +97,18 @@ class AgentCredentials:
 
     def may_speak_for(self, identity: Identity, replica: str) -> bool:
         if identity.replica is ANY_REPLICA:
-            return not self.per_replica or replica not in self.bound_replicas
+            return replica not in self.bound_replicas
         return identity.replica == replica
 
 
-def _read_token_file(path: str) -> dict[str, bytes]:
-    """``REPLICA_ID SHA256_HEX`` lines -> replica -> digest."""
+def _read_token_file(path: str) -> list[tuple[str, bytes]]:
+    """``REPLICA_ID SHA256_HEX`` lines -> (replica, digest); a replica may have several lines (a
+    token being rotated: the old and the new one both valid until the old line goes)."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise CredentialsError(f"auth.agent_token_file: cannot read {path}: {exc.strerror}") from None
-    out: dict[str, bytes] = {}
+    out: list[tuple[str, bytes]] = []
     for n, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if not line:
@@ -119,24 +121,23 @@ def _read_token_file(path: str) -> dict[str, bytes]:
             digest = b""
         if len(digest) != 32:
             raise CredentialsError(f"{path}:{n}: expected 'REPLICA_ID SHA256_HEX_OF_TOKEN'")
-        out[parts[0]] = digest
+        out.append((parts[0], digest))
     return out
 
 
 def credentials_of(auth: AuthConfig, env: Mapping[str, str]) -> AgentCredentials:
     """The credentials ``auth`` names, tokens read from ``env`` (raises ``CredentialsError``)."""
     shared = env.get(auth.agent_token_env) if auth.agent_token_env else None
-    digests: dict[str, bytes] = {}
+    digests: list[tuple[str, bytes]] = []
     for replica, var in sorted(auth.agent_tokens.items()):
         token = env.get(var)
         if not token:
             raise CredentialsError(f"auth.agent_tokens.{replica}: environment variable {var} is not set")
-        digests[replica] = token_digest(token)
+        digests.append((replica, token_digest(token)))
     if auth.agent_token_file:
-        for replica, digest in _read_token_file(auth.agent_token_file).items():
-            digests.setdefault(replica, digest)
+        digests += _read_token_file(auth.agent_token_file)
     per_replica: dict[bytes, str] = {}
-    for replica, digest in digests.items():
+    for replica, digest in digests:
         other = per_replica.setdefault(digest, replica)
         if other != replica:
             raise CredentialsError(f"auth: replicas {other!r} and {replica!r} have the same agent token")

@@ -19,11 +19,14 @@ from gateway.config import AuthConfig, RegistrationConfig
 
 def test_tokens_name_their_replica_and_the_shared_one_the_rest(tmp_path: Path) -> None:
     f = tmp_path / "t.txt"
-    f.write_text(f"a0 {hashlib.sha256(b'ta').hexdigest()}  # comment\n\n")
+    f.write_text(
+        f"a0 {hashlib.sha256(b'ta').hexdigest()}  # comment\n\n"
+        f"a0 sha256:{hashlib.sha256(b'ta-new').hexdigest()}  # being rotated in\n"
+    )
     auth = AuthConfig(agent_token_env="S", agent_tokens={"r0": "T0"}, agent_token_file=str(f))
     creds = credentials_of(auth, {"S": "shared", "T0": "t0"})
     assert creds.identify(b"t0") == Identity("r0")
-    assert creds.identify(b"ta") == Identity("a0")
+    assert creds.identify(b"ta") == Identity("a0") == creds.identify(b"ta-new")
     assert creds.identify(b"shared") == Identity(ANY_REPLICA)
     assert creds.identify(b"") is None and creds.identify(b"t1") is None
     assert creds.may_speak_for(Identity(ANY_REPLICA), "x")
