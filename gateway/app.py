@@ -38,6 +38,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gateway.access_log import AccessLog, configure_logging
 from gateway.admin import Admin
+from gateway.agent_credentials import stream_access_of
+from gateway.api_keys import api_auth_middlewares
 from gateway.config import GatewayConfig, load_config
 from gateway.features import Featurizer
 from gateway.features.remote_tokenizer import UrlChooser
@@ -53,6 +55,7 @@ from gateway.shared_state_context import SharedContext
 from gateway.shared_state_follower import FleetRemoteReplicas, Follower
 from gateway.shared_state_load import LoadExchange
 from gateway.shared_state_publisher import Publisher
+from gateway.tls import http_ssl_context
 from gateway.tracing import Tracing
 from router_policies.errors import UserInputError
 from router_policies.prefix_index import PrefixIndex
@@ -140,7 +143,8 @@ class GatewayApp:
         self.inventory = InventoryServer(
             self.index,
             self.fleet,
-            token=_env_token(config.auth.agent_token_env, self._env),
+            token=None,
+            access=stream_access_of(config, self._env, lambda: {r.id for r in self.config.replicas}),
             registry=self.registry,
             block_bound_factor=config.inventory.block_bound_factor,
             ack_every=config.inventory.ack_every,
@@ -153,6 +157,8 @@ class GatewayApp:
                 config, self.index, self.fleet, self.inventory, self.registry
             )
         self._admin_token = _env_token(config.auth.admin_token_env, self._env)
+        self._api_auth = api_auth_middlewares(config.auth.api_keys, self._env, self.registry)
+        self._http_ssl = http_ssl_context(config.auth.http_tls)
         self._session: aiohttp.ClientSession | None = None
         self._proxy: Proxy | None = None
         self._health: HealthChecker | None = None
@@ -219,7 +225,9 @@ class GatewayApp:
             lambda: self._state, lambda: self._admin_token, self, self.router, self.fleet, self.index
         )
         # only admin bodies use aiohttp's reader; the proxy reads bodies itself (proxy.max_body_bytes)
-        app = web.Application(client_max_size=1024 * 1024, middlewares=[openai_errors_middleware])
+        app = web.Application(
+            client_max_size=1024 * 1024, middlewares=[openai_errors_middleware, *self._api_auth]
+        )
         app.add_routes(
             [
                 web.post("/v1/completions", p.completions),
@@ -289,7 +297,9 @@ class GatewayApp:
         self._runner = web.AppRunner(self._web_app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()
         host, _, port = (http or cfg.listen.http).rpartition(":")
-        site = web.TCPSite(self._runner, host, int(port), shutdown_timeout=self._grace)
+        site = web.TCPSite(
+            self._runner, host, int(port), shutdown_timeout=self._grace, ssl_context=self._http_ssl
+        )
         await site.start()
         addrs = self._runner.addresses
         self.http_port = int(addrs[0][1]) if addrs else int(port)

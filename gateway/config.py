@@ -8,6 +8,7 @@ scalars: ``KVGATE_POLICY__NAME=round_robin``, ``KVGATE_INDEX__APPROXIMATE_TTL_S=
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -245,11 +246,75 @@ class AuthConfig(_Strict):
     """Bearer tokens, read from the named environment variables (never from the file)."""
 
     agent_token_env: str | None = Field(
-        "KVGATE_AGENT_TOKEN", description="Env var holding the agents' bearer token (unset: no auth)."
+        "KVGATE_AGENT_TOKEN",
+        description="Env var holding the agents' shared bearer token (unset: no auth). It may speak "
+        "for any replica without a token of its own (agent_tokens, agent_token_file).",
     )
     admin_token_env: str | None = Field(
         "KVGATE_ADMIN_TOKEN", description="Env var holding the /admin bearer token (unset: no auth)."
     )
+    agent_tokens: dict[str, str] = Field(
+        default_factory=dict,
+        description="Per-replica agent credentials: replica id -> env var holding that replica's "
+        "token. A stream presenting it may only say Hello as that replica.",
+    )
+    agent_token_file: str | None = Field(
+        None,
+        description="File of per-replica credentials, one 'REPLICA_ID SHA256_HEX_OF_TOKEN' a line "
+        "(# comments); read at start-up.",
+    )
+    registration: RegistrationConfig = Field(default_factory=lambda: RegistrationConfig())
+    api_keys: ApiKeysConfig = Field(default_factory=lambda: ApiKeysConfig())
+    http_tls: TlsConfig = Field(default_factory=lambda: TlsConfig())
+
+
+class RegistrationConfig(_Strict):
+    """Which URLs an agent may register or move an agent-registered replica to (a configured
+    replica's URL never changes). Both empty: any http(s) URL."""
+
+    allowed_urls: list[str] = Field(
+        default_factory=list,
+        description="Patterns SCHEME://HOST[:PORT] with shell wildcards, one host label per wildcard, "
+        "e.g. 'http://10.1.*.*:8000', 'http://*.replicas.svc:*' (no user info, path or query).",
+    )
+    allowed_cidrs: list[str] = Field(
+        default_factory=list, description="Networks the URL's host must be an IP address in, e.g. 10.0.0.0/8."
+    )
+
+    @field_validator("allowed_cidrs")
+    @classmethod
+    def _cidrs(cls, v: list[str]) -> list[str]:
+        for cidr in v:
+            ipaddress.ip_network(cidr, strict=False)  # ValueError names the bad one
+        return v
+
+
+class ApiKeysConfig(_Strict):
+    """Optional API keys on /v1/* (OpenAI-style 'Authorization: Bearer KEY') and per-key rate limits."""
+
+    env: str | None = Field(None, description="Env var holding comma-separated API keys.")
+    file: str | None = Field(None, description="File of API keys, one a line (# comments).")
+    requests_per_s: float = Field(0.0, ge=0, description="Each key's sustained request rate (0: unlimited).")
+    burst: int = Field(0, ge=0, description="Requests a key may send at once (0: max(1, requests_per_s)).")
+    max_keys: int = Field(
+        10_000, gt=0, description="Bound of the keys loaded (and of the rate limiter's state)."
+    )
+
+
+class TlsConfig(_Strict):
+    """TLS on the HTTP listener (PEM files read at start-up); both unset: plaintext."""
+
+    cert: str | None = Field(None, description="PEM certificate chain of the HTTP listener.")
+    key: str | None = Field(None, description="PEM private key of cert.")
+
+    @model_validator(mode="after")
+    def _pair(self) -> TlsConfig:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("cert and key go together")
+        return self
+
+
+AuthConfig.model_rebuild()
 
 
 class GatewayConfig(_Strict):

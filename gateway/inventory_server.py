@@ -1,7 +1,8 @@
 """The gateway's end of the agent stream (docs/architecture.md, the inventory path):
 ``Inventory.Sync`` over grpc.aio.
 
-One stream per agent. The server checks the bearer token and hands each message, as it arrives, to
+One stream per agent. The server checks the bearer token (which replica it may speak for:
+gateway/agent_credentials.py) and hands each message, as it arrives, to
 ``gateway.inventory_stream.Streams`` (synchronous: the Hello goes to the fleet, snapshots and
 deltas to the prefix index). Its only other coroutine per stream is the writer, which sends
 Ack/Resync and never touches the index.
@@ -13,8 +14,10 @@ Invariants
   a write in flight complete, and only then is the status sent. A status sent while a write is in
   flight is refused by gRPC core (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS) and the client never gets
   it; so a refusal is always delivered with its own status.
-* A refusal (malformed message, unknown replica, block-size mismatch, a replica over its block
-  bound, a newer stream for the replica) leaves the index as it was.
+* A refusal (a Hello for a replica the stream's token does not speak for or at a URL the
+  registration rules refuse, malformed message, unknown replica, block-size mismatch, a replica
+  over its block bound, a newer stream for the replica) leaves the index and the fleet as they
+  were: identity and URL are checked before the fleet hears of the Hello.
 * A stream that closes leaves the replica's entries in the index: the engine still holds those
   blocks, and the next stream's snapshot replaces them. The fleet is told the stream is gone.
 """
@@ -23,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import Callable
@@ -34,6 +36,7 @@ import grpc
 import grpc.aio
 from prometheus_client import CollectorRegistry
 
+from gateway.agent_credentials import AgentCredentials, Identity, RegistrationRules, StreamAccess
 from gateway.inventory_metrics import InventoryMetrics
 from gateway.inventory_sink import AgentHello, AgentLoad, FleetSink
 from gateway.inventory_stream import InventoryObserver, Refusal, StreamRules, Streams, StreamState
@@ -41,7 +44,7 @@ from proto.contract import METHOD, SERVICE
 from proto.kvgate.v1 import inventory_pb2 as pb
 from router_policies.prefix_index import PrefixIndex
 
-__all__ = ["AgentHello", "AgentLoad", "FleetSink", "InventoryObserver", "InventoryServer"]
+__all__ = ["AgentHello", "AgentLoad", "FleetSink", "InventoryObserver", "InventoryServer", "StreamAccess"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,8 @@ class InventoryServer:
     ``block_bound_factor``, ``ack_every``: see ``StreamRules``; acks not yet written coalesce into
     the newest, so acking every message costs little under load.
     ``tls_cert``/``tls_key``: PEM file paths to serve TLS instead of plaintext.
+    ``access``: per-replica credentials and registration rules (instead of ``token``, the one
+    shared token; gateway/agent_credentials.py).
     """
 
     def __init__(
@@ -79,6 +84,7 @@ class InventoryServer:
         tls_key: str | None = None,
         max_message_bytes: int = 16 * 1024 * 1024,
         clock: Callable[[], float] = time.time,
+        access: StreamAccess | None = None,
     ) -> None:
         if block_bound_factor < 0:
             raise ValueError("block_bound_factor must be >= 0")
@@ -89,8 +95,13 @@ class InventoryServer:
         self.index = index
         self.fleet = fleet
         self.metrics = InventoryMetrics(registry)
-        self._streams = Streams(index, fleet, self.metrics, StreamRules(block_bound_factor, ack_every, clock))
-        self._token = token.encode() if token else None
+        if access is None:
+            access = StreamAccess(AgentCredentials.shared_only(token), RegistrationRules())
+        elif token is not None:
+            raise ValueError("token or access, not both")
+        rules = StreamRules(block_bound_factor, ack_every, clock, *access)
+        self._streams = Streams(index, fleet, self.metrics, rules)
+        self._credentials = access.credentials
         self._tls = (tls_cert, tls_key) if tls_cert and tls_key else None
         self._max_message_bytes = max_message_bytes
         self._server: grpc.aio.Server | None = None
@@ -150,7 +161,10 @@ class InventoryServer:
         return self._streams.request_resync(replica, reason)
 
     def _handle(self, stream: StreamState, raw: bytes) -> None:
-        """One message without gRPC (bench/ingest.py measures the ingest path with it)."""
+        """One message without gRPC (bench/ingest.py measures the ingest path with it); the
+        stream has no bearer token, so it speaks for any replica only when auth is off."""
+        if stream.identity is None:
+            stream.identity = self._credentials.identify(b"")
         self._streams.handle(stream, raw)
 
     # ------------------------------------------------------------------ the stream
@@ -176,7 +190,7 @@ class InventoryServer:
             # the first message is read before the verdict, so that the client's first write has
             # completed when the stream closes and the client sees this status, not a failed write
             first = await context.read()
-            self._check_auth(context)
+            stream.identity = self._check_auth(context)
             if first is grpc.aio.EOF:
                 return None
             assert isinstance(first, bytes)
@@ -207,9 +221,8 @@ class InventoryServer:
             )
             return refusal
 
-    def _check_auth(self, context: _Context) -> None:
-        if self._token is None:
-            return
+    def _check_auth(self, context: _Context) -> Identity:
+        """The identity the stream's bearer token proves; UNAUTHENTICATED without one."""
         presented = b""
         for key, value in context.invocation_metadata() or ():
             if key == "authorization":
@@ -217,12 +230,14 @@ class InventoryServer:
                 if text.startswith("Bearer "):
                     presented = text[len("Bearer ") :].encode()
                 break
-        if not hmac.compare_digest(presented, self._token):
+        identity = self._credentials.identify(presented)
+        if identity is None:
             raise Refusal(
                 grpc.StatusCode.UNAUTHENTICATED,
                 "auth",
                 "missing or wrong agent token (metadata 'authorization: Bearer <token>')",
             )
+        return identity
 
     # ------------------------------------------------------------------ the writer
     async def _write_loop(self, stream: StreamState, context: _Context) -> None:

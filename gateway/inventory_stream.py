@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import grpc
 from google.protobuf.message import DecodeError
 
+from gateway.agent_credentials import AgentCredentials, Identity, RegistrationRules
 from gateway.inventory_metrics import InventoryMetrics
 from gateway.inventory_ops import (
     BoundCheck,
@@ -104,6 +105,7 @@ class StreamState:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     last_gaps: tuple[int, int] = (0, 0)
     key_block_size: int = 0  # the gateway's block size, sent on the Ack of the Hello (seq 1)
+    identity: Identity | None = None  # what the stream's token may speak for (set by the server)
 
     @property
     def degraded(self) -> bool:
@@ -114,11 +116,15 @@ class StreamState:
 class StreamRules:
     """``block_bound_factor``: a replica may hold at most ``factor * capacity_blocks`` precise
     blocks (never more than the index's ``max_blocks_per_replica``; 0: no capacity bound).
-    ``ack_every``: acknowledge after this many applied messages (and after every snapshot)."""
+    ``ack_every``: acknowledge after this many applied messages (and after every snapshot).
+    ``credentials``: which token speaks for which replica; ``registration``: the URLs a Hello may
+    (re)register a replica at (gateway/agent_credentials.py)."""
 
     block_bound_factor: float = 4.0
     ack_every: int = 1
     clock: Callable[[], float] = time.time
+    credentials: AgentCredentials = field(default_factory=AgentCredentials)
+    registration: RegistrationRules = field(default_factory=RegistrationRules)
 
 
 class Streams:
@@ -200,6 +206,7 @@ class Streams:
                 "protocol",
                 f"agent speaks protocol {h.protocol_version}, gateway {PROTOCOL_VERSION}",
             )
+        self._check_identity(stream, h.replica_id, h.url)
         hello = AgentHello(
             replica_id=h.replica_id,
             url=h.url,
@@ -241,6 +248,21 @@ class Streams:
         # at which block size the gateway keys (an agent keying a smaller engine page re-keys)
         stream.key_block_size = self.fleet.key_block_size(hello.models)
         self._ack(stream, 1)
+
+    def _check_identity(self, stream: StreamState, replica: str, url: str) -> None:
+        """Before the fleet hears of the Hello: the stream's token speaks for ``replica``, and
+        the URL is one a replica may be registered at. Refused with PERMISSION_DENIED."""
+        rules = self.rules
+        identity = stream.identity
+        if identity is None or not rules.credentials.may_speak_for(identity, replica):
+            raise Refusal(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "identity",
+                f"this stream's agent token may not speak for replica {replica!r}",
+            )
+        why = rules.registration.refusal(replica, url)
+        if why is not None:
+            raise Refusal(grpc.StatusCode.PERMISSION_DENIED, "registration", f"replica {replica!r}: {why}")
 
     def _state(self, stream: StreamState, st: pb.AgentState) -> None:
         before = stream.degraded

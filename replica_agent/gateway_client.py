@@ -28,6 +28,7 @@ from replica_agent.inventory import AgentInventory
 from replica_agent.outbox import Outbox
 
 log = logging.getLogger(__name__)
+_CREDENTIAL_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 AGENT_VERSION = "0.1.0"
 SNAPSHOT_CHUNK = 16_384  # keys per SnapshotChunk (8 bytes each: ~128 KiB)
@@ -112,7 +113,15 @@ class GatewayClient:
             except grpc.aio.AioRpcError as exc:
                 self.stats.failures += 1
                 self.stats.last_error = f"{exc.code().name}: {exc.details()}"
-                log.warning("gateway stream to %s ended: %s", self.target, self.stats.last_error)
+                if exc.code() in _CREDENTIAL_CODES:  # retrying will not help until someone acts
+                    log.error(
+                        "gateway %s refused this agent's credentials: %s (check --token-env and the "
+                        "gateway's auth.agent_tokens / auth.registration)",
+                        self.target,
+                        self.stats.last_error,
+                    )
+                else:
+                    log.warning("gateway stream to %s ended: %s", self.target, self.stats.last_error)
             except Exception as exc:  # e.g. a write after the RPC finished: reconnect all the same
                 self.stats.failures += 1
                 self.stats.last_error = f"{type(exc).__name__}: {exc}"

@@ -270,3 +270,10 @@ agents' token from the tokens Secret, and needs no port of its own.
         path: ca.crt
 {{- end }}
 {{- end }}
+
+{{/* HTTPS when the gateway serves its HTTP API over TLS (gateway.config.auth.http_tls), else HTTP: the probes' and the ServiceMonitor's scheme. */}}
+{{- define "kvgate.httpScheme" -}}
+{{- $auth := .Values.gateway.config.auth | default dict -}}
+{{- $tls := $auth.http_tls | default dict -}}
+{{- if $tls.cert }}HTTPS{{ else }}HTTP{{ end -}}
+{{- end }}
