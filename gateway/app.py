@@ -46,6 +46,7 @@ from gateway.health import HealthChecker
 from gateway.inventory_server import InventoryServer
 from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import error_response, openai_errors_middleware
+from gateway.operator_view import OperatorView, with_observer
 from gateway.proxy import Proxy
 from gateway.routing import Router, RoutingState
 from gateway.shared_state import SharedState
@@ -152,6 +153,8 @@ class GatewayApp:
             self.shared_state = wire_shared_state(
                 config, self.index, self.fleet, self.inventory, self.registry
             )
+        self.operator = OperatorView(config.operator, self.registry)
+        self.inventory.observer = with_observer(self.inventory.observer, self.operator.lifetime)
         self._admin_token = _env_token(config.auth.admin_token_env, self._env)
         self._session: aiohttp.ClientSession | None = None
         self._proxy: Proxy | None = None
@@ -192,6 +195,7 @@ class GatewayApp:
         if state.featurizer is not previous.featurizer:
             self._retire(previous.featurizer)
         self.fleet.reconfigure(new)
+        self.operator.reconfigure(new.operator)
         configure_logging(new.telemetry.log_level, new.telemetry.access_log)
         self.metrics.reloads.labels("applied").inc()
         if pending:
@@ -229,6 +233,7 @@ class GatewayApp:
                 web.get("/ready", self._ready),
                 web.get("/metrics", self._metrics_endpoint),
                 *admin.routes(),
+                *self.operator.routes(admin._guard),
             ]
         )
         return app
@@ -275,7 +280,9 @@ class GatewayApp:
             self.metrics,
             self.tracing,
             self.access_log,
+            outcomes=self.operator,
         )
+        await self.operator.start()
         inv_addr = inventory or cfg.listen.inventory
         try:
             self.inventory_port = await self.inventory.start(inv_addr)
@@ -307,6 +314,7 @@ class GatewayApp:
                 await self._expire_task
             self._expire_task = None
         await self.inventory.stop()
+        await self.operator.stop()
         if self.shared_state is not None:
             await self.shared_state.stop()
         for task in list(self._retiring):
