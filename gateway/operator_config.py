@@ -62,7 +62,9 @@ class TraceConfig(_Strict):
         8 * 1024 * 1024, gt=0, description="Bound on the lines held for reordering."
     )
     salt: str | None = Field(
-        None, description="Key of the block-id hash (one per recording when unset: ids never match a prompt)."
+        None,
+        description="Key of the block-id and session-id hash (unset: a random key per gateway process, "
+        "so recordings of two processes share no ids).",
     )
 
     @model_validator(mode="after")
@@ -82,11 +84,16 @@ class LifetimeConfig(_Strict):
 
 
 class OperatorConfig(_Strict):
+    """What the cache is worth and how long it keeps things (gateway/operator_view.py)."""
+
     trace: TraceConfig = Field(default_factory=TraceConfig)
     lifetime: LifetimeConfig = Field(default_factory=LifetimeConfig)
     tenant_header: str = Field("x-tenant-id", description="Request header naming the tenant.")
     max_tenants: int = Field(64, gt=0, description="Tenants counted apart; later ones count as 'other'.")
-    prices: dict[str, Price] = Field(default_factory=dict, description="Per model (as the client names it).")
+    prices: dict[str, Price] = Field(
+        default_factory=dict,
+        description="Per model (as the client names it): input and cached_input, USD per million prompt tokens.",
+    )
     gpus_per_replica: float = Field(1.0, gt=0, description="GPUs behind one replica (GPU-seconds saved).")
 
     def price_of(self, model: str) -> Price | None:

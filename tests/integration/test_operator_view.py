@@ -107,7 +107,7 @@ def test_report_savings_equal_engine_counted_cached_tokens_times_prices(tmp_path
             "2",
             "--json",
             str(out),
-        ],  # fmt: skip
+        ],
         capture_output=True,
         text=True,
         timeout=120,
