@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +50,15 @@ def _engine_hits(fleet: LocalFleet) -> tuple[float, float]:
     return hits, queries
 
 
+def _status(url: str, body: bytes | None, headers: dict[str, str]) -> tuple[int, Any]:
+    req = urllib.request.Request(url, data=body, headers=headers, method="POST" if body else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
 def _report(fleet: LocalFleet) -> Any:
     return http_json(f"{fleet.gateway_url}/admin/report", headers=fleet.admin_headers)
 
@@ -65,6 +77,19 @@ def test_report_savings_equal_engine_counted_cached_tokens_times_prices(tmp_path
         stopped = http_json(
             f"{fleet.gateway_url}/admin/trace", {"enabled": False}, headers=fleet.admin_headers
         )
+        table = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", "report", "--url", fleet.gateway_url],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "KVGATE_ADMIN_TOKEN": fleet.opts.admin_token},
+        )
+        bad = _status(f"{fleet.gateway_url}/admin/trace", b'{"enabled": "yes"}', fleet.admin_headers)
+        unauthorized = _status(f"{fleet.gateway_url}/admin/report", None, {})
+    assert table.returncode == 0, table.stderr
+    assert "TOTAL" in table.stdout and "tenant-" in table.stdout and "Prefill speed" in table.stdout
+    assert bad[0] == 400 and bad[1]["error"]["param"] == "enabled"
+    assert unauthorized[0] == 401 and "error" in unauthorized[1]
     totals = report["savings"]["totals"]
     assert totals["requests"] == result.requests
     assert hits > 0
