@@ -54,6 +54,7 @@ from gateway.shared_state_context import SharedContext
 from gateway.shared_state_follower import FleetRemoteReplicas, Follower
 from gateway.shared_state_load import LoadExchange
 from gateway.shared_state_publisher import Publisher
+from gateway.status_page import StatusPage
 from gateway.tracing import Tracing
 from router_policies.errors import UserInputError
 from router_policies.prefix_index import PrefixIndex
@@ -234,6 +235,7 @@ class GatewayApp:
                 web.get("/metrics", self._metrics_endpoint),
                 *admin.routes(),
                 *self.operator.routes(admin._guard),
+                *StatusPage().routes(),
             ]
         )
         return app

@@ -142,8 +142,12 @@ class CacheLifetime:
                 "held_blocks_tracked": len(blocks),
                 "oldest_held_age_s": now - oldest if oldest is not None else None,
             }
+        overall = LogHistogram()
+        for hist in self.residency.values():
+            overall = overall.merged(hist)
         return {
             "replicas": per_replica,
+            "all": {**overall.summary(), "buckets": overall.buckets()},
             "by_depth": {k: h.summary() for k, h in sorted(self.by_depth.items())},
             "tracked_blocks": self._held,
             "max_tracked_blocks": self._bound,

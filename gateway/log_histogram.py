@@ -58,6 +58,17 @@ class LogHistogram:
             "p99_s": self.quantile(0.99),
         }
 
+    def buckets(self) -> list[tuple[float | None, int]]:
+        """(upper bound, count) per bucket; None for the bucket above every bound."""
+        return [(b, c) for b, c in zip((*self.bounds, None), self.counts, strict=True)]
+
+    def merged(self, other: LogHistogram) -> LogHistogram:
+        assert self.bounds == other.bounds
+        out = LogHistogram(self.bounds)
+        out.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
+        out.count, out.total = self.count + other.count, self.total + other.total
+        return out
+
     def add_to(self, family: HistogramMetricFamily, labels: list[str]) -> None:
         cumulative, buckets = 0, []
         for bound, c in zip((*self.bounds, float("inf")), self.counts, strict=True):

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -44,6 +44,8 @@ from gateway.trace_recorder import TraceRecorder
 
 FLUSH_INTERVAL_S = 1.0
 MAX_DEFERRED = 4096
+RECENT_DECISIONS = 50
+MAX_SCORES = 8  # per recent decision: the best-scored replicas
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -79,6 +81,7 @@ class OperatorView:
         self.turns = SessionTurns(self.lifetime, cfg.lifetime.max_sessions)
         self.started = time.time()
         self._flusher: asyncio.Task[None] | None = None
+        self.decisions: deque[dict[str, Any]] = deque(maxlen=RECENT_DECISIONS)
         # deferred encodes: answered requests waiting for their keys, and keys that came first
         self._awaiting: OrderedDict[DeferredJob, Outcome] = OrderedDict()
         self._early_keys: OrderedDict[DeferredJob, list[int]] = OrderedDict()
@@ -90,6 +93,7 @@ class OperatorView:
         """The ``OutcomeSink`` hook: one request answered with 200."""
         o = outcome_of(a, body, sse, self.cfg.tenant_header)
         self.ledger.record(o)
+        self.decisions.append(_decision(a, o))
         job = a.info.deferred
         if job is None or a.info.approximate:
             self._keyed(o)
@@ -168,11 +172,13 @@ class OperatorView:
                 "rows": rows,
                 "totals": self.ledger.totals(rows),
                 "prefill_s_per_token": self.ledger.prefill_s_per_token(),
+                "by_replica": self.ledger.by_replica(),
                 "gpus_per_replica": self.cfg.gpus_per_replica,
             },
             "cache_lifetime": self.lifetime.report(),
             "turns": self.turns.report(),
             "trace": self.recorder.status(),
+            "recent_decisions": list(self.decisions),
         }
 
     async def report_endpoint(self, _request: web.Request) -> web.StreamResponse:
@@ -201,6 +207,25 @@ class OperatorView:
         else:
             self.recorder.stop()
         return _json(self.recorder.status())
+
+
+def _decision(a: Attempt, o: Outcome) -> dict[str, Any]:
+    """A recent decision as the status page shows it (its explain: reason, match and scores)."""
+    d = a.choice.decision
+    best = sorted(d.scores.items(), key=lambda kv: -kv[1])[:MAX_SCORES]
+    return {
+        "at": time.time(),
+        "model": o.model,
+        "tenant": o.tenant,
+        "replica": o.replica,
+        "reason": d.reason,
+        "matched_blocks": d.matched_blocks,
+        "prompt_tokens": o.prompt_tokens,
+        "predicted_cached_tokens": o.predicted_tokens,
+        "engine_cached_tokens": o.cached_tokens,
+        "ttft_ms": round(o.ttft_s * 1000, 3) if o.ttft_s is not None else None,
+        "scores": {rid: round(float(s), 4) for rid, s in best},
+    }
 
 
 def _with_keys(o: Outcome, keys: list[int]) -> Outcome:

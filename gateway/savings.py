@@ -112,6 +112,18 @@ class SavingsLedger:
     def prefill_s_per_token(self) -> dict[str, float | None]:
         return {rid: s.seconds_per_token() for rid, s in sorted(self._speeds.items())}
 
+    def by_replica(self) -> dict[str, dict[str, Any]]:
+        """Per replica: the engine-counted hit rate of the requests it answered."""
+        out: dict[str, dict[str, Any]] = {}
+        for (_, _, replica), t in sorted(self._tallies.items()):
+            row = out.setdefault(replica, {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0})
+            row["requests"] += t.requests
+            row["prompt_tokens"] += t.prompt_tokens
+            row["cached_tokens"] += t.cached_tokens
+        for row in out.values():
+            row["hit_rate"] = row["cached_tokens"] / row["prompt_tokens"] if row["prompt_tokens"] else 0.0
+        return out
+
     def rows(self) -> list[dict[str, Any]]:
         """Per (tenant, model): tokens, time and money (see the module docstring)."""
         speeds = self.prefill_s_per_token()

@@ -131,7 +131,7 @@ class SessionTurns:
             for f in TurnCounts.__slots__:
                 setattr(total, f, getattr(total, f) + getattr(c, f))
         return {
-            "turn_gap": self.gaps.summary(),
+            "turn_gap": {**self.gaps.summary(), "buckets": self.gaps.buckets()},
             "sessions_tracked": len(self._last),
             "all": total.as_dict(),
             "by_tenant": {t: c.as_dict() for t, c in sorted(self.by_tenant.items())},
