@@ -293,22 +293,18 @@ class _OperatorCollector(Collector):
 
     def _lifetimes(self) -> Iterator[Metric]:
         lt = self._view.lifetime
-        h = HistogramMetricFamily(
-            "kvgate_cache_block_residency_seconds",
-            "How long blocks lived in a replica's cache (store to remove, from engine events).",
-            labels=["replica"],
-        )
-        for rid, hist in sorted(lt.residency.items()):
-            hist.add_to(h, [rid])
-        yield h
-        d = HistogramMetricFamily(
-            "kvgate_cache_block_residency_by_depth_seconds",
-            "Block residency by the block's position in the prompts (blocks).",
-            labels=["depth"],
-        )
-        for label, hist in sorted(lt.by_depth.items()):
-            hist.add_to(d, [label])
-        yield d
+        families = (
+            ("kvgate_cache_block_residency_seconds",
+             "How long blocks lived in a replica's cache (store to remove, from engine events).",
+             "replica", lt.residency),
+            ("kvgate_cache_block_residency_by_depth_seconds",
+             "Block residency by the block's position in the prompts (blocks).", "depth", lt.by_depth),
+        )  # fmt: skip
+        for name, doc, label, hists in families:
+            fam = HistogramMetricFamily(name, doc, labels=[label])
+            for value, hist in sorted(hists.items()):
+                hist.add_to(fam, [value])
+            yield fam
 
     def _turns(self) -> Iterator[Metric]:
         turns = self._view.turns

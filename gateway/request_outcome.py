@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import orjson
 
+from gateway.prediction_audit import last_in_sse_tail
 from gateway.request_context import Attempt
 
 OTHER_TENANT = "other"
@@ -63,18 +64,7 @@ def usage_in(body: bytes, sse: bool) -> Usage | None:
             return usage_of(orjson.loads(body))
         except orjson.JSONDecodeError:
             return None
-    for event in reversed(body.replace(b"\r\n", b"\n").split(b"\n\n")):
-        if b'"usage"' not in event:
-            continue
-        for line in event.split(b"\n"):
-            if line.startswith(b"data:"):
-                try:
-                    found = usage_of(orjson.loads(line[5:].strip()))
-                except orjson.JSONDecodeError:
-                    continue
-                if found is not None:
-                    return found
-    return None
+    return last_in_sse_tail(body, usage_of)
 
 
 @dataclass(frozen=True, slots=True)
