@@ -78,9 +78,17 @@ class LifetimeConfig(_Strict):
     """How long blocks live in each replica's cache (gateway/cache_lifetime.py)."""
 
     max_tracked_blocks: int = Field(
-        1_000_000, gt=0, description="Blocks whose store time is held, all replicas together."
+        262_144,
+        gt=0,
+        description="Blocks whose store time (and prompt depth) is held, all replicas together; about "
+        "200 bytes each.",
     )
-    max_sessions: int = Field(100_000, gt=0, description="Sessions whose last turn is held.")
+    session_bytes: int = Field(
+        64 * 1024 * 1024,
+        gt=0,
+        description="Bytes of the sessions' last-turn block keys held (8 per block); the least recently "
+        "seen sessions go first.",
+    )
 
 
 class OperatorConfig(_Strict):

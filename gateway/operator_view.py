@@ -78,7 +78,7 @@ class OperatorView:
         self.recorder = TraceRecorder(cfg.trace)
         self.ledger = SavingsLedger(cfg)
         self.lifetime = CacheLifetime(cfg.lifetime.max_tracked_blocks)
-        self.turns = SessionTurns(self.lifetime, cfg.lifetime.max_sessions)
+        self.turns = SessionTurns(self.lifetime, cfg.lifetime.session_bytes)
         self.started = time.time()
         self._flusher: asyncio.Task[None] | None = None
         self.decisions: deque[dict[str, Any]] = deque(maxlen=RECENT_DECISIONS)

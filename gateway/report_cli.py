@@ -69,7 +69,8 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], out: TextIO) ->
         )
 
 
-def render(report: dict[str, Any], out: TextIO = sys.stdout) -> None:
+def render(report: dict[str, Any], out: TextIO | None = None) -> None:
+    out = out or sys.stdout  # read at call time: a replaced sys.stdout (tests, redirection) is honoured
     sav = report["savings"]
     print("Savings (engine-reported cached tokens; money at the configured prices)", file=out)
     rows = [

@@ -14,8 +14,8 @@ The engine's own view of the same turns: ``engine_missed`` counts returning turn
 engine-reported cached tokens fall short of the reusable prefix. On a fleet whose router sends a
 session to the replica holding its prefix, the two shares agree; the report shows both.
 
-Bounds: the previous turn's keys are kept per session up to ``max_sessions`` sessions (least
-recently seen dropped first). Single writer: ``OperatorView.answered`` on the event loop.
+Bounds: the previous turn's keys (8 bytes per block, at most ``MAX_KEYS_PER_SESSION``) are kept
+per session up to ``max_bytes`` over all sessions, the least recently seen dropped first. Single writer: ``OperatorView.answered`` on the event loop.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from gateway.log_histogram import LogHistogram
 from gateway.request_outcome import Outcome
 
 MAX_KEYS_PER_SESSION = 8192  # a longer prompt's prefix is judged on its first blocks
+SESSION_OVERHEAD_BYTES = 200  # the entry, its id and the array header, roughly
 
 
 @dataclass(slots=True)
@@ -62,6 +63,10 @@ class _Last:
     keys: array[int]
 
 
+def _size(last: _Last) -> int:
+    return SESSION_OVERHEAD_BYTES + last.keys.itemsize * len(last.keys)
+
+
 def common_prefix(a: array[int], b: tuple[int, ...]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -71,9 +76,10 @@ def common_prefix(a: array[int], b: tuple[int, ...]) -> int:
 
 
 class SessionTurns:
-    def __init__(self, lifetime: CacheLifetime, max_sessions: int) -> None:
+    def __init__(self, lifetime: CacheLifetime, max_bytes: int) -> None:
         self._lifetime = lifetime
-        self._max = max_sessions
+        self._max_bytes = max_bytes
+        self._bytes = 0
         self._last: OrderedDict[str, _Last] = OrderedDict()
         self.gaps = LogHistogram()
         self.by_tenant: dict[str, TurnCounts] = {}
@@ -85,9 +91,12 @@ class SessionTurns:
             return None
         keys = o.block_keys[:MAX_KEYS_PER_SESSION]
         prev = self._last.pop(o.session_id, None)
-        self._last[o.session_id] = _Last(o.done, array("Q", [k & 0xFFFFFFFFFFFFFFFF for k in keys]))
-        while len(self._last) > self._max:
-            self._last.popitem(last=False)
+        if prev is not None:
+            self._bytes -= _size(prev)
+        last = self._last[o.session_id] = _Last(o.done, array("Q", [k & 0xFFFFFFFFFFFFFFFF for k in keys]))
+        self._bytes += _size(last)
+        while self._bytes > self._max_bytes and self._last:
+            self._bytes -= _size(self._last.popitem(last=False)[1])
         if prev is None:
             return None
         self.gaps.observe(max(0.0, o.arrival - prev.done))
@@ -133,6 +142,7 @@ class SessionTurns:
         return {
             "turn_gap": {**self.gaps.summary(), "buckets": self.gaps.buckets()},
             "sessions_tracked": len(self._last),
+            "session_bytes": self._bytes,
             "all": total.as_dict(),
             "by_tenant": {t: c.as_dict() for t, c in sorted(self.by_tenant.items())},
         }

@@ -12,6 +12,8 @@ from gateway.cache_lifetime import CacheLifetime, depth_label
 from gateway.inventory_ops import Op
 from gateway.log_histogram import LogHistogram
 from gateway.operator_config import PUBLISHED_PRICES, OperatorConfig, Price, TraceConfig
+from gateway.operator_view import OperatorView
+from gateway.report_cli import render
 from gateway.request_outcome import Outcome, tenant_label, usage_in
 from gateway.savings import PrefillSpeed, SavingsLedger
 from gateway.session_turns import SessionTurns
@@ -189,7 +191,7 @@ def test_residency_from_store_and_remove_events_bounded() -> None:
 def test_turn_after_eviction_is_told_from_one_whose_prefix_lived() -> None:
     clock = Clock()
     lt = CacheLifetime(1000, clock=clock)
-    turns = SessionTurns(lt, max_sessions=10)
+    turns = SessionTurns(lt, max_bytes=10_000)
     first = outcome(arrival=100.0, done=100.5, block_keys=(1, 2))
     lt.inventory_ops("r0", [Op("s", [1, 2])])
     assert turns.turn(first, "t1") is None
@@ -218,3 +220,21 @@ def test_log_histogram_quantiles() -> None:
     assert h.quantile(0.5) == 0.5 and h.quantile(1.0) == 120.0
     assert h.share_above(5.0) == 0.25
     assert LogHistogram().quantile(0.5) is None
+
+
+def test_session_memory_is_bounded_in_bytes() -> None:
+    lt = CacheLifetime(1000)
+    turns = SessionTurns(lt, max_bytes=3 * (200 + 8 * 4))
+    for i in range(10):
+        turns.turn(outcome(session_id=f"s{i}", block_keys=(1, 2, 3, 4)), "t1")
+    rep = turns.report()
+    assert rep["sessions_tracked"] == 3 and rep["session_bytes"] <= 3 * (200 + 8 * 4)
+    # the oldest sessions went: their next turn counts as a first turn
+    assert turns.turn(outcome(session_id="s0", block_keys=(1, 2, 3, 4, 5)), "t1") is None
+    assert turns.turn(outcome(session_id="s9", block_keys=(1, 2, 3, 4, 5)), "t1") is not None
+
+
+def test_an_empty_report_renders(capsys: pytest.CaptureFixture[str]) -> None:
+    render(OperatorView(OperatorConfig()).report())
+    out = capsys.readouterr().out
+    assert "TOTAL" in out and "not recording" in out
