@@ -30,6 +30,7 @@ class ReplayResult:
     requests: int
     errors: int
     wall_s: float
+    ttft_s: list[float]  # request sent -> first response bytes, of the answered requests
 
 
 async def replay_sessions(
@@ -37,6 +38,7 @@ async def replay_sessions(
 ) -> ReplayResult:
     url = f"{gateway_url}/v1/chat/completions"
     counts = {"requests": 0, "errors": 0}
+    ttfts: list[float] = []
     async with aiohttp.ClientSession(
         timeout=aiohttp.ClientTimeout(total=timeout_s), connector=aiohttp.TCPConnector(limit=256)
     ) as http:
@@ -49,12 +51,18 @@ async def replay_sessions(
                 if turn.think_s:
                     await asyncio.sleep(turn.think_s)
                 counts["requests"] += 1
+                t0 = time.perf_counter()
                 try:
                     async with http.post(url, json=turn.body, headers=headers) as resp:
-                        await resp.read()
+                        first = await resp.content.readany()
+                        ttft = time.perf_counter() - t0
+                        while first:
+                            first = await resp.content.readany()
                         counts["errors"] += resp.status != 200
+                        if resp.status == 200:
+                            ttfts.append(ttft)
                 except (TimeoutError, aiohttp.ClientError):
                     counts["errors"] += 1
 
         await asyncio.gather(*(run_session(s) for s in sessions))
-        return ReplayResult(counts["requests"], counts["errors"], time.perf_counter() - t_start)
+        return ReplayResult(counts["requests"], counts["errors"], time.perf_counter() - t_start, ttfts)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.report_cli import render
-from kvgate_tools.demo import engine_hit_counters
+from kvgate_tools.demo import engine_hit_counters, percentile
 from kvgate_tools.demo_workload import AgentWorkloadSpec, agent_sessions
 from kvgate_tools.local_fleet import FleetOptions, LocalFleet, http_json
 from kvgate_tools.operator_replay import replay_sessions
@@ -120,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
         "expected_savings_usd": live["hits"] * (PRICE_IN - PRICE_CACHED) / 1e6,
         "engine_cached_tokens": live["hits"],
         "engine_prompt_tokens": live["queries"],
+        "live_ttft_p50_ms": round(1000 * percentile(result.ttft_s, 0.5), 3),
+        "live_ttft_p99_ms": round(1000 * percentile(result.ttft_s, 0.99), 3),
         "requests": result.requests,
         "errors": result.errors,
         "recorded_lines": len(trace.requests),
