@@ -30,15 +30,16 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the JSON instead of tables")
 
 
-def fetch_report(url: str, token: str | None, timeout_s: float = 10.0) -> Any:
-    req = urllib.request.Request(url.rstrip("/") + "/admin/report")
+def fetch_report(url: str, token: str | None, path: str = "/admin/report", timeout_s: float = 10.0) -> Any:
+    """``GET path`` of the gateway at ``url`` (an admin endpoint) as JSON; raises ``UserInputError``."""
+    req = urllib.request.Request(url.rstrip("/") + path)
     if token:
         req.add_header("authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             return json.loads(resp.read())
     except urllib.error.HTTPError as exc:
-        raise UserInputError(f"{url}: /admin/report answered {exc.code}: {exc.read()[:200]!r}") from None
+        raise UserInputError(f"{url}: {path} answered {exc.code}: {exc.read()[:200]!r}") from None
     except (urllib.error.URLError, OSError) as exc:
         raise UserInputError(f"{url}: cannot reach the gateway: {exc}") from None
 

@@ -23,7 +23,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,7 +202,15 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--trace", required=True, metavar="FILE", help="a Mooncake-format trace (the gateway's recording)"
     )
-    p.add_argument("--replicas", type=int, required=True, help="replicas of the current fleet")
+    p.add_argument(
+        "--gateway",
+        metavar="URL",
+        help="read the current fleet's replica count and measured "
+        "prefill speed from this gateway's /admin endpoints (token from $KVGATE_ADMIN_TOKEN)",
+    )
+    p.add_argument(
+        "--replicas", type=int, help="replicas of the current fleet (default: the gateway's healthy ones)"
+    )
     p.add_argument(
         "--cache-blocks", type=int, help="KV blocks per replica (default: the profile's KV / block size)"
     )
@@ -223,7 +233,27 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="OUT.png", help="write a plot of hit rate and TTFT p50/p99")
 
 
+def from_gateway(args: argparse.Namespace) -> None:
+    """Fill ``--replicas`` and ``--prefill-ms-per-1k`` left unset from a live gateway: its healthy
+    replicas, and the median of the prefill speeds it measured."""
+    from gateway.report_cli import fetch_report
+
+    token = os.environ.get("KVGATE_ADMIN_TOKEN") or None
+    if args.replicas is None:
+        reps = fetch_report(args.gateway, token, "/admin/replicas")["replicas"]
+        args.replicas = sum(1 for r in reps if r.get("healthy"))
+    if args.prefill_ms_per_1k is None:
+        speeds = [
+            v for v in fetch_report(args.gateway, token)["savings"]["prefill_s_per_token"].values() if v
+        ]
+        args.prefill_ms_per_1k = statistics.median(speeds) * 1e6 if speeds else None
+
+
 def fleet_of(args: argparse.Namespace, block_size: int) -> FleetModel:
+    if args.gateway:
+        from_gateway(args)
+    if args.replicas is None:
+        raise UserInputError("--replicas is needed (or --gateway URL to read it from a gateway)")
     if args.replicas <= 0 or (args.cache_blocks is not None and args.cache_blocks <= 0):
         raise UserInputError("--replicas and --cache-blocks must be positive")
     if not args.time_scale > 0:

@@ -84,9 +84,37 @@ def test_report_savings_equal_engine_counted_cached_tokens_times_prices(tmp_path
             timeout=60,
             env={**os.environ, "KVGATE_ADMIN_TOKEN": fleet.opts.admin_token},
         )
+        whatif_json = tmp_path / "whatif.json"
+        whatif = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gateway.cli",
+                "whatif",
+                "--trace",
+                str(tmp_path / "rec" / "trace.jsonl"),
+                "--gateway",
+                fleet.gateway_url,
+                "--cache-blocks",
+                "4096",
+                "--time-scale",
+                "0.2",
+                "--json",
+                str(whatif_json),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "KVGATE_ADMIN_TOKEN": fleet.opts.admin_token},
+        )
         bad = _status(f"{fleet.gateway_url}/admin/trace", b'{"enabled": "yes"}', fleet.admin_headers)
         unauthorized = _status(f"{fleet.gateway_url}/admin/report", None, {})
     assert table.returncode == 0, table.stderr
+    assert whatif.returncode == 0, whatif.stderr
+    rows = json.loads(whatif_json.read_text())["rows"]
+    assert rows[0]["replicas"] == 2 and [r["replicas"] for r in rows] == [2, 4, 2]
+    live_rate = hits / queries
+    assert abs(rows[0]["hit_rate"] - live_rate) <= 0.05, (rows[0], live_rate)
     assert "TOTAL" in table.stdout and "tenant-" in table.stdout and "Prefill speed" in table.stdout
     assert bad[0] == 400 and bad[1]["error"]["param"] == "enabled"
     assert unauthorized[0] == 401 and "error" in unauthorized[1]
