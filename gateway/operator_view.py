@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
@@ -41,6 +42,8 @@ from gateway.request_outcome import Outcome, outcome_of
 from gateway.savings import SavingsLedger
 from gateway.session_turns import SessionTurns
 from gateway.trace_recorder import TraceRecorder
+
+log = logging.getLogger("kvgate.operator")
 
 FLUSH_INTERVAL_S = 1.0
 MAX_DEFERRED = 4096
@@ -82,6 +85,7 @@ class OperatorView:
         self.started = time.time()
         self._flusher: asyncio.Task[None] | None = None
         self.decisions: deque[dict[str, Any]] = deque(maxlen=RECENT_DECISIONS)
+        self.failures = 0  # answered requests the view failed to record (logged)
         # deferred encodes: answered requests waiting for their keys, and keys that came first
         self._awaiting: OrderedDict[DeferredJob, Outcome] = OrderedDict()
         self._early_keys: OrderedDict[DeferredJob, list[int]] = OrderedDict()
@@ -90,7 +94,19 @@ class OperatorView:
 
     # ------------------------------------------------------------------ hooks
     def answered(self, a: Attempt, body: bytes, sse: bool) -> None:
-        """The ``OutcomeSink`` hook: one request answered with 200."""
+        """The ``OutcomeSink`` hook: one request answered with 200. Runs before the response's
+        end is written, so nothing it raises may reach the request: a failure (a full disk under
+        the trace) is logged and counted, and the answer goes out whole."""
+        self._guarded(self._answered, a, body, sse)
+
+    def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            self.failures += 1
+            log.exception("operator view: recording an answered request failed")
+
+    def _answered(self, a: Attempt, body: bytes, sse: bool) -> None:
         o = outcome_of(a, body, sse, self.cfg.tenant_header)
         self.ledger.record(o)
         self.decisions.append(_decision(a, o))
@@ -117,7 +133,7 @@ class OperatorView:
                 inner(keys)
             o = self._awaiting.pop(job, None)
             if o is not None:
-                self._keyed(_with_keys(o, keys))
+                self._guarded(self._keyed, _with_keys(o, keys))
             else:
                 _bounded_put(self._early_keys, job, keys)
 
@@ -145,7 +161,7 @@ class OperatorView:
     async def _flush_loop(self) -> None:
         while True:
             await asyncio.sleep(FLUSH_INTERVAL_S)
-            self.recorder.flush()
+            self._guarded(self.recorder.flush)
 
     async def stop(self) -> None:
         if self._flusher is not None:
@@ -179,6 +195,7 @@ class OperatorView:
             "turns": self.turns.report(),
             "trace": self.recorder.status(),
             "recent_decisions": list(self.decisions),
+            "failures": self.failures,
         }
 
     async def report_endpoint(self, _request: web.Request) -> web.StreamResponse:
