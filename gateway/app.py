@@ -154,7 +154,9 @@ class GatewayApp:
             self.shared_state = wire_shared_state(
                 config, self.index, self.fleet, self.inventory, self.registry
             )
-        self.operator = OperatorView(config.operator, self.registry)
+        self.operator = OperatorView(
+            config.operator, self.registry, lambda: [r.id for r in self.fleet.records()]
+        )
         self.inventory.observer = with_observer(self.inventory.observer, self.operator.lifetime)
         self._admin_token = _env_token(config.auth.admin_token_env, self._env)
         self._session: aiohttp.ClientSession | None = None

@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -76,12 +76,17 @@ def with_observer(current: InventoryObserver | None, added: InventoryObserver) -
 
 
 class OperatorView:
-    def __init__(self, cfg: OperatorConfig, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        cfg: OperatorConfig,
+        registry: CollectorRegistry | None = None,
+        fleet_replicas: Callable[[], Iterable[str]] = tuple,
+    ) -> None:
         self.cfg = cfg
         self.recorder = TraceRecorder(cfg.trace)
         self.ledger = SavingsLedger(cfg)
         self.lifetime = CacheLifetime(cfg.lifetime.max_tracked_blocks)
-        self.turns = SessionTurns(self.lifetime, cfg.lifetime.session_bytes)
+        self.turns = SessionTurns(self.lifetime, cfg.lifetime.session_bytes, fleet_replicas)
         self.started = time.time()
         self._flusher: asyncio.Task[None] | None = None
         self.decisions: deque[dict[str, Any]] = deque(maxlen=RECENT_DECISIONS)

@@ -8,7 +8,9 @@ position i mean equal prompts up to block i). At the turn's arrival the prefix w
 * ``alive``: some replica held the prefix's deepest block, stored before the arrival;
 * ``evicted``: no replica held it then (the engine events removed it after the previous turn;
   a block stored after the arrival was recomputed by this very turn);
-* ``unknown``: no store record to judge by (the tracker's bound dropped it, or no agent).
+* ``unknown``: no store record to judge by: the tracker's bound has dropped records (size
+  ``operator.lifetime.max_tracked_blocks`` to the fleet's cache blocks), or a replica of the fleet
+  sends its events to another gateway instance (shared state) or has no agent.
 
 The engine's own view of the same turns: ``engine_missed`` counts returning turns whose
 engine-reported cached tokens fall short of the reusable prefix. On a fleet whose router sends a
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,8 +79,14 @@ def common_prefix(a: array[int], b: tuple[int, ...]) -> int:
 
 
 class SessionTurns:
-    def __init__(self, lifetime: CacheLifetime, max_bytes: int) -> None:
+    def __init__(
+        self,
+        lifetime: CacheLifetime,
+        max_bytes: int,
+        fleet_replicas: Callable[[], Iterable[str]] = tuple,
+    ) -> None:
         self._lifetime = lifetime
+        self._fleet_replicas = fleet_replicas
         self._max_bytes = max_bytes
         self._bytes = 0
         self._last: OrderedDict[str, _Last] = OrderedDict()
@@ -130,9 +139,12 @@ class SessionTurns:
             if held and stored is None:
                 return "alive"  # held since a snapshot, before this turn
             any_record = any_record or held
-        if self._lifetime.dropped and not any_record:
-            return "unknown"
-        return "evicted" if self._lifetime.replicas() else "unknown"
+        observed = self._lifetime.replicas()
+        if not observed or self._lifetime.dropped:
+            return "unknown"  # a dropped store record may be the very block
+        if set(self._fleet_replicas()) - set(observed):
+            return "unknown"  # a replica whose events this gateway does not see may hold it
+        return "evicted"
 
     def report(self) -> dict[str, Any]:
         total = TurnCounts()

@@ -245,3 +245,21 @@ def test_a_failure_in_the_view_never_reaches_the_request(caplog: pytest.LogCaptu
     view.answered(None, b"{}", False)  # type: ignore[arg-type]  # an attempt it cannot read
     assert view.failures == 1 and view.report()["failures"] == 1
     assert "recording an answered request failed" in caplog.text
+
+
+def test_unobserved_replicas_or_dropped_records_make_a_turn_unknown() -> None:
+    clock = Clock()
+    lt = CacheLifetime(1000, clock=clock)
+    fleet = ["r0", "r1"]
+    turns = SessionTurns(lt, max_bytes=10_000, fleet_replicas=lambda: fleet)
+    lt.inventory_ops("r0", [Op("s", [7])])
+    turns.turn(outcome(session_id="a", block_keys=(1, 2)), "t1")
+    # r1 sends its events elsewhere: a prefix not found on r0 may live there
+    assert turns.turn(outcome(session_id="a", block_keys=(1, 2, 3)), "t1") == "unknown"
+    lt.inventory_ops("r1", [Op("s", [8])])
+    assert turns.turn(outcome(session_id="a", block_keys=(1, 2, 3, 4)), "t1") == "evicted"
+    small = CacheLifetime(1, clock=clock)
+    small.inventory_ops("r0", [Op("s", [1, 2])])  # one store record dropped
+    t2 = SessionTurns(small, max_bytes=10_000)
+    t2.turn(outcome(session_id="b", block_keys=(5, 6)), "t1")
+    assert t2.turn(outcome(session_id="b", block_keys=(5, 6, 9)), "t1") == "unknown"
