@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-fast lint demo proto proto-check bench bench-quick clean
+.PHONY: venv test test-fast lint demo whatif-demo proto proto-check bench bench-quick clean
 
 # The `dev` extra holds the `sim` and `plots` extras (simulated engines, charts: what the tests and
 # the demo run) and a redis-server for the shared-state tests (pyproject.toml, README "Set-up").
@@ -29,6 +29,10 @@ lint: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/kvgate demo
+
+# The operator loop (docs/operators.md): live fleet recording its traffic, what-if, report -> out/whatif.json
+whatif-demo: $(STAMP)
+	$(BIN)/python -m kvgate_tools.whatif_demo --out out
 
 proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py

@@ -48,6 +48,7 @@ from gateway.health import HealthChecker
 from gateway.inventory_server import InventoryServer
 from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import error_response, openai_errors_middleware
+from gateway.operator_view import OperatorView, with_observer
 from gateway.proxy import Proxy
 from gateway.routing import Router, RoutingState
 from gateway.shared_state import SharedState
@@ -55,6 +56,7 @@ from gateway.shared_state_context import SharedContext
 from gateway.shared_state_follower import FleetRemoteReplicas, Follower
 from gateway.shared_state_load import LoadExchange
 from gateway.shared_state_publisher import Publisher
+from gateway.status_page import StatusPage
 from gateway.tls import http_ssl_context
 from gateway.tracing import Tracing
 from router_policies.errors import UserInputError
@@ -156,6 +158,10 @@ class GatewayApp:
             self.shared_state = wire_shared_state(
                 config, self.index, self.fleet, self.inventory, self.registry
             )
+        self.operator = OperatorView(
+            config.operator, self.registry, lambda: [r.id for r in self.fleet.records()]
+        )
+        self.inventory.observer = with_observer(self.inventory.observer, self.operator.lifetime)
         self._admin_token = _env_token(config.auth.admin_token_env, self._env)
         self._api_auth = api_auth_middlewares(config.auth.api_keys, self._env, self.registry)
         self._http_ssl = http_ssl_context(config.auth.http_tls)
@@ -198,6 +204,7 @@ class GatewayApp:
         if state.featurizer is not previous.featurizer:
             self._retire(previous.featurizer)
         self.fleet.reconfigure(new)
+        self.operator.reconfigure(new.operator)
         configure_logging(new.telemetry.log_level, new.telemetry.access_log)
         self.metrics.reloads.labels("applied").inc()
         if pending:
@@ -237,6 +244,8 @@ class GatewayApp:
                 web.get("/ready", self._ready),
                 web.get("/metrics", self._metrics_endpoint),
                 *admin.routes(),
+                *self.operator.routes(admin._guard),
+                *StatusPage().routes(),
             ]
         )
         return app
@@ -283,7 +292,9 @@ class GatewayApp:
             self.metrics,
             self.tracing,
             self.access_log,
+            outcomes=self.operator,
         )
+        await self.operator.start()
         inv_addr = inventory or cfg.listen.inventory
         try:
             self.inventory_port = await self.inventory.start(inv_addr)
@@ -317,6 +328,7 @@ class GatewayApp:
                 await self._expire_task
             self._expire_task = None
         await self.inventory.stop()
+        await self.operator.stop()
         if self.shared_state is not None:
             await self.shared_state.stop()
         for task in list(self._retiring):

@@ -21,6 +21,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sim-engine": ("replica_agent.sim_engine_cli", "run a simulated vLLM engine"),
     "compare": ("router_policies.sim.compare_cli", "compare policies on a trace in the simulator"),
     "demo": ("kvgate_tools.demo", "live demo: simulated fleet, agents, gateway, four policies"),
+    "report": ("gateway.report_cli", "what the cache saved and how long it keeps things (GET /admin/report)"),
+    "whatif": (
+        "router_policies.sim.whatif",
+        "replay a recorded trace against fleet variations in the simulator",
+    ),
 }
 
 # top-level modules only the optional extras install (pyproject.toml) -> the extra that does

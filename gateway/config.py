@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from gateway.operator_config import OperatorConfig
 from router_policies.errors import UserInputError
 from router_policies.prefix_index import IndexConfig
 from router_policies.registry import (
@@ -329,6 +330,7 @@ class GatewayConfig(_Strict):
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     inventory: InventoryConfig = Field(default_factory=InventoryConfig)
+    operator: OperatorConfig = Field(default_factory=OperatorConfig)  # gateway/operator_config.py
 
     @model_validator(mode="after")
     def _cross_checks(self) -> GatewayConfig:

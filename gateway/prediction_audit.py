@@ -9,12 +9,15 @@ the end.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import orjson
 
 from gateway.metrics import GatewayMetrics
 from gateway.replica_record import ReplicaRecord
+
+T = TypeVar("T")
 
 SSE_TAIL_BYTES = 64 * 1024  # the usage event is the last or second-to-last event of a stream
 
@@ -61,20 +64,25 @@ def cached_tokens_in_body(body: bytes) -> int | None:
         return None
 
 
-def cached_tokens_in_sse_tail(tail: bytes) -> int | None:
-    """The cached tokens of the last event carrying usage in the tail of an SSE stream."""
+def last_in_sse_tail(tail: bytes, read: Callable[[Any], T | None]) -> T | None:
+    """``read`` of the last event carrying ``usage`` in the tail of an SSE stream that gives a value."""
     for event in reversed(tail.replace(b"\r\n", b"\n").split(b"\n\n")):
         if b'"usage"' not in event:
             continue
         for line in event.split(b"\n"):
             if line.startswith(b"data:"):
                 try:
-                    found = cached_tokens_of(orjson.loads(line[5:].strip()))
+                    found = read(orjson.loads(line[5:].strip()))
                 except orjson.JSONDecodeError:
                     continue
                 if found is not None:
                     return found
     return None
+
+
+def cached_tokens_in_sse_tail(tail: bytes) -> int | None:
+    """The cached tokens of the last event carrying usage in the tail of an SSE stream."""
+    return last_in_sse_tail(tail, cached_tokens_of)
 
 
 def record_audit(metrics: GatewayMetrics, record: ReplicaRecord, predicted: int, reported: int) -> None:

@@ -34,6 +34,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import RequestError
 from gateway.request import Endpoint, parse_request
 from gateway.request_context import DROP_REQUEST, Attempt, RequestContext, filter_headers
+from gateway.request_outcome import OutcomeSink
 from gateway.routing import Router, RoutingState
 from gateway.tracing import Tracing
 from gateway.upstream import Retry, Upstream
@@ -76,12 +77,14 @@ class Proxy:
         metrics: GatewayMetrics,
         tracing: Tracing,
         access_log: AccessLog,
+        outcomes: OutcomeSink | None = None,
     ) -> None:
         self._state = state
         self._router = router
         self._fleet = fleet
         self._session = session
         self._upstream = Upstream(session, fleet, metrics)
+        self._upstream.outcomes = outcomes
         self._metrics = metrics
         self._tracing = tracing
         self._access = access_log
@@ -206,6 +209,8 @@ class Proxy:
             if info.deferred is not None:
                 # the prompt's full keys become this attempt's speculative entries once encoded
                 info.deferred.on_keys = functools.partial(self._router.record, a.speculation)
+                if self._upstream.outcomes is not None:
+                    self._upstream.outcomes.deferred(a)
             tried.append(choice.record.id)
             try:
                 return await self._upstream.send(a)

@@ -22,6 +22,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import RequestError, sse_error_event
 from gateway.prediction_audit import SseTail, cached_tokens_in_body, cached_tokens_in_sse_tail, record_audit
 from gateway.request_context import DROP_REQUEST, DROP_RESPONSE, Attempt, filter_headers
+from gateway.request_outcome import OutcomeSink
 
 UPSTREAM_READ_ERRORS = (aiohttp.ClientError, OSError)
 
@@ -56,6 +57,7 @@ class Upstream:
         self._session = session
         self._fleet = fleet
         self._metrics = metrics
+        self.outcomes: OutcomeSink | None = None  # the operator view (gateway/operator_view.py)
 
     async def _post(self, a: Attempt) -> aiohttp.ClientResponse:
         """The replica's response headers; a failure to get them raises ``Retry`` or a 504."""
@@ -134,6 +136,8 @@ class Upstream:
                     self._fleet.proxy_failure(rec, f"answered {up.status}")
                 if a.audited and up.status == 200 and up.content_type == "application/json":
                     self._audit(a, cached_tokens_in_body(first))
+                if self.outcomes is not None and up.status == 200:
+                    self.outcomes.answered(a, first, False)
                 self._metrics.e2e_by(rec.id).observe(ctx.elapsed())
                 return web.Response(status=up.status, body=first, headers=headers)
             # an SSE stream, or a body too large to hold: passed through as it arrives
@@ -193,6 +197,8 @@ class Upstream:
                 self._fleet.proxy_success(rec)
                 if sse and a.audited and up.status == 200:
                     self._audit(a, cached_tokens_in_sse_tail(tail.value()))
+                if self.outcomes is not None and up.status == 200:
+                    self.outcomes.answered(a, tail.value(), sse)
                 await resp.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             ctx.log["error"] = "client disconnected"

@@ -1,0 +1,155 @@
+"""How long a block lives in each replica's cache, from the engines' own store and remove events
+(docs/operators.md, "Cache lifetime"; docs/architecture.md, "Inventory path").
+
+An engine's prefix cache has no fixed lifetime: a block stays until eviction pressure removes it.
+``CacheLifetime`` is an inventory observer (``inventory_ops(replica, ops)``): a stored key gets its
+store time, a removed key's residency (remove time - store time) goes into the replica's histogram
+and into its prefix-depth bucket (the block's position in the prompts that used it, learnt from
+requests via ``note_depths``). Keys known only from a snapshot have no store time and add no
+residency. ``store_time(replica, key)`` answers whether a block was present at a given moment
+(``SessionTurns`` uses it to tell a turn whose prefix was evicted).
+
+Bounds: at most ``max_tracked_blocks`` store times over all replicas (the oldest store of the
+replica being written is dropped first, counted in ``dropped``); depths share the same bound.
+Single writer: the inventory stream (event loop); times come from the injected clock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from gateway.inventory_ops import Op
+from gateway.inventory_sink import AgentHello
+from gateway.log_histogram import LogHistogram
+
+DEPTH_BUCKETS = ((0, 3), (4, 15), (16, 63), (64, 255), (256, 1 << 30))  # block positions, inclusive
+
+
+def depth_label(depth: int) -> str:
+    for lo, hi in DEPTH_BUCKETS:
+        if lo <= depth <= hi:
+            return f"{lo}-{hi}" if hi < 1 << 30 else f"{lo}+"
+    return "unknown"
+
+
+class CacheLifetime:
+    def __init__(self, max_tracked_blocks: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self._bound = max_tracked_blocks
+        self._clock = clock
+        # replica -> key -> store time (None: known from a snapshot), oldest store first
+        self._stored: dict[str, OrderedDict[int, float | None]] = {}
+        self._held = 0
+        self._depths: OrderedDict[int, int] = OrderedDict()
+        self.residency: dict[str, LogHistogram] = {}
+        self.by_depth: dict[str, LogHistogram] = {}
+        self.dropped = 0
+        self.removals = 0
+
+    # ------------------------------------------------------------------ the observer
+    def inventory_hello(self, hello: AgentHello) -> None:
+        self._stored.setdefault(hello.replica_id, OrderedDict())
+
+    def inventory_snapshot(self, replica: str, entries: Mapping[int, str]) -> None:
+        old = self._stored.pop(replica, OrderedDict())
+        self._held -= len(old)
+        fresh: OrderedDict[int, float | None] = OrderedDict((k, old.get(k)) for k in entries)
+        self._stored[replica] = fresh
+        self._held += len(fresh)
+        self._enforce(replica)
+
+    def inventory_ops(self, replica: str, ops: Sequence[Op]) -> None:
+        now = self._clock()
+        blocks = self._stored.setdefault(replica, OrderedDict())
+        for op in ops:
+            if op.kind == "s":
+                for k in op.keys:
+                    if k not in blocks:
+                        blocks[k] = now
+                        self._held += 1
+            elif op.kind == "r":
+                for k in op.keys:
+                    self._removed(replica, blocks, k, now)
+            else:  # cleared: every block goes at once (a reset, not eviction pressure)
+                self._held -= len(blocks)
+                blocks.clear()
+        self._enforce(replica)
+
+    def _removed(self, replica: str, blocks: OrderedDict[int, float | None], key: int, now: float) -> None:
+        if key not in blocks:
+            return
+        stored = blocks.pop(key)
+        self._held -= 1
+        if stored is None:
+            return
+        lived = now - stored
+        self.removals += 1
+        hist = self.residency.get(replica)
+        if hist is None:
+            hist = self.residency[replica] = LogHistogram()
+        hist.observe(lived)
+        depth = self._depths.get(key)
+        label = depth_label(depth) if depth is not None else "unknown"
+        dh = self.by_depth.get(label)
+        if dh is None:
+            dh = self.by_depth[label] = LogHistogram()
+        dh.observe(lived)
+
+    def _enforce(self, replica: str) -> None:
+        blocks = self._stored[replica]
+        while self._held > self._bound:
+            victim = blocks if blocks else max(self._stored.values(), key=len)
+            victim.popitem(last=False)
+            self._held -= 1
+            self.dropped += 1
+        while len(self._depths) > self._bound:
+            self._depths.popitem(last=False)
+
+    # ------------------------------------------------------------------ queries
+    def note_depths(self, keys: Sequence[int]) -> None:
+        """The request's block keys, in prompt order: key i is at depth i."""
+        depths = self._depths
+        for i, k in enumerate(keys):
+            if k not in depths:
+                depths[k] = i
+        while len(depths) > self._bound:
+            depths.popitem(last=False)
+
+    def store_time(self, replica: str, key: int) -> tuple[bool, float | None]:
+        """(held now, its store time when known)."""
+        blocks = self._stored.get(replica)
+        if blocks is None or key not in blocks:
+            return False, None
+        return True, blocks[key]
+
+    def replicas(self) -> list[str]:
+        return sorted(self._stored)
+
+    def forget_replica(self, replica: str) -> None:
+        self._held -= len(self._stored.pop(replica, ()))
+
+    def report(self) -> dict[str, Any]:
+        now = self._clock()
+        per_replica = {}
+        for rid in sorted(set(self._stored) | set(self.residency)):
+            blocks = self._stored.get(rid, OrderedDict())
+            oldest = next((t for t in blocks.values() if t is not None), None)
+            hist = self.residency.get(rid, LogHistogram())
+            per_replica[rid] = {
+                "residency": hist.summary(),
+                "held_blocks_tracked": len(blocks),
+                "oldest_held_age_s": now - oldest if oldest is not None else None,
+            }
+        overall = LogHistogram()
+        for hist in self.residency.values():
+            overall = overall.merged(hist)
+        return {
+            "replicas": per_replica,
+            "all": {**overall.summary(), "buckets": overall.buckets()},
+            "by_depth": {k: h.summary() for k, h in sorted(self.by_depth.items())},
+            "tracked_blocks": self._held,
+            "max_tracked_blocks": self._bound,
+            "dropped": self.dropped,
+        }
