@@ -134,7 +134,29 @@ class ProxyConfig(_Strict):
         "up to this size; a larger one is passed through as it arrives.",
     )
     connect_timeout_s: float = Field(2.0, gt=0, description="Upstream connect timeout.")
-    request_timeout_s: float = Field(600.0, gt=0, description="Upstream total timeout per request.")
+    first_byte_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="An attempt whose replica sent no body byte this long (a non-streaming answer "
+        "arrives whole, so for it: the whole answer) is abandoned and, as nothing reached the client, "
+        "retried on another replica (504 when no retry is left). An attempt on a replica that is "
+        "ejected meanwhile is failed over at once.",
+    )
+    stream_idle_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="After the first byte, a response with no byte for this long is cut (an SSE "
+        "stream ends with an error event).",
+    )
+    request_timeout_s: float = Field(
+        0.0,
+        ge=0,
+        description="Upstream total timeout per request (0: none; it would also cut long healthy "
+        "streams, which stream_idle_timeout_s does not).",
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="A request body not received whole in this long gets 408."
+    )
     retries: int = Field(2, ge=0, description="Retries on other replicas before the first byte.")
     session_header: str = Field("x-session-id", description="Request header carrying the session id.")
     debug_headers: bool = Field(True, description="Send x-kvgate-replica and x-kvgate-matched-tokens.")
@@ -142,6 +164,25 @@ class ProxyConfig(_Strict):
         10.0, gt=0, description="TTL of the index entry each routed request adds."
     )
     tokenize_cache_entries: int = Field(4096, ge=0, description="Bound of the cache of tokenized messages.")
+    tokenize_cache_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=0,
+        description="Bytes the cache of tokenized messages may hold (texts and token ids); least "
+        "recently used first out.",
+    )
+    max_prompt_chars: int = Field(
+        2_000_000,
+        gt=0,
+        description="A prompt tokenized here longer than this many characters (after the chat "
+        "template) gets 400 prompt_too_long: encoding takes about 100 bytes of transient memory "
+        "a character.",
+    )
+    tokenize_inflight_bytes: int = Field(
+        4 * 1024 * 1024,
+        gt=0,
+        description="Bytes of prompt text being encoded on worker threads at once; more requests "
+        "wait their turn (one encode larger than this runs alone).",
+    )
     tokenize_threads: int = Field(2, ge=1, description="Worker threads for long tokenizations.")
     tokenize_offload_chars: int = Field(
         16384, ge=0, description="Uncached prompt characters above which encoding leaves the event loop."
@@ -162,6 +203,46 @@ class ProxyConfig(_Strict):
         4_000_000,
         ge=0,
         description="Characters waiting to be encoded after routing; beyond it the oldest are dropped.",
+    )
+    tokenize_defer_backlog_bytes: int = Field(
+        32 * 1024 * 1024,
+        ge=0,
+        description="Bytes of text (as Python holds it: 1, 2 or 4 a character) waiting to be encoded "
+        "after routing; beyond it the oldest are dropped.",
+    )
+
+
+class ServerConfig(_Strict):
+    """The HTTP listener's protection against slow, idle and too many clients (as Envoy's and
+    HAProxy's timeouts and connection limits), and its drain on shutdown."""
+
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="A request's headers not received whole this long after its first byte get 408."
+    )
+    idle_timeout_s: float = Field(
+        60.0, gt=0, description="A connection with no request in progress is closed after this long."
+    )
+    max_connections: int = Field(
+        4096,
+        gt=0,
+        description="Client connections open at once; beyond it (or beyond the open-file limit less "
+        "a reserve) a new one gets 503 and is closed.",
+    )
+    max_headers: int = Field(128, gt=0, description="Request headers beyond this many get 400.")
+    max_header_bytes: int = Field(
+        8190, gt=0, description="A request line or header field longer than this gets 400 (431 for headers)."
+    )
+    drain_delay_s: float = Field(
+        0.0,
+        ge=0,
+        description="On SIGTERM, /ready answers 503 this long before the listener closes (so load "
+        "balancers stop sending first); requests are served meanwhile.",
+    )
+    shutdown_grace_s: float = Field(
+        50.0,
+        ge=0,
+        description="Then in-flight requests get this long to finish (drain_delay_s + shutdown_grace_s "
+        "must stay under the pod's terminationGracePeriodSeconds).",
     )
 
 
@@ -259,6 +340,7 @@ class GatewayConfig(_Strict):
     replicas: list[ReplicaConfig] = Field(default_factory=list)
     index: IndexConfig = Field(default_factory=IndexConfig)
     proxy: ProxyConfig = Field(default_factory=ProxyConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     shared_state: SharedStateConfig = Field(default_factory=SharedStateConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
@@ -328,4 +410,8 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Gatew
     if data is not None and not isinstance(data, Mapping):
         raise ConfigError(f"{p}: the top level must be a mapping")
     tree = apply_env(dict(data or {}), os.environ if env is None else env)
-    return parse_config(tree, str(p))
+    config = parse_config(tree, str(p))
+    if not config.models:
+        # every request would get 404 model_not_found: a truncated or wrong file, not a config
+        raise ConfigError(f"{p}: models: the config defines no model (an empty or truncated file?)")
+    return config
