@@ -70,8 +70,9 @@ def raw_error(status: int, reason: str, message: str, code: str) -> bytes:
 
 def _parse_error(exc: BaseException | None, status: int) -> tuple[int, str, str]:
     """(status, message, code) of a parser error."""
-    if isinstance(exc, LineTooLong) and "header" in str(exc).lower():
-        return 431, f"request header too large: {exc.message}", "header_too_large"
+    if isinstance(exc, LineTooLong):
+        limit = exc.args[1] if len(exc.args) > 1 else "?"
+        return 431, f"a request line or header is longer than {limit} bytes", "header_too_large"
     if isinstance(exc, HttpProcessingError):
         text = exc.message or type(exc).__name__
         if "too many headers" in text.lower():
@@ -97,9 +98,8 @@ class HardenedHandler(web_protocol.RequestHandler):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         manager = self._manager
         if manager is not None and len(manager.connections) >= self._cap:
-            assert isinstance(transport, asyncio.Transport)
             log.warning("connection refused: %d client connections open (server.max_connections)", self._cap)
-            transport.write(
+            transport.write(  # type: ignore[attr-defined]  # a (uvloop) TCP transport
                 raw_error(503, "Service Unavailable", "too many client connections", "too_many_connections")
             )
             transport.close()
@@ -133,7 +133,7 @@ class HardenedHandler(web_protocol.RequestHandler):
         peer = transport.get_extra_info("peername")
         log.warning("request headers from %s not received in %ss: 408", peer, self._cfg.header_timeout_s)
         message = f"request headers not received in {self._cfg.header_timeout_s}s"
-        transport.write(raw_error(408, "Request Timeout", message, "header_timeout"))  # type: ignore[attr-defined]
+        transport.write(raw_error(408, "Request Timeout", message, "header_timeout"))
         self.force_close()
 
     def connection_lost(self, exc: BaseException | None) -> None:

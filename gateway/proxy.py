@@ -47,9 +47,19 @@ class BodyTooLarge(RequestError):
         super().__init__(f"request body exceeds {limit} bytes", status=413, code="body_too_large")
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The request body, at most ``limit`` bytes (raises ``BodyTooLarge``, or ``RequestError``
-    for a body that ended early)."""
+async def read_body(request: web.Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """The request body, at most ``limit`` bytes, received whole within ``timeout_s`` (raises
+    ``BodyTooLarge``, ``RequestError`` for a body that ended early, or 408 for a slow one)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _read_body(request, limit)
+    except TimeoutError:
+        raise RequestError(
+            f"request body not received in {timeout_s}s", status=408, code="body_timeout"
+        ) from None
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
     length = request.content_length
     if length is not None and length > limit:
         raise BodyTooLarge(limit)
@@ -88,9 +98,11 @@ class Proxy:
         self._timeouts: dict[tuple[float, float], aiohttp.ClientTimeout] = {}
 
     def _timeout(self, total: float, connect: float) -> aiohttp.ClientTimeout:
+        """The upstream client timeout: connect, and a total one only when configured (the first
+        byte and stream idle timeouts are the upstream's own, see gateway/upstream.py)."""
         t = self._timeouts.get((total, connect))
         if t is None:
-            t = aiohttp.ClientTimeout(total=total, sock_connect=connect)
+            t = aiohttp.ClientTimeout(total=total or None, sock_connect=connect)
             self._timeouts = {(total, connect): t}  # one entry: the current config's
         return t
 
@@ -169,7 +181,7 @@ class Proxy:
     async def _route(self, ctx: RequestContext, endpoint: Endpoint) -> web.StreamResponse:
         """Parse, featurize, match, then try replicas until one answers (raises ``RequestError``)."""
         pcfg = ctx.state.config.proxy
-        raw = await read_body(ctx.request, pcfg.max_body_bytes)
+        raw = await read_body(ctx.request, pcfg.max_body_bytes, pcfg.body_timeout_s)
         req = parse_request(endpoint, raw, ctx.request.headers.get(pcfg.session_header))
         ctx.parsed = req
         ctx.log["model"] = req.model
