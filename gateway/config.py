@@ -217,7 +217,9 @@ class ServerConfig(_Strict):
     HAProxy's timeouts and connection limits), and its drain on shutdown."""
 
     header_timeout_s: float = Field(
-        10.0, gt=0, description="A request's headers not received whole this long after its first byte get 408."
+        10.0,
+        gt=0,
+        description="A request's headers not received whole this long after its first byte get 408.",
     )
     idle_timeout_s: float = Field(
         60.0, gt=0, description="A connection with no request in progress is closed after this long."

@@ -23,6 +23,7 @@ object exists yet.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import resource
 from typing import Any
@@ -52,10 +53,8 @@ def raise_fd_limit() -> None:
     then follows the system's real bound."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:
-        try:
+        with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        except (ValueError, OSError):
-            pass
 
 
 def raw_error(status: int, reason: str, message: str, code: str) -> bytes:
@@ -146,7 +145,7 @@ class HardenedHandler(web_protocol.RequestHandler):
         request: BaseRequest,
         status: int = 500,
         exc: BaseException | None = None,
-        message: str | None = None,
+        message: str | None = None,  # noqa: ARG002  # aiohttp's signature; the JSON has its own
     ) -> web.StreamResponse:
         """One WARNING line and the OpenAI error JSON (aiohttp: an ERROR traceback and text)."""
         code_status, text, code = _parse_error(exc, status)
@@ -160,7 +159,9 @@ class HardenedHandler(web_protocol.RequestHandler):
         if request.writer.output_size > 0:
             raise ConnectionError("the response was already started")
         resp = web.Response(
-            status=code_status, body=error_body(code_status, text, None, code), content_type="application/json"
+            status=code_status,
+            body=error_body(code_status, text, None, code),
+            content_type="application/json",
         )
         resp.force_close()
         return resp

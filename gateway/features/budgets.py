@@ -33,7 +33,9 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 SEEN_ENTRY_BYTES = 80  # one fingerprint in the seen-text record: dict slot + int object
-SEGMENT_ENTRY_OVERHEAD = 240  # one segment cache entry beyond its text and ids: key tuple, array header, LRU node
+SEGMENT_ENTRY_OVERHEAD = (
+    240  # one segment cache entry beyond its text and ids: key tuple, array header, LRU node
+)
 TRIM_AFTER_CHARS = 256 * 1024  # encodes at least this long give their transient memory back
 TRIM_INTERVAL_S = 0.5  # at most this often (malloc_trim walks the heap)
 

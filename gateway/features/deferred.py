@@ -183,9 +183,7 @@ class DeferredEncodes:
             plan = enc.still_missing(job.plan)
             done: list[TokenArray] = []
             if plan.whole is not None or plan.missing:
-                encode = functools.partial(
-                    self._encode, enc, plan, job.add_special_tokens, job.chars
-                )
+                encode = functools.partial(self._encode, enc, plan, job.add_special_tokens, job.chars)
                 pool = executor()  # the background pool, or the urgent one when expedited
                 done = (
                     encode()

@@ -104,33 +104,33 @@ class Routes:
         req = proto.parse_chat(await read_json(request), self.d.tokenizer, self.d.limits)
         return await self._generate(request, req, "chatcmpl-")
 
-    async def models(self, request: web.Request) -> web.StreamResponse:
+    async def models(self, _request: web.Request) -> web.StreamResponse:
         d = self.d
         return json_response(
             proto.model_list(d.limits.model, d.model_root, d.limits.max_model_len, d.started)
         )
 
-    async def health(self, request: web.Request) -> web.StreamResponse:
+    async def health(self, _request: web.Request) -> web.StreamResponse:
         if not self.d.core.alive:
             raise proto.ApiError(503, "engine core is not running")
         return web.Response(status=200)
 
-    async def version(self, request: web.Request) -> web.StreamResponse:
+    async def version(self, _request: web.Request) -> web.StreamResponse:
         return json_response({"version": ENGINE_VERSION})
 
-    async def metrics(self, request: web.Request) -> web.StreamResponse:
+    async def metrics(self, _request: web.Request) -> web.StreamResponse:
         return web.Response(body=self.d.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def tokenize(self, request: web.Request) -> web.StreamResponse:
         return json_response(proto.parse_tokenize(await read_json(request), self.d.tokenizer, self.d.limits))
 
-    async def reset_prefix_cache(self, request: web.Request) -> web.StreamResponse:
+    async def reset_prefix_cache(self, _request: web.Request) -> web.StreamResponse:
         if not await self.d.core.call(self.d.model.clear):
             raise proto.ApiError(503, "cannot reset the prefix cache while requests hold KV blocks")
         return web.Response(status=200)
 
     # ------------------------------------------------------------------ debug
-    async def debug_blocks(self, request: web.Request) -> web.StreamResponse:
+    async def debug_blocks(self, _request: web.Request) -> web.StreamResponse:
         keys = await self.d.core.call(lambda: sorted(self.d.model.cached_ids()))
         return json_response({"block_size": self.d.model.config.block_size, "keys": keys})
 
@@ -138,7 +138,7 @@ class Routes:
         p = self.d.publisher
         return {**p.faults.as_dict(), "next_seq": p.next_seq, "requests": self.request_faults.as_dict()}
 
-    async def get_faults(self, request: web.Request) -> web.StreamResponse:
+    async def get_faults(self, _request: web.Request) -> web.StreamResponse:
         return json_response(await self.d.core.call(self._fault_state))
 
     async def set_faults(self, request: web.Request) -> web.StreamResponse:
@@ -176,7 +176,7 @@ class Routes:
 
         return json_response(await self.d.core.call(apply))
 
-    async def debug_state(self, request: web.Request) -> web.StreamResponse:
+    async def debug_state(self, _request: web.Request) -> web.StreamResponse:
         d = self.d
 
         def read() -> dict[str, Any]:
@@ -222,7 +222,9 @@ class Routes:
             if req.stream:
                 body = b'data: {"id": "corrupt", "choices": [{"delta": \x00\xff\n\n'
                 return web.Response(body=body, content_type="text/event-stream")
-            return web.Response(body=b'{"id": "corrupt", "choices": [\x00\xff', content_type="application/json")
+            return web.Response(
+                body=b'{"id": "corrupt", "choices": [\x00\xff', content_type="application/json"
+            )
         handle = d.core.submit(req.prompt_tokens, req.max_tokens)
         rid = prefix + f"{self._rng.getrandbits(128):032x}"
         created = proto.now_s()

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from tests.integration.gateway_harness import (
     http,
     wait_until,
 )
-from tests.integration.test_sim_engine_harness import Engine, engines, launch  # noqa: F401
+from tests.integration.test_sim_engine_harness import Engine, start_engine
 
 JSON = {"content-type": "application/json"}
 MiB = 1024 * 1024
@@ -175,7 +176,9 @@ def test_parser_errors_are_openai_json_with_one_log_line(procs: Procs) -> None:
 def test_slow_and_idle_clients_are_timed_out(procs: Procs) -> None:
     """Finding 5: connections dripping headers, dripping a body or idle stayed open >= 120 s."""
     b = procs.backend("r0")
-    cfg = base_config(b, server={"header_timeout_s": 1.0, "idle_timeout_s": 2.0}, proxy={"body_timeout_s": 1.0})
+    cfg = base_config(
+        b, server={"header_timeout_s": 1.0, "idle_timeout_s": 2.0}, proxy={"body_timeout_s": 1.0}
+    )
     gw = procs.gateway(cfg)
 
     def drip_headers() -> bytes:
@@ -203,7 +206,7 @@ def test_slow_and_idle_clients_are_timed_out(procs: Procs) -> None:
     assert time.monotonic() - t0 < 4
     # a body that never arrives whole
     t0 = time.monotonic()
-    payload = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"model\""
+    payload = b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"model"'
     status, body, _ = _status_and_body(_raw(gw.port, payload, timeout=15))
     assert status == 408 and _error(body)["code"] == "body_timeout"
     assert time.monotonic() - t0 < 13  # 1 s, then aiohttp's lingering read of the rest
@@ -227,7 +230,9 @@ def test_connections_beyond_the_cap_are_refused_and_health_recovers(procs: Procs
             refused += 1
         assert refused == 10
         # the idle ones are closed after idle_timeout_s; then the listener serves again
-        wait_until(lambda: http("GET", gw.url + "/health", timeout=2)[0] == 200, 10, "health after idle close")
+        wait_until(
+            lambda: http("GET", gw.url + "/health", timeout=2)[0] == 200, 10, "health after idle close"
+        )
     finally:
         for s in socks:
             s.close()
@@ -258,20 +263,25 @@ def _url(e: Engine) -> str:
 
 
 @pytest.fixture
-def two_engines(launch: Any) -> list[Engine]:
+def two_engines(tmp_path: Path) -> Iterator[list[Engine]]:
     out = []
-    for _ in range(2):
-        e = launch()
-        e.http = _url(e)
-        out.append(e)
-    return out
+    try:
+        for _ in range(2):
+            e = start_engine(tmp_path)
+            e.http = _url(e)
+            out.append(e)
+        yield out
+    finally:
+        for e in out:
+            os.killpg(e.proc.pid, signal.SIGCONT)
+            e.stop(signal.SIGKILL)
 
 
 def test_a_hung_engine_is_failed_over_after_the_first_byte_timeout(
     procs: Procs, two_engines: list[Engine]
 ) -> None:
     """Finding 8: requests on a hung engine waited request_timeout_s (600 s)."""
-    e0, e1 = two_engines
+    e0 = two_engines[0]
     gw = procs.gateway(_sim_config(two_engines, proxy={"first_byte_timeout_s": 1.0}))
     wait_until(lambda: all(r["healthy"] for r in gw.replicas().values()), what="both healthy")
     _faults(e0, {"hang": 100})
@@ -285,7 +295,7 @@ def test_a_hung_engine_is_failed_over_after_the_first_byte_timeout(
 
 
 def test_requests_waiting_on_an_ejected_engine_fail_over(procs: Procs, two_engines: list[Engine]) -> None:
-    e0, e1 = two_engines
+    e0 = two_engines[0]
     gw = procs.gateway(_sim_config(two_engines, proxy={"first_byte_timeout_s": 60.0}))
     wait_until(lambda: all(r["healthy"] for r in gw.replicas().values()), what="both healthy")
     os.killpg(e0.proc.pid, signal.SIGSTOP)
@@ -321,7 +331,9 @@ def test_a_stalled_stream_is_cut_by_the_idle_timeout(procs: Procs, two_engines: 
     assert json.loads(events[-2][len("data: ") :])["error"]["code"] == "upstream_timeout"
     assert events[-1] == "data: [DONE]"
     assert time.monotonic() - t0 < 5
+    # the stall counted as a failure (ejected, unhealthy_after 1) until the next health check;
     # a healthy stream afterwards is whole
+    wait_until(lambda: gw.replicas()["e0"]["healthy"], what="restored")
     status, _, raw = _chat(gw.url, "fine", model="kvgate-sim", max_tokens=8, stream=True)
     assert status == 200 and b'"error"' not in raw
 
@@ -341,6 +353,8 @@ def test_engine_5xx_and_corrupt_payloads(procs: Procs, two_engines: list[Engine]
     _faults(eng, {"error": 1, "error_status": 500})  # passed through, as today
     status, _, raw = http("POST", gw.url + "/v1/completions", body, hdr)
     assert status == 500 and "injected fault" in raw.decode()
+    # a 500 is a passive failure (unhealthy_after 1): back after the next health check
+    wait_until(lambda: gw.replicas()[target]["healthy"], what="restored")
     _faults(eng, {"corrupt": 1})  # bytes pass through; the audit must not fail on them
     status, _, raw = http("POST", gw.url + "/v1/completions", body, hdr)
     assert status == 200 and raw.startswith(b'{"id": "corrupt"')
@@ -365,8 +379,10 @@ def test_shutdown_flips_readiness_then_lets_in_flight_requests_finish(
     t.start()
     time.sleep(0.5)
     os.kill(gw.proc.pid, signal.SIGTERM)
-    status, _, raw = http("GET", gw.url + "/ready", timeout=2)
-    assert status == 503 and _error(raw)["code"] == "draining"
+    _, _, raw = wait_until(
+        lambda: (r := http("GET", gw.url + "/ready", timeout=2))[0] == 503 and r, 1.0, "/ready 503"
+    )
+    assert _error(raw)["code"] == "draining"
     t.join(30)
     assert result == [200]
     assert gw.proc.wait(20) == 0
