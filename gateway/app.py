@@ -122,7 +122,7 @@ class GatewayApp:
         self.metrics = GatewayMetrics(
             self.registry, self.index, self.fleet, lambda: self._state.featurizer.cache_stats()
         )
-        self.registry.register(MemoryCollector(lambda: self._state.featurizer.memory_stats()))
+        self.registry.register(MemoryCollector(self._memory_stats))
         self.tracing = Tracing(config.telemetry.otlp_endpoint)
         self.access_log = AccessLog()
         self.inventory = InventoryServer(
@@ -187,6 +187,11 @@ class GatewayApp:
         else:
             log.info("config reloaded (policy %s)", state.policy.name)
         return None
+
+    def _memory_stats(self) -> dict[str, tuple[int, int]]:
+        """Bytes held and their bounds, per holder clients fill (``kvgate_memory_bytes``)."""
+        proxy = self._proxy.memory_stats() if self._proxy is not None else {}
+        return {**self._state.featurizer.memory_stats(), **proxy}
 
     def _retire(self, featurizer: Featurizer) -> None:
         async def close_later() -> None:

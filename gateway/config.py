@@ -137,22 +137,21 @@ class ProxyConfig(_Strict):
     first_byte_timeout_s: float = Field(
         120.0,
         gt=0,
-        description="An attempt whose replica sent no body byte this long (a non-streaming answer "
-        "arrives whole, so for it: the whole answer) is abandoned and, as nothing reached the client, "
-        "retried on another replica (504 when no retry is left). An attempt on a replica that is "
-        "ejected meanwhile is failed over at once.",
+        description="A streaming request whose replica sent no byte of its stream this long is "
+        "abandoned and, as nothing reached the client, retried on another replica (504 when no retry "
+        "is left). An attempt on a replica ejected meanwhile is failed over at once.",
     )
     stream_idle_timeout_s: float = Field(
         300.0,
         gt=0,
         description="After the first byte, a response with no byte for this long is cut (an SSE "
-        "stream ends with an error event).",
+        "stream ends with an error event). Streams have no total timeout.",
     )
     request_timeout_s: float = Field(
-        0.0,
-        ge=0,
-        description="Upstream total timeout per request (0: none; it would also cut long healthy "
-        "streams, which stream_idle_timeout_s does not).",
+        600.0,
+        gt=0,
+        description="A non-streaming request's answer (it arrives whole) not received in this long: "
+        "the attempt is abandoned and retried on another replica (504 when no retry is left).",
     )
     body_timeout_s: float = Field(
         30.0, gt=0, description="A request body not received whole in this long gets 408."
@@ -233,6 +232,13 @@ class ServerConfig(_Strict):
     max_headers: int = Field(128, gt=0, description="Request headers beyond this many get 400.")
     max_header_bytes: int = Field(
         8190, gt=0, description="A request line or header field longer than this gets 400 (431 for headers)."
+    )
+    max_inflight_body_bytes: int = Field(
+        256 * 1024 * 1024,
+        gt=0,
+        description="Bytes of request bodies held at once (each from its read to its answer's end; "
+        "a body of unknown length counts as proxy.max_body_bytes). A request that cannot fit within "
+        "proxy.body_timeout_s gets 503 overloaded.",
     )
     drain_delay_s: float = Field(
         0.0,

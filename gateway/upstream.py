@@ -3,12 +3,13 @@ path", the last steps).
 
 Nothing is sent to the client until the upstream's first body byte arrived (a whole body for
 non-streaming responses), so a retry never duplicates output: a connect error, a connection
-dropped, a 503, no first byte within ``proxy.first_byte_timeout_s``, or the replica ejected (by
-health checks or passive failures) while the attempt waits, raises ``Retry`` before that (when the
-attempt ``may_retry``; otherwise 504). After the first byte, an SSE stream is passed through
-chunk by chunk; a replica that dies, or sends nothing for ``proxy.stream_idle_timeout_s``, ends it
-with one SSE error event. There is no total timeout unless ``proxy.request_timeout_s`` sets one:
-long healthy streams are never cut.
+dropped, a 503, no first byte in time (``proxy.first_byte_timeout_s`` for a streaming request,
+``proxy.request_timeout_s`` for a non-streaming one, whose answer arrives whole), or the replica
+ejected (by health checks or passive failures) while the attempt waits, raises ``Retry`` before
+that (when the attempt ``may_retry``; otherwise 504). After the first byte, an SSE stream is
+passed through chunk by chunk; a replica that dies, or sends nothing for
+``proxy.stream_idle_timeout_s``, ends it with one SSE error event. Streams have no total timeout:
+long healthy ones are never cut.
 
 ``EjectionWatch`` is one task, running while attempts wait for a first byte, that checks their
 replicas' health every ``WATCH_INTERVAL_S`` and ends the wait of those ejected.
@@ -21,7 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import functools
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -45,6 +47,7 @@ class FirstByteWait:
 
     record: ReplicaRecord
     timeout: asyncio.Timeout
+    others: Callable[[], bool]  # whether another healthy replica could take the request
     ejected: bool = False
 
 
@@ -56,11 +59,14 @@ class EjectionWatch:
         self._task: asyncio.Task[None] | None = None
 
     @contextlib.asynccontextmanager
-    async def first_byte(self, rec: ReplicaRecord, timeout_s: float) -> AsyncIterator[FirstByteWait]:
-        """``asyncio.timeout(timeout_s)``, also expiring at once when ``rec`` is ejected (the
-        block then raises ``TimeoutError``)."""
+    async def first_byte(
+        self, rec: ReplicaRecord, timeout_s: float, others: Callable[[], bool]
+    ) -> AsyncIterator[FirstByteWait]:
+        """``asyncio.timeout(timeout_s)``, also expiring at once when ``rec`` is ejected while
+        ``others()`` says another replica could take the request (the block then raises
+        ``TimeoutError``); with no other replica, the attempt keeps waiting for its own."""
         async with asyncio.timeout(timeout_s) as cm:
-            wait = FirstByteWait(rec, cm)
+            wait = FirstByteWait(rec, cm, others)
             self._waiting.add(wait)
             if self._task is None:
                 self._task = asyncio.get_running_loop().create_task(self._run(), name="kvgate-ejection-watch")
@@ -75,7 +81,7 @@ class EjectionWatch:
                 await asyncio.sleep(WATCH_INTERVAL_S)
                 now = asyncio.get_running_loop().time()
                 for wait in list(self._waiting):
-                    if not wait.record.healthy and not wait.ejected:
+                    if not wait.record.healthy and not wait.ejected and wait.others():
                         wait.ejected = True
                         wait.timeout.reschedule(now)
         finally:
@@ -101,6 +107,14 @@ async def _read_bounded(up: aiohttp.ClientResponse, limit: int) -> tuple[bytes, 
         if len(buf) > limit:
             return bytes(buf), False
     return bytes(buf), True
+
+
+def _first_byte_limit(a: Attempt) -> float:
+    """How long the attempt may wait for its first byte: a stream's first event, or a
+    non-streaming answer (which arrives whole)."""
+    assert a.ctx.parsed is not None
+    p = a.ctx.state.config.proxy
+    return p.first_byte_timeout_s if a.ctx.parsed.stream else p.request_timeout_s
 
 
 def _timed_out(a: Attempt) -> RequestError:
@@ -152,6 +166,13 @@ class Upstream:
             self._fleet.proxy_failure(rec, f"{type(exc).__name__} before the first byte: {exc}")
             raise Retry("disconnect", f"{rec.id}: {type(exc).__name__} before the first byte") from None
 
+    def _others(self, a: Attempt) -> bool:
+        """Whether a replica other than the attempt's is healthy and serves its model."""
+        if not a.may_retry:
+            return False
+        model, rid = a.features.model, a.record.id
+        return any(r.healthy and r.id != rid for r in self._fleet.candidates(model))
+
     def _no_first_byte(self, a: Attempt, wait: FirstByteWait) -> NoReturn:
         """The attempt's first-byte wait ended (too long, or its replica was ejected): fail it
         over (``Retry``) or, with no retry left, 504."""
@@ -159,8 +180,7 @@ class Upstream:
         if wait.ejected:
             why, reason = "was ejected before its first byte", "ejected"
         else:
-            timeout_s = a.ctx.state.config.proxy.first_byte_timeout_s
-            why, reason = f"sent no first byte in {timeout_s}s", "first_byte_timeout"
+            why, reason = f"sent no first byte in {_first_byte_limit(a)}s", "first_byte_timeout"
             self._fleet.proxy_failure(rec, why)
         if a.may_retry:
             raise Retry(reason, f"{rec.id} {why}") from None
@@ -184,10 +204,10 @@ class Upstream:
         up: aiohttp.ClientResponse | None = None
         done = False
         try:
-            pcfg = ctx.state.config.proxy
             wait: FirstByteWait | None = None
             try:
-                async with self._watch.first_byte(rec, pcfg.first_byte_timeout_s) as wait:
+                others = functools.partial(self._others, a)
+                async with self._watch.first_byte(rec, _first_byte_limit(a), others) as wait:
                     up = await self._post(a)
                     if up.status == 503 and a.may_retry:
                         raise Retry("503", f"{rec.id}: 503 Service Unavailable")

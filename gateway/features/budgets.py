@@ -56,10 +56,10 @@ def text_bytes(text: str) -> int:
 
 
 class ByteBudget:
-    """An asyncio semaphore counted in bytes: ``hold(n)`` waits until ``n`` more bytes fit under
-    ``limit``, or until nothing is held (a single holder larger than the limit runs alone, never
-    forever refused). Event loop thread only. Invariant: ``held <= limit`` unless one holder
-    holds it all."""
+    """An asyncio semaphore counted in bytes: ``acquire(n)`` waits until ``n`` more bytes fit
+    under ``limit``, or until nothing is held (a single holder larger than the limit runs alone,
+    never forever refused); ``release(n)`` never waits. Event loop thread only. Invariant:
+    ``held <= limit`` unless one holder holds it all."""
 
     def __init__(self, limit: int) -> None:
         if limit <= 0:
@@ -67,20 +67,31 @@ class ByteBudget:
         self.limit = limit
         self.held = 0
         self.peak = 0
-        self._changed = asyncio.Condition()
+        self._waiters: list[asyncio.Future[None]] = []
+
+    async def acquire(self, n: int) -> None:
+        while self.held and self.held + n > self.limit:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            await fut  # woken by a release, then checks again
+        self.held += n
+        self.peak = max(self.peak, self.held)
+        assert self.held <= self.limit or self.held == n
+
+    def release(self, n: int) -> None:
+        self.held -= n
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
 
     @contextlib.asynccontextmanager
     async def hold(self, n: int) -> AsyncIterator[None]:
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.held == 0 or self.held + n <= self.limit)
-            self.held += n
-            self.peak = max(self.peak, self.held)
+        await self.acquire(n)
         try:
             yield
         finally:
-            async with self._changed:
-                self.held -= n
-                self._changed.notify_all()
+            self.release(n)
 
 
 class MemoryReleaser:

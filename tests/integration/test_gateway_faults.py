@@ -244,7 +244,7 @@ def _sim_config(engines: list[Engine], **extra: Any) -> dict[str, Any]:
         "models": [{"name": "kvgate-sim", "tokenizer": str(TOKENIZER)}],
         "replicas": [{"id": f"e{i}", "url": e.http} for i, e in enumerate(engines)],
         "policy": {"name": "round_robin", "seed": 0},
-        "health": {"interval_s": 0.2, "timeout_s": 0.5, "unhealthy_after": 1, "healthy_after": 1},
+        "health": {"interval_s": 0.2, "timeout_s": 1.0, "unhealthy_after": 1, "healthy_after": 1},
     }
     for key, value in extra.items():
         cfg[key] = {**cfg.get(key, {}), **value}
@@ -282,12 +282,14 @@ def test_a_hung_engine_is_failed_over_after_the_first_byte_timeout(
 ) -> None:
     """Finding 8: requests on a hung engine waited request_timeout_s (600 s)."""
     e0 = two_engines[0]
-    gw = procs.gateway(_sim_config(two_engines, proxy={"first_byte_timeout_s": 1.0}))
+    timeouts = {"first_byte_timeout_s": 1.0, "request_timeout_s": 1.0}
+    gw = procs.gateway(_sim_config(two_engines, proxy=timeouts, health={"unhealthy_after": 100}))
     wait_until(lambda: all(r["healthy"] for r in gw.replicas().values()), what="both healthy")
-    _faults(e0, {"hang": 100})
+    _faults(e0, {"hang": 100})  # its /health still answers: only the timeout can tell
     for i in range(4):
         t0 = time.monotonic()
-        status, headers, raw = _chat(gw.url, f"question {i}", model="kvgate-sim", max_tokens=4)
+        stream = bool(i % 2)  # streams: first_byte_timeout_s; whole answers: request_timeout_s
+        status, headers, raw = _chat(gw.url, f"q {i}", model="kvgate-sim", max_tokens=4, stream=stream)
         assert status == 200, raw
         assert headers["x-kvgate-replica"] == "e1"
         assert time.monotonic() - t0 < 3.0
@@ -314,7 +316,7 @@ def test_requests_waiting_on_an_ejected_engine_fail_over(procs: Procs, two_engin
             t.join(30)
         assert [r[0] for r in results] == [200, 200]
         assert {r[1] for r in results} == {"e1"}
-        assert max(r[2] for r in results) < 5.0  # ejection (health timeout 0.5 s) then failover
+        assert max(r[2] for r in results) < 6.0  # ejection (health timeout 1 s) then failover
     finally:
         os.killpg(e0.proc.pid, signal.SIGCONT)
 
@@ -386,3 +388,31 @@ def test_shutdown_flips_readiness_then_lets_in_flight_requests_finish(
     t.join(30)
     assert result == [200]
     assert gw.proc.wait(20) == 0
+
+
+def test_request_bodies_held_at_once_are_bounded(procs: Procs, two_engines: list[Engine]) -> None:
+    """Request bodies are a buffer clients fill: beyond server.max_inflight_body_bytes a request
+    waits (within proxy.body_timeout_s) for room, then gets 503 overloaded."""
+    e0 = two_engines[0]
+    cfg = _sim_config(
+        two_engines[:1], server={"max_inflight_body_bytes": 3000}, proxy={"body_timeout_s": 1.0}
+    )
+    gw = procs.gateway(cfg)
+    wait_until(lambda: gw.replicas()["e0"]["healthy"], what="healthy")
+    _faults(e0, {"slow": 1, "slow_ms": 4000})
+    text = "y " * 1000  # a ~2.1 KB body
+    first: list[int] = []
+    t = threading.Thread(
+        target=lambda: first.append(_chat(gw.url, text, model="kvgate-sim", max_tokens=2)[0])
+    )
+    t.start()
+    wait_until(
+        lambda: _metric(gw, 'kvgate_memory_bytes{holder="request_bodies"}') > 2000, 5, "first body held"
+    )
+    assert _metric(gw, 'kvgate_memory_budget_bytes{holder="request_bodies"}') == 3000
+    status, _, raw = _chat(gw.url, text, model="kvgate-sim", max_tokens=2)
+    assert status == 503 and _error(raw)["code"] == "overloaded"
+    t.join(30)
+    assert first == [200]
+    assert _metric(gw, 'kvgate_memory_bytes{holder="request_bodies"}') == 0
+    assert _chat(gw.url, text, model="kvgate-sim", max_tokens=2)[0] == 200
