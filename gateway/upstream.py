@@ -175,14 +175,14 @@ class Upstream:
 
     def _no_first_byte(self, a: Attempt, wait: FirstByteWait) -> NoReturn:
         """The attempt's first-byte wait ended (too long, or its replica was ejected): fail it
-        over (``Retry``) or, with no retry left, 504."""
+        over (``Retry``) or, with no retry left or no other healthy replica, 504."""
         rec = a.record
         if wait.ejected:
             why, reason = "was ejected before its first byte", "ejected"
         else:
             why, reason = f"sent no first byte in {_first_byte_limit(a)}s", "first_byte_timeout"
             self._fleet.proxy_failure(rec, why)
-        if a.may_retry:
+        if self._others(a):  # may retry, and another replica can take it
             raise Retry(reason, f"{rec.id} {why}") from None
         raise RequestError(f"replica {rec.id} {why}", status=504, code="upstream_timeout") from None
 
