@@ -8,8 +8,9 @@ Start order: client session, inventory server, shared state (Redis; never waits 
 health round (so /ready reflects the fleet before traffic arrives), background loops (health,
 index expiry), then the HTTP listener.
 
-Shutdown order (``stop``), the reverse: HTTP listener first (no new requests; in-flight ones get
-``shutdown_grace_s``), then the health loop, the index expiry loop, the inventory server (agents
+Shutdown order (``stop``), the reverse: ``/ready`` answers 503 first (``server.drain_delay_s``,
+so load balancers stop sending while requests are still served), then the HTTP listener closes
+(no new requests; in-flight ones get ``server.shutdown_grace_s`` to finish), then the health loop, the index expiry loop, the inventory server (agents
 reconnect elsewhere or later), the shared state (after the inventory server, whose hooks feed
 it), the featurizers (worker threads, remote-tokenize session), the upstream client session, and
 tracing last so the final spans are flushed. Every background task is created here and cancelled
@@ -42,9 +43,11 @@ from gateway.agent_credentials import stream_access_of
 from gateway.api_keys import api_auth_middlewares
 from gateway.config import GatewayConfig, load_config
 from gateway.features import Featurizer
+from gateway.features.budgets import MemoryCollector
 from gateway.features.remote_tokenizer import UrlChooser
 from gateway.fleet import Fleet
 from gateway.health import HealthChecker
+from gateway.http_server import HardenedRunner, raise_fd_limit
 from gateway.inventory_server import InventoryServer
 from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import error_response, openai_errors_middleware
@@ -65,7 +68,7 @@ from router_policies.registry import build_policy
 
 log = logging.getLogger("kvgate.app")
 
-_RESTART_ONLY = ("listen", "index", "inventory", "shared_state", "auth")
+_RESTART_ONLY = ("listen", "server", "index", "inventory", "shared_state", "auth")
 EXPIRE_INTERVAL_S = 1.0
 RETIRE_GRACE_S = 5.0
 
@@ -82,6 +85,10 @@ def _featurizer_inputs(config: GatewayConfig) -> tuple[object, ...]:
         p.tokenize_defer_chars,
         p.tokenize_seen_entries,
         p.tokenize_defer_backlog_chars,
+        p.tokenize_cache_bytes,
+        p.tokenize_defer_backlog_bytes,
+        p.tokenize_inflight_bytes,
+        p.max_prompt_chars,
     )
 
 
@@ -127,11 +134,13 @@ class GatewayApp:
         config: GatewayConfig,
         config_path: str | Path | None = None,
         env: Mapping[str, str] | None = None,
-        shutdown_grace_s: float = 5.0,
+        shutdown_grace_s: float | None = None,
     ) -> None:
+        """``shutdown_grace_s`` overrides ``server.shutdown_grace_s``."""
         self._env = dict(os.environ if env is None else env)
         self._config_path = Path(config_path) if config_path is not None else None
-        self._grace = shutdown_grace_s
+        self._grace = config.server.shutdown_grace_s if shutdown_grace_s is None else shutdown_grace_s
+        self._draining = False  # set first on shutdown: /ready answers 503
         self.index = PrefixIndex(config.index)
         self.fleet = Fleet(config, self.index)
         self._state = build_state(config, remote=self.fleet.tokenize_url)
@@ -140,6 +149,7 @@ class GatewayApp:
         self.metrics = GatewayMetrics(
             self.registry, self.index, self.fleet, lambda: self._state.featurizer.cache_stats()
         )
+        self.registry.register(MemoryCollector(self._memory_stats))
         self.tracing = Tracing(config.telemetry.otlp_endpoint)
         self.access_log = AccessLog()
         self.inventory = InventoryServer(
@@ -213,6 +223,11 @@ class GatewayApp:
             log.info("config reloaded (policy %s)", state.policy.name)
         return None
 
+    def _memory_stats(self) -> dict[str, tuple[int, int]]:
+        """Bytes held and their bounds, per holder clients fill (``kvgate_memory_bytes``)."""
+        proxy = self._proxy.memory_stats() if self._proxy is not None else {}
+        return {**self._state.featurizer.memory_stats(), **proxy}
+
     def _retire(self, featurizer: Featurizer) -> None:
         async def close_later() -> None:
             # features are computed at a request's start, in milliseconds: after this grace no
@@ -254,6 +269,8 @@ class GatewayApp:
         return web.json_response({"status": "ok"})
 
     async def _ready(self, _request: web.Request) -> web.StreamResponse:
+        if self._draining:
+            return error_response(503, "the gateway is shutting down", code="draining")
         if self.fleet.any_healthy():
             return web.json_response({"status": "ready"})
         return error_response(503, "no healthy replica", code="not_ready")
@@ -278,6 +295,7 @@ class GatewayApp:
     async def start(self, http: str | None = None, inventory: str | None = None) -> None:
         cfg = self._state.config
         configure_logging(cfg.telemetry.log_level, cfg.telemetry.access_log)
+        raise_fd_limit()
         loop = asyncio.get_running_loop()
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=60),
@@ -305,18 +323,27 @@ class GatewayApp:
         self._health = HealthChecker(self.fleet, self._session, lambda: self._state.config.health)
         await self._health.start()
         self._expire_task = loop.create_task(self._expire_loop(), name="kvgate-index-expiry")
-        self._runner = web.AppRunner(self._web_app(), handler_cancellation=True, access_log=None)
+        self._runner = HardenedRunner(
+            self._web_app(),
+            cfg.server,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=self._grace,
+        )
         await self._runner.setup()
         host, _, port = (http or cfg.listen.http).rpartition(":")
-        site = web.TCPSite(
-            self._runner, host, int(port), shutdown_timeout=self._grace, ssl_context=self._http_ssl
-        )
+        site = web.TCPSite(self._runner, host, int(port), ssl_context=self._http_ssl)
         await site.start()
         addrs = self._runner.addresses
         self.http_port = int(addrs[0][1]) if addrs else int(port)
 
     async def stop(self) -> None:
+        self._draining = True
         if self._runner is not None:
+            delay = self._state.config.server.drain_delay_s
+            if delay:
+                log.info("draining: /ready answers 503 for %ss before the listener closes", delay)
+                await asyncio.sleep(delay)
             await self._runner.cleanup()
             self._runner = None
         if self._health is not None:

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from gateway.config_http import ProxyConfig, ServerConfig, _Strict
 from gateway.operator_config import OperatorConfig
 from router_policies.errors import UserInputError
 from router_policies.prefix_index import IndexConfig
@@ -29,13 +30,19 @@ from router_policies.registry import (
 
 ENV_PREFIX = "KVGATE_"
 
+__all__ = [
+    "ConfigError",
+    "GatewayConfig",
+    "ProxyConfig",
+    "ServerConfig",
+    "apply_env",
+    "load_config",
+    "parse_config",
+]
+
 
 class ConfigError(UserInputError):
     """The config is invalid; the message names the field path."""
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 def _host_port(value: str) -> str:
@@ -123,48 +130,6 @@ class ReplicaConfig(_Strict):
         if not v.startswith(("http://", "https://")):
             raise ValueError("url must start with http:// or https://")
         return v.rstrip("/")
-
-
-class ProxyConfig(_Strict):
-    """The HTTP proxy: limits, timeouts, retries, debug headers, tokenization."""
-
-    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Larger request bodies get 413.")
-    max_buffered_response_bytes: int = Field(
-        64 * 1024 * 1024,
-        gt=0,
-        description="A non-streaming response is held until complete (so a failure before it is retried) "
-        "up to this size; a larger one is passed through as it arrives.",
-    )
-    connect_timeout_s: float = Field(2.0, gt=0, description="Upstream connect timeout.")
-    request_timeout_s: float = Field(600.0, gt=0, description="Upstream total timeout per request.")
-    retries: int = Field(2, ge=0, description="Retries on other replicas before the first byte.")
-    session_header: str = Field("x-session-id", description="Request header carrying the session id.")
-    debug_headers: bool = Field(True, description="Send x-kvgate-replica and x-kvgate-matched-tokens.")
-    speculative_ttl_s: float = Field(
-        10.0, gt=0, description="TTL of the index entry each routed request adds."
-    )
-    tokenize_cache_entries: int = Field(4096, ge=0, description="Bound of the cache of tokenized messages.")
-    tokenize_threads: int = Field(2, ge=1, description="Worker threads for long tokenizations.")
-    tokenize_offload_chars: int = Field(
-        16384, ge=0, description="Uncached prompt characters above which encoding leaves the event loop."
-    )
-    tokenize_defer_chars: int = Field(
-        1024,
-        ge=0,
-        description="Uncached prompt characters from which text this gateway never saw after the same "
-        "prefix is routed on the cached prefix and encoded after routing (0: always encode first).",
-    )
-    tokenize_seen_entries: int = Field(
-        262144,
-        ge=0,
-        description="Bound of the record of new texts seen (one fingerprint per 256 characters; "
-        "about 80 bytes each).",
-    )
-    tokenize_defer_backlog_chars: int = Field(
-        4_000_000,
-        ge=0,
-        description="Characters waiting to be encoded after routing; beyond it the oldest are dropped.",
-    )
 
 
 class HealthConfig(_Strict):
@@ -325,6 +290,7 @@ class GatewayConfig(_Strict):
     replicas: list[ReplicaConfig] = Field(default_factory=list)
     index: IndexConfig = Field(default_factory=IndexConfig)
     proxy: ProxyConfig = Field(default_factory=ProxyConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     shared_state: SharedStateConfig = Field(default_factory=SharedStateConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
@@ -395,4 +361,8 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Gatew
     if data is not None and not isinstance(data, Mapping):
         raise ConfigError(f"{p}: the top level must be a mapping")
     tree = apply_env(dict(data or {}), os.environ if env is None else env)
-    return parse_config(tree, str(p))
+    config = parse_config(tree, str(p))
+    if not config.models:
+        # every request would get 404 model_not_found: a truncated or wrong file, not a config
+        raise ConfigError(f"{p}: models: the config defines no model (an empty or truncated file?)")
+    return config

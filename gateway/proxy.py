@@ -19,8 +19,9 @@ upstream connection: the engine aborts the request and frees its slot. Every err
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -28,6 +29,8 @@ import orjson
 from aiohttp import web
 
 from gateway.access_log import AccessLog
+from gateway.config import ProxyConfig
+from gateway.features.budgets import ByteBudget
 from gateway.features.feature_info import FeatureInfo
 from gateway.fleet import Fleet, ReplicaRecord
 from gateway.metrics import GatewayMetrics
@@ -48,9 +51,19 @@ class BodyTooLarge(RequestError):
         super().__init__(f"request body exceeds {limit} bytes", status=413, code="body_too_large")
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The request body, at most ``limit`` bytes (raises ``BodyTooLarge``, or ``RequestError``
-    for a body that ended early)."""
+async def read_body(request: web.Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """The request body, at most ``limit`` bytes, received whole within ``timeout_s`` (raises
+    ``BodyTooLarge``, ``RequestError`` for a body that ended early, or 408 for a slow one)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _read_body(request, limit)
+    except TimeoutError:
+        raise RequestError(
+            f"request body not received in {timeout_s}s", status=408, code="body_timeout"
+        ) from None
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
     length = request.content_length
     if length is not None and length > limit:
         raise BodyTooLarge(limit)
@@ -88,13 +101,41 @@ class Proxy:
         self._metrics = metrics
         self._tracing = tracing
         self._access = access_log
-        self._timeouts: dict[tuple[float, float], aiohttp.ClientTimeout] = {}
+        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
+        # request bodies held at once (server.* settings apply at start: a restart changes them)
+        self._bodies = ByteBudget(state().config.server.max_inflight_body_bytes)
 
-    def _timeout(self, total: float, connect: float) -> aiohttp.ClientTimeout:
-        t = self._timeouts.get((total, connect))
+    def memory_stats(self) -> dict[str, tuple[int, int]]:
+        """Request bodies held: (bytes, bound), as ``Featurizer.memory_stats``."""
+        return {"request_bodies": (self._bodies.held, self._bodies.limit)}
+
+    @contextlib.asynccontextmanager
+    async def _body_room(self, request: web.Request, pcfg: ProxyConfig) -> AsyncIterator[None]:
+        """Hold the request body's bytes against ``server.max_inflight_body_bytes`` for the
+        request's life (raises 503 when there is no room within ``proxy.body_timeout_s``)."""
+        length = request.content_length
+        need = pcfg.max_body_bytes if length is None else min(length, pcfg.max_body_bytes)
+        try:
+            async with asyncio.timeout(pcfg.body_timeout_s):
+                await self._bodies.acquire(need)
+        except TimeoutError:
+            raise RequestError(
+                "the gateway holds too many request bodies; retry later",
+                status=503,
+                code="overloaded",
+            ) from None
+        try:
+            yield
+        finally:
+            self._bodies.release(need)
+
+    def _timeout(self, connect: float) -> aiohttp.ClientTimeout:
+        """The upstream client timeout: the connect one only (the first-byte and stream idle
+        timeouts are the upstream's own, see gateway/upstream.py)."""
+        t = self._timeouts.get(connect)
         if t is None:
-            t = aiohttp.ClientTimeout(total=total, sock_connect=connect)
-            self._timeouts = {(total, connect): t}  # one entry: the current config's
+            t = aiohttp.ClientTimeout(total=None, sock_connect=connect)
+            self._timeouts = {connect: t}  # one entry: the current config's
         return t
 
     # ------------------------------------------------------------------ handlers
@@ -144,7 +185,8 @@ class Proxy:
         status = 500
         try:
             try:
-                response = await self._route(ctx, endpoint)
+                async with self._body_room(request, state.config.proxy):
+                    response = await self._route(ctx, endpoint)
             except RequestError as exc:
                 response = ctx.error(exc)
             status = response.status
@@ -172,7 +214,7 @@ class Proxy:
     async def _route(self, ctx: RequestContext, endpoint: Endpoint) -> web.StreamResponse:
         """Parse, featurize, match, then try replicas until one answers (raises ``RequestError``)."""
         pcfg = ctx.state.config.proxy
-        raw = await read_body(ctx.request, pcfg.max_body_bytes)
+        raw = await read_body(ctx.request, pcfg.max_body_bytes, pcfg.body_timeout_s)
         req = parse_request(endpoint, raw, ctx.request.headers.get(pcfg.session_header))
         ctx.parsed = req
         ctx.log["model"] = req.model
@@ -180,7 +222,7 @@ class Proxy:
         features, info = await self._features(ctx)
         td = ctx.elapsed()
         match = self._router.match(features)
-        ctx.timeout = self._timeout(pcfg.request_timeout_s, pcfg.connect_timeout_s)
+        ctx.timeout = self._timeout(pcfg.connect_timeout_s)
         tried: list[str] = []
         last_error = ""
         for attempt in range(pcfg.retries + 1):

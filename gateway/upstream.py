@@ -3,9 +3,16 @@ path", the last steps).
 
 Nothing is sent to the client until the upstream's first body byte arrived (a whole body for
 non-streaming responses), so a retry never duplicates output: a connect error, a connection
-dropped, or a 503 before that raises ``Retry`` (when the attempt ``may_retry``). After the first
-byte, an SSE stream is passed through chunk by chunk; if its replica dies, the client gets one
-SSE error event and the stream ends.
+dropped, a 503, no first byte in time (``proxy.first_byte_timeout_s`` for a streaming request,
+``proxy.request_timeout_s`` for a non-streaming one, whose answer arrives whole), or the replica
+ejected (by health checks or passive failures) while the attempt waits, raises ``Retry`` before
+that (when the attempt ``may_retry``; otherwise 504). After the first byte, an SSE stream is
+passed through chunk by chunk; a replica that dies, or sends nothing for
+``proxy.stream_idle_timeout_s``, ends it with one SSE error event. Streams have no total timeout:
+long healthy ones are never cut.
+
+``EjectionWatch`` is one task, running while attempts wait for a first byte, that checks their
+replicas' health every ``WATCH_INTERVAL_S`` and ends the wait of those ejected.
 
 Invariants: every ``Flight`` opened here is ended in a ``finally``; every upstream response is
 released (read to its end) or closed in a ``finally``.
@@ -13,11 +20,18 @@ released (read to its end) or closed in a ``finally``.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import NoReturn
+
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from gateway.fleet import Fleet
+from gateway.fleet import Fleet, ReplicaRecord
 from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import RequestError, sse_error_event
 from gateway.prediction_audit import SseTail, cached_tokens_in_body, cached_tokens_in_sse_tail, record_audit
@@ -25,6 +39,54 @@ from gateway.request_context import DROP_REQUEST, DROP_RESPONSE, Attempt, filter
 from gateway.request_outcome import OutcomeSink
 
 UPSTREAM_READ_ERRORS = (aiohttp.ClientError, OSError)
+WATCH_INTERVAL_S = 0.2  # how soon an attempt on an ejected replica is failed over
+
+
+@dataclass(slots=True, eq=False)
+class FirstByteWait:
+    """One attempt waiting for its first byte: its replica, its timeout, whether it was ejected."""
+
+    record: ReplicaRecord
+    timeout: asyncio.Timeout
+    others: Callable[[], bool]  # whether another healthy replica could take the request
+    ejected: bool = False
+
+
+class EjectionWatch:
+    """Ends the first-byte wait of attempts whose replica became unhealthy (event loop only)."""
+
+    def __init__(self) -> None:
+        self._waiting: set[FirstByteWait] = set()  # identity-hashed: one per attempt
+        self._task: asyncio.Task[None] | None = None
+
+    @contextlib.asynccontextmanager
+    async def first_byte(
+        self, rec: ReplicaRecord, timeout_s: float, others: Callable[[], bool]
+    ) -> AsyncIterator[FirstByteWait]:
+        """``asyncio.timeout(timeout_s)``, also expiring at once when ``rec`` is ejected while
+        ``others()`` says another replica could take the request (the block then raises
+        ``TimeoutError``); with no other replica, the attempt keeps waiting for its own."""
+        async with asyncio.timeout(timeout_s) as cm:
+            wait = FirstByteWait(rec, cm, others)
+            self._waiting.add(wait)
+            if self._task is None:
+                self._task = asyncio.get_running_loop().create_task(self._run(), name="kvgate-ejection-watch")
+            try:
+                yield wait
+            finally:
+                self._waiting.discard(wait)
+
+    async def _run(self) -> None:
+        try:
+            while self._waiting:
+                await asyncio.sleep(WATCH_INTERVAL_S)
+                now = asyncio.get_running_loop().time()
+                for wait in list(self._waiting):
+                    if not wait.record.healthy and not wait.ejected and wait.others():
+                        wait.ejected = True
+                        wait.timeout.reschedule(now)
+        finally:
+            self._task = None
 
 
 class Retry(Exception):
@@ -48,6 +110,14 @@ async def _read_bounded(up: aiohttp.ClientResponse, limit: int) -> tuple[bytes, 
     return bytes(buf), True
 
 
+def _first_byte_limit(a: Attempt) -> float:
+    """How long the attempt may wait for its first byte: a stream's first event, or a
+    non-streaming answer (which arrives whole)."""
+    assert a.ctx.parsed is not None
+    p = a.ctx.state.config.proxy
+    return p.first_byte_timeout_s if a.ctx.parsed.stream else p.request_timeout_s
+
+
 def _timed_out(a: Attempt) -> RequestError:
     return RequestError(f"replica {a.record.id} did not answer in time", status=504, code="upstream_timeout")
 
@@ -58,6 +128,7 @@ class Upstream:
         self._fleet = fleet
         self._metrics = metrics
         self.outcomes: OutcomeSink | None = None  # the operator view (gateway/operator_view.py)
+        self._watch = EjectionWatch()
 
     async def _post(self, a: Attempt) -> aiohttp.ClientResponse:
         """The replica's response headers; a failure to get them raises ``Retry`` or a 504."""
@@ -97,6 +168,26 @@ class Upstream:
             self._fleet.proxy_failure(rec, f"{type(exc).__name__} before the first byte: {exc}")
             raise Retry("disconnect", f"{rec.id}: {type(exc).__name__} before the first byte") from None
 
+    def _others(self, a: Attempt) -> bool:
+        """Whether a replica other than the attempt's is healthy and serves its model."""
+        if not a.may_retry:
+            return False
+        model, rid = a.features.model, a.record.id
+        return any(r.healthy and r.id != rid for r in self._fleet.candidates(model))
+
+    def _no_first_byte(self, a: Attempt, wait: FirstByteWait) -> NoReturn:
+        """The attempt's first-byte wait ended (too long, or its replica was ejected): fail it
+        over (``Retry``) or, with no retry left or no other healthy replica, 504."""
+        rec = a.record
+        if wait.ejected:
+            why, reason = "was ejected before its first byte", "ejected"
+        else:
+            why, reason = f"sent no first byte in {_first_byte_limit(a)}s", "first_byte_timeout"
+            self._fleet.proxy_failure(rec, why)
+        if self._others(a):  # may retry, and another replica can take it
+            raise Retry(reason, f"{rec.id} {why}") from None
+        raise RequestError(f"replica {rec.id} {why}", status=504, code="upstream_timeout") from None
+
     def _audit(self, a: Attempt, reported: int | None) -> None:
         if reported is not None:
             record_audit(self._metrics, a.record, a.choice.predicted_tokens, reported)
@@ -115,15 +206,22 @@ class Upstream:
         up: aiohttp.ClientResponse | None = None
         done = False
         try:
-            up = await self._post(a)
-            if up.status == 503 and a.may_retry:
-                raise Retry("503", f"{rec.id}: 503 Service Unavailable")
+            wait: FirstByteWait | None = None
+            try:
+                others = functools.partial(self._others, a)
+                async with self._watch.first_byte(rec, _first_byte_limit(a), others) as wait:
+                    up = await self._post(a)
+                    if up.status == 503 and a.may_retry:
+                        raise Retry("503", f"{rec.id}: 503 Service Unavailable")
+                    is_sse = up.headers.get("content-type", "").startswith("text/event-stream")
+                    first, complete = await self._first(a, up, is_sse)
+            except TimeoutError:  # _post and _first turn aiohttp's own timeouts into RequestError
+                assert wait is not None
+                self._no_first_byte(a, wait)  # raises Retry or RequestError
             headers = filter_headers(up.headers, DROP_RESPONSE)
             if ctx.state.config.proxy.debug_headers:
                 headers["x-kvgate-replica"] = rec.id
                 headers["x-kvgate-matched-tokens"] = str(predicted)
-            is_sse = up.headers.get("content-type", "").startswith("text/event-stream")
-            first, complete = await self._first(a, up, is_sse)
             flight.first_byte()
             ttft = ctx.elapsed()
             self._metrics.ttft_by(rec.id).observe(ttft)
@@ -164,6 +262,7 @@ class Upstream:
         A failure mid-stream ends an SSE stream with an error event; any other body is cut (the
         connection is closed, so the client sees a truncated response, not a complete one)."""
         ctx, rec, request = a.ctx, a.record, a.ctx.request
+        idle_s = ctx.state.config.proxy.stream_idle_timeout_s
         resp = web.StreamResponse(status=up.status, headers=headers)
         await resp.prepare(request)
         tail = SseTail(first)
@@ -175,7 +274,8 @@ class Upstream:
                 await resp.write(chunk)
                 sent += len(chunk)
                 try:
-                    chunk = await up.content.readany()
+                    async with asyncio.timeout(idle_s):
+                        chunk = await up.content.readany()
                 except (TimeoutError, *UPSTREAM_READ_ERRORS) as exc:
                     timed_out = isinstance(exc, TimeoutError)
                     what = "timed out" if timed_out else f"failed ({type(exc).__name__})"

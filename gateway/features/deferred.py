@@ -16,7 +16,7 @@ request would otherwise inherit), and its entries are recorded before the second
 matched, so the burst finds the first request's replica instead of scattering the document's
 prefill over the fleet.
 
-The backlog is bounded in characters: when requests bring new text faster than it can be
+The backlog is bounded in characters and in bytes (the texts as held): when requests bring new text faster than it can be
 encoded, the oldest waiting jobs are dropped (their text is encoded on the request path if it
 ever comes back). Owned by the ``Featurizer``; ``close`` cancels the worker before the
 featurizer's threads shut down.
@@ -32,6 +32,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
 
+from gateway.features.budgets import text_bytes
 from gateway.features.segment_encoder import EncodePlan, SegmentEncoder, TokenArray
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class DeferredJob:
 
     __slots__ = (
         "add_special_tokens",
+        "bytes",
         "chars",
         "encoder",
         "fingerprint",
@@ -68,6 +70,8 @@ class DeferredJob:
         self.keys_of = keys_of
         self.on_keys: Callable[[list[int]], None] | None = None
         self.chars = sum(len(k[2]) for k in plan.keys) if plan.whole is None else len(plan.whole)
+        texts = [k[2] for k in plan.keys] if plan.whole is None else [plan.whole]
+        self.bytes = sum(text_bytes(t) for t in texts)
         self.finished = asyncio.Event()
 
 
@@ -77,14 +81,23 @@ class DeferredEncodes:
         backlog_chars: int,
         executor: Callable[[], Executor | None],
         urgent_executor: Callable[[], Executor | None] | None = None,
+        backlog_bytes: int | None = None,
+        after_encode: Callable[[int], None] | None = None,
     ) -> None:
         """``executor`` returns the pool of the background encodes, ``urgent_executor`` the one of
-        encodes a waiting request takes over (default: the same); None encodes on the event loop."""
+        encodes a waiting request takes over (default: the same); None encodes on the event loop.
+        ``backlog_bytes``: the backlog's bound in bytes of text (None: characters only);
+        ``after_encode(chars)`` runs on the encoding thread after each encode (memory release)."""
         if backlog_chars < 0:
             raise ValueError("backlog_chars must be >= 0")
+        if backlog_bytes is not None and backlog_bytes < 0:
+            raise ValueError("backlog_bytes must be >= 0")
         self.backlog_chars = backlog_chars
+        self.backlog_bytes = backlog_bytes
         self.queued_chars = 0
+        self.queued_bytes = 0
         self._executor = executor
+        self._after_encode = after_encode
         self._urgent_executor = urgent_executor or executor
         self._jobs: deque[DeferredJob] = deque()
         self._pending: dict[int, DeferredJob] = {}  # by fingerprint, while queued or being encoded
@@ -104,19 +117,25 @@ class DeferredEncodes:
     def submit(self, job: DeferredJob) -> None:
         """Queue ``job`` (event loop thread; never blocks)."""
         self.submitted += 1
-        if job.chars > self.backlog_chars:
+        if not self._fits(job, 0, 0):
             self.dropped += 1
             return
-        while self.queued_chars + job.chars > self.backlog_chars:
+        while not self._fits(job, self.queued_chars, self.queued_bytes):
             self._forget(self._jobs.popleft())
             self.dropped += 1
         self._jobs.append(job)
         self._pending[job.fingerprint] = job
         self.queued_chars += job.chars
+        self.queued_bytes += job.bytes
         self._idle.clear()
         self._wake.set()
         if self._worker is None:
             self._worker = asyncio.get_running_loop().create_task(self._run(), name="kvgate-deferred-encode")
+
+    def _fits(self, job: DeferredJob, chars: int, nbytes: int) -> bool:
+        """Whether ``job`` fits in a backlog already holding ``chars`` and ``nbytes``."""
+        limit = self.backlog_bytes
+        return chars + job.chars <= self.backlog_chars and (limit is None or nbytes + job.bytes <= limit)
 
     def pending(self, fingerprint: int) -> bool:
         return fingerprint in self._pending
@@ -134,12 +153,14 @@ class DeferredEncodes:
             await job.finished.wait()
             return
         self.queued_chars -= job.chars
+        self.queued_bytes -= job.bytes
         # on the request path's pool: the background one runs at the lowest priority, and a
         # request waiting on it would inherit that priority under CPU pressure
         await self._run_job(job, self._urgent_executor)
 
     def _forget(self, job: DeferredJob) -> None:
         self.queued_chars -= job.chars
+        self.queued_bytes -= job.bytes
         if self._pending.get(job.fingerprint) is job:
             del self._pending[job.fingerprint]
         job.finished.set()
@@ -153,6 +174,7 @@ class DeferredEncodes:
                 continue
             job = self._jobs.popleft()
             self.queued_chars -= job.chars
+            self.queued_bytes -= job.bytes
             await self._run_job(job, self._executor)
 
     async def _run_job(self, job: DeferredJob, executor: Callable[[], Executor | None]) -> None:
@@ -161,9 +183,7 @@ class DeferredEncodes:
             plan = enc.still_missing(job.plan)
             done: list[TokenArray] = []
             if plan.whole is not None or plan.missing:
-                encode = functools.partial(
-                    enc.encode_missing, plan, add_special_tokens=job.add_special_tokens
-                )
+                encode = functools.partial(self._encode, enc, plan, job.add_special_tokens, job.chars)
                 pool = executor()  # the background pool, or the urgent one when expedited
                 done = (
                     encode()
@@ -182,6 +202,15 @@ class DeferredEncodes:
             if self._pending.get(job.fingerprint) is job:
                 del self._pending[job.fingerprint]
             job.finished.set()
+
+    def _encode(
+        self, enc: SegmentEncoder, plan: EncodePlan, add_special_tokens: bool, chars: int
+    ) -> list[TokenArray]:
+        try:
+            return enc.encode_missing(plan, add_special_tokens=add_special_tokens)
+        finally:
+            if self._after_encode is not None:
+                self._after_encode(chars)
 
     async def drain(self) -> None:
         """Until every queued job is done."""

@@ -3,9 +3,10 @@ threads for long encodes, and one background thread at the lowest CPU priority f
 
 ``tokenizers`` releases the GIL in ``encode``/``encode_batch``, so an encode on a worker thread
 leaves the event loop free. At most ``4 x threads`` encodes are handed to the pool at once
-(``offload_bound``); beyond that requests wait their turn on a semaphore, so a burst of long
-prompts cannot queue unbounded work. Both pools start on first use; ``close`` shuts them,
-waiting for running encodes.
+(``offload_bound``), and at most ``inflight_bytes`` of text (``ByteBudget``); beyond that
+requests wait their turn, so a burst of long prompts cannot queue unbounded work nor unbounded
+transient memory. A large encode gives its transient memory back (``MemoryReleaser``). Both pools
+start on first use; ``close`` shuts them, waiting for running encodes.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
+
+from gateway.features.budgets import ByteBudget, MemoryReleaser
 
 T = TypeVar("T")
 
@@ -34,7 +37,7 @@ def mark_background_thread() -> None:
 
 
 class EncodeExecutor:
-    def __init__(self, threads: int, offload_chars: int) -> None:
+    def __init__(self, threads: int, offload_chars: int, inflight_bytes: int = 4 * 1024 * 1024) -> None:
         self.threads = threads
         self.offload_chars = offload_chars  # encodes of at least this many characters leave the loop
         self._executor: ThreadPoolExecutor | None = None
@@ -44,6 +47,19 @@ class EncodeExecutor:
         self._slots = asyncio.Semaphore(self.offload_bound) if threads > 0 else None
         self.offload_queued = 0  # encodes handed to the pool and not finished (<= offload_bound)
         self.offload_queued_max = 0
+        self.inflight = ByteBudget(inflight_bytes)
+        self.releaser = MemoryReleaser()
+
+    def releasing(self, chars: int, encode: Callable[[], T]) -> Callable[[], T]:
+        """``encode`` followed, on the same thread, by giving a large encode's memory back."""
+
+        def run() -> T:
+            try:
+                return encode()
+            finally:
+                self.releaser.after_encode(chars)
+
+        return run
 
     def pool(self) -> ThreadPoolExecutor | None:
         """The request path's worker threads, started on first use (None when configured with
@@ -65,13 +81,15 @@ class EncodeExecutor:
         """Whether an encode of ``chars`` characters runs on a worker thread."""
         return chars >= self.offload_chars and self._slots is not None
 
-    async def run(self, chars: int, encode: Callable[[], T]) -> tuple[T, bool]:
+    async def run(self, chars: int, encode: Callable[[], T], nbytes: int | None = None) -> tuple[T, bool]:
         """``encode()``'s result, on a worker thread when ``chars`` is long enough (True), else
-        on the calling thread (False)."""
+        on the calling thread (False). ``nbytes``: the text's size (default: ``chars``), held
+        against ``inflight_bytes`` while it is encoded on a thread."""
         if not self.offloads(chars):
             return encode(), False
         assert self._slots is not None
-        async with self._slots:
+        encode = self.releasing(chars, encode)
+        async with self.inflight.hold(chars if nbytes is None else nbytes), self._slots:
             pool = self.pool()
             assert pool is not None
             self.offload_queued += 1

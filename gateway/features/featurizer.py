@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from gateway.config import GatewayConfig, ModelConfig
+from gateway.features.budgets import SEEN_ENTRY_BYTES, Budgets, text_bytes
 from gateway.features.deferred import DeferredEncodes, DeferredJob
 from gateway.features.encode_executor import BACKGROUND_THREAD_NAME, EncodeExecutor, mark_background_thread
 from gateway.features.encode_planner import HEAD_MARGIN_CHARS, Defer, EncodePlanner
@@ -49,6 +50,7 @@ from gateway.features.model_registry import ModelRegistry
 from gateway.features.prompt import Chars, Prompt, PromptSpec, Remote, Text, TokenIds, chars_of, read_prompt
 from gateway.features.remote_tokenizer import RemoteTokenizeError, RemoteTokenizer, UrlChooser
 from gateway.features.segment_encoder import BoundedLRU, EncodePlan, SegmentEncoder, TokenArray
+from gateway.openai_errors import RequestError
 from gateway.request import Endpoint, ParsedRequest, request_of
 from router_policies.policy import RequestFeatures
 
@@ -66,6 +68,11 @@ Kind = Endpoint  # the name callers used before requests were parsed into ``Pars
 Result = tuple[RequestFeatures, FeatureInfo]
 
 
+def _bytes_of(text: str, chars: int) -> int:
+    """The bytes of ``chars`` characters of ``text`` (its width: 1, 2 or 4 bytes a character)."""
+    return chars * max(1, (text_bytes(text) - text_bytes("")) // max(1, len(text)))
+
+
 class Featurizer:
     def __init__(
         self,
@@ -79,14 +86,21 @@ class Featurizer:
         defer_backlog_chars: int = 4_000_000,
         remote: UrlChooser | None = None,
         base_dir: Path | None = None,
+        budgets: Budgets | None = None,
     ) -> None:
+        b = budgets or Budgets()
+        self.budgets = b
         # requests featurized per mode, and fallbacks to characters per reason class: for metrics
         self.mode_counts: dict[str, int] = {"local": 0, "remote": 0, "token_ids": 0, "chars": 0}
         self.fallback_counts: dict[str, int] = {}
-        self._cache = BoundedLRU(cache_entries)
-        self.executor = EncodeExecutor(threads, offload_chars)
+        self._cache = BoundedLRU(cache_entries, b.cache_bytes)
+        self.executor = EncodeExecutor(threads, offload_chars, b.inflight_bytes)
         self.deferred = DeferredEncodes(
-            defer_backlog_chars, self.executor.background_pool, self.executor.pool
+            defer_backlog_chars,
+            self.executor.background_pool,
+            self.executor.pool,
+            backlog_bytes=b.defer_backlog_bytes,
+            after_encode=self.executor.releaser.after_encode,
         )
         self.planner = EncodePlanner(defer_chars, seen_entries, self.deferred)
         self._remote = RemoteTokenizer(remote) if remote is not None else None
@@ -109,6 +123,12 @@ class Featurizer:
             defer_backlog_chars=p.tokenize_defer_backlog_chars,
             remote=remote,
             base_dir=base_dir,
+            budgets=Budgets(
+                cache_bytes=p.tokenize_cache_bytes,
+                defer_backlog_bytes=p.tokenize_defer_backlog_bytes,
+                inflight_bytes=p.tokenize_inflight_bytes,
+                max_prompt_chars=p.max_prompt_chars,
+            ),
         )
 
     # -- public ----------------------------------------------------------------------------------
@@ -132,9 +152,32 @@ class Featurizer:
             "seen_entries": len(self.planner.seen),
         }
 
+    def memory_stats(self) -> dict[str, tuple[int, int]]:
+        """Per holder clients can fill: (bytes held, bound in bytes; 0: unbounded)."""
+        b, d, seen = self.budgets, self.deferred, self.planner.seen
+        return {
+            "segment_cache": (self._cache.bytes, b.cache_bytes or 0),
+            "seen_texts": (len(seen) * SEEN_ENTRY_BYTES, seen.capacity * SEEN_ENTRY_BYTES),
+            "deferred_backlog": (d.queued_bytes, b.defer_backlog_bytes or 0),
+            "encodes_in_flight": (self.executor.inflight.held, b.inflight_bytes),
+        }
+
+    def _read(self, req: ParsedRequest) -> tuple[PromptSpec, Prompt]:
+        """``read_prompt``, refusing a text longer than ``max_prompt_chars`` before it is encoded."""
+        spec, prompt = read_prompt(req, self.models)
+        cap = self.budgets.max_prompt_chars
+        if cap is not None and isinstance(prompt, Text) and len(prompt.text) > cap:
+            raise RequestError(
+                f"the prompt has {len(prompt.text)} characters, more than the {cap} this gateway "
+                "tokenizes (proxy.max_prompt_chars)",
+                param="messages" if req.endpoint == "chat" else "prompt",
+                code="prompt_too_long",
+            )
+        return spec, prompt
+
     async def featurize(self, req: ParsedRequest, *, explain: bool = False) -> Result:
         """The request path's features (raises ``RequestError``); ``explain``: no side effect."""
-        spec, prompt = read_prompt(req, self.models)
+        spec, prompt = self._read(req)
         if isinstance(prompt, Remote):
             prompt = await self._tokenize_remotely(req, spec)
         if isinstance(prompt, Text):
@@ -144,7 +187,7 @@ class Featurizer:
     def featurize_sync(self, req: ParsedRequest) -> Result:
         """Everything on the calling thread. A ``remote`` model routes on characters here (no
         network from a synchronous call); use ``featurize`` for its exact tokens."""
-        spec, prompt = read_prompt(req, self.models)
+        spec, prompt = self._read(req)
         if isinstance(prompt, Remote):
             prompt = Chars(chars_of(req), "remote tokenizer in a synchronous call", "sync_call")
         if isinstance(prompt, Text):
@@ -200,7 +243,9 @@ class Featurizer:
             return self._count(await self._defer(req, spec, prompt, step, explain), prompt, explain)
         plan, ast = step.plan, prompt.add_special_tokens
         done, offloaded = await self.executor.run(
-            plan.missing_chars, lambda: enc.encode_missing(plan, add_special_tokens=ast)
+            plan.missing_chars,
+            lambda: enc.encode_missing(plan, add_special_tokens=ast),
+            nbytes=_bytes_of(prompt.text, plan.missing_chars),
         )
         tokens = enc.finish(plan, done, add_special_tokens=ast, record=not explain)
         result = self._encoded(req, spec, plan, tokens, offloaded)

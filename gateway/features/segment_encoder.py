@@ -36,6 +36,8 @@ import numpy.typing as npt
 import xxhash
 from tokenizers import Tokenizer
 
+from gateway.features.budgets import SEGMENT_ENTRY_OVERHEAD, text_bytes
+
 TokenArray = npt.NDArray[np.uint32]
 SegmentKey = tuple[str, str, str, str]  # (tokenizer, token before or "", segment text, token after or "")
 
@@ -43,12 +45,18 @@ _EMPTY: TokenArray = np.zeros(0, dtype=np.uint32)
 
 
 class BoundedLRU:
-    """Least-recently-used map holding at most ``capacity`` entries (0 disables it)."""
+    """Least-recently-used map holding at most ``capacity`` entries (0 disables it) and at most
+    ``max_bytes`` bytes of texts and token ids (None: no byte bound). An entry larger than the
+    byte bound is not cached. Invariant: ``bytes <= max_bytes`` after every ``put``."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, max_bytes: int | None = None) -> None:
         if capacity < 0:
             raise ValueError("capacity must be >= 0")
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError("max_bytes must be >= 0")
         self.capacity = capacity
+        self.max_bytes = max_bytes
+        self.bytes = 0
         self._data: OrderedDict[SegmentKey, TokenArray] = OrderedDict()
         self.hits = 0
         self.misses = 0
@@ -56,6 +64,10 @@ class BoundedLRU:
 
     def __len__(self) -> int:
         return len(self._data)
+
+    @staticmethod
+    def entry_bytes(key: SegmentKey, value: TokenArray) -> int:
+        return text_bytes(key[2]) + value.nbytes + SEGMENT_ENTRY_OVERHEAD
 
     def peek(self, key: SegmentKey) -> TokenArray | None:
         """The entry, without counting a hit or miss and without refreshing it."""
@@ -71,16 +83,23 @@ class BoundedLRU:
         return value
 
     def put(self, key: SegmentKey, value: TokenArray) -> None:
-        if self.capacity == 0:
+        size = self.entry_bytes(key, value)
+        if self.capacity == 0 or (self.max_bytes is not None and size > self.max_bytes):
             return
+        old = self._data.pop(key, None)
+        if old is not None:
+            self.bytes -= self.entry_bytes(key, old)
         self._data[key] = value
-        self._data.move_to_end(key)
-        while len(self._data) > self.capacity:
-            self._data.popitem(last=False)
+        self.bytes += size
+        limit = self.max_bytes
+        while len(self._data) > self.capacity or (limit is not None and self.bytes > limit):
+            k, v = self._data.popitem(last=False)
+            self.bytes -= self.entry_bytes(k, v)
             self.evictions += 1
 
     def clear(self) -> None:
         self._data.clear()
+        self.bytes = 0
 
 
 @dataclass

@@ -9,6 +9,7 @@ blocks.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from replica_agent.sim_engine import protocol as proto
 from replica_agent.sim_engine.core import EngineCore, RequestHandle
 from replica_agent.sim_engine.kv_events import MAX_FAULT_COUNT, KvEventPublisher
 from replica_agent.sim_engine.metrics import CONTENT_TYPE, EngineMetrics
+from replica_agent.sim_engine.request_faults import FaultFieldError, RequestFaults
 from replica_agent.sim_engine.tokenization import EngineTokenizer
 from router_policies.sim.replica_model import ReplicaModel
 
@@ -77,6 +79,7 @@ class Routes:
         self.d = deps
         # Response ids are random hex like vLLM's, from a seeded generator.
         self._rng = random.Random(deps.seed)
+        self.request_faults = RequestFaults()  # /debug/faults, per generation request
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/v1/completions", self.completions)
@@ -133,7 +136,7 @@ class Routes:
 
     def _fault_state(self) -> dict[str, Any]:
         p = self.d.publisher
-        return {**p.faults.as_dict(), "next_seq": p.next_seq}
+        return {**p.faults.as_dict(), "next_seq": p.next_seq, "requests": self.request_faults.as_dict()}
 
     async def get_faults(self, _request: web.Request) -> web.StreamResponse:
         return json_response(await self.d.core.call(self._fault_state))
@@ -142,7 +145,17 @@ class Routes:
         body = await read_json(request)
         if not isinstance(body, dict):
             raise proto.ApiError(400, "request body must be a JSON object")
-        unknown = set(body) - {"drop", "duplicate", "reorder", "from_replay"}
+        event_fields = {"drop", "duplicate", "reorder", "from_replay"}
+        if RequestFaults.mentioned(body):
+            try:
+                self.request_faults.set(body)
+            except FaultFieldError as exc:
+                raise proto.ApiError(400, str(exc), exc.field) from None
+            if not event_fields & set(body):  # request faults only: the event faults stay
+                body = {k: v for k, v in body.items() if k not in RequestFaults.fields()}
+                if not body:
+                    return json_response(await self.d.core.call(self._fault_state))
+        unknown = set(body) - event_fields - RequestFaults.fields()
         if unknown:
             raise proto.ApiError(
                 400, f"unknown fault field(s): {', '.join(sorted(unknown))}", sorted(unknown)[0]
@@ -188,17 +201,37 @@ class Routes:
         return json_response(await d.core.call(read))
 
     # ------------------------------------------------------------------ generation
+    async def _fault(self, req: proto.GenerationRequest) -> str | None:
+        """Apply the next request fault that acts before generation; the one left to act later
+        (``corrupt``, ``stall``), or None."""
+        kind = self.request_faults.take()
+        if kind == "error":
+            raise proto.ApiError(self.request_faults.error_status, "injected fault (/debug/faults error)")
+        if kind == "hang" or (kind == "stall" and not req.stream):
+            await asyncio.Event().wait()  # until the client goes away (handler cancellation)
+        if kind == "slow":
+            await asyncio.sleep(self.request_faults.slow_ms / 1000)
+        return kind
+
     async def _generate(
         self, request: web.Request, req: proto.GenerationRequest, prefix: str
     ) -> web.StreamResponse:
         d = self.d
+        fault = await self._fault(req)
+        if fault == "corrupt":
+            if req.stream:
+                body = b'data: {"id": "corrupt", "choices": [{"delta": \x00\xff\n\n'
+                return web.Response(body=body, content_type="text/event-stream")
+            return web.Response(
+                body=b'{"id": "corrupt", "choices": [\x00\xff', content_type="application/json"
+            )
         handle = d.core.submit(req.prompt_tokens, req.max_tokens)
         rid = prefix + f"{self._rng.getrandbits(128):032x}"
         created = proto.now_s()
         out = d.tokenizer.pseudo_tokens(d.seed, req.prompt_tokens, req.max_tokens)
         try:
             if req.stream:
-                return await self._stream(request, req, handle, rid, created, out)
+                return await self._stream(request, req, handle, (rid, created), out, fault == "stall")
             while not handle.finished:
                 await handle.changed.wait()
                 handle.changed.clear()
@@ -216,11 +249,13 @@ class Routes:
         request: web.Request,
         req: proto.GenerationRequest,
         handle: RequestHandle,
-        rid: str,
-        created: int,
+        ident: tuple[str, int],
         out: list[int],
+        stall: bool,
     ) -> web.StreamResponse:
+        """``ident``: the response id and creation time; ``stall``: stop after the first event."""
         tok = self.d.tokenizer
+        rid, created = ident
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
 
@@ -237,6 +272,9 @@ class Routes:
                     break
                 if sent == 0 and req.chat and handle.produced > 0:
                     await send(proto.chunk(req, rid, created, "", None, True, None))
+                if stall:
+                    await send(proto.chunk(req, rid, created, "", None, True, None))
+                    await asyncio.Event().wait()  # a stream that stops: until the client goes away
                 last = handle.produced
                 for i in range(sent, last):
                     final = handle.finished and i == last - 1

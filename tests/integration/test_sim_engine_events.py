@@ -193,6 +193,9 @@ def test_fault_switch_drop_duplicate_reorder(launch: Any) -> None:
 
         status, left = get(e.http + "/debug/faults")
         assert status == 200
+        assert left.pop("requests")["applied"] == {
+            k: 0 for k in ("error", "hang", "slow", "corrupt", "stall")
+        }
         assert left == {"drop": 0, "from_replay": False, "duplicate": 0, "reorder": 0, "next_seq": start + 2}
         one_batch()
         assert [b.seq for b in sub.drain()] == [start + 2]

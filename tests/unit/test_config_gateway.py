@@ -64,7 +64,7 @@ def test_env_overrides_by_path_with_yaml_scalars() -> None:
 
 def test_env_override_errors_name_the_field(tmp_path: Path) -> None:
     p = tmp_path / "gw.yaml"
-    p.write_text("proxy: {retries: 1}\n")
+    p.write_text("models: [{name: m}]\nproxy: {retries: 1}\n")
     with pytest.raises(ConfigError, match=r"proxy\.retries"):
         load_config(p, env={"KVGATE_PROXY__RETRIES": "many"})
     assert load_config(p, env={"KVGATE_PROXY__RETRIES": "4"}).proxy.retries == 4
@@ -81,6 +81,14 @@ def test_load_config_file_errors(tmp_path: Path) -> None:
     top.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load_config(top, env={})
-    empty = tmp_path / "empty.yaml"
-    empty.write_text("")
-    assert load_config(empty, env={}) == parse_config({})
+
+
+@pytest.mark.parametrize("text", ["", "# nothing\n", "models: []\n", "policy: {name: round_robin}\n"])
+def test_a_config_without_models_is_refused(tmp_path: Path, text: str) -> None:
+    # issue 13 finding 4: an empty file was accepted, then every request got 404 model_not_found
+    p = tmp_path / "gw.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match="models: the config defines no model"):
+        load_config(p, env={})
+    p.write_text(text + "models: [{name: m}]\n" if "models" not in text else "models: [{name: m}]\n")
+    assert [m.name for m in load_config(p, env={}).models] == ["m"]

@@ -1,0 +1,174 @@
+"""Byte budgets of what clients fill (gateway/features/budgets.py): the segment cache, the deferred
+backlog and encodes in flight are bounded in bytes, a prompt above the cap is refused before it
+is encoded, and the bytes held are reported (issue 13, finding 1)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gateway.config import ModelConfig, parse_config
+from gateway.features import Featurizer
+from gateway.features.budgets import SEGMENT_ENTRY_OVERHEAD, Budgets, ByteBudget, MemoryReleaser, text_bytes
+from gateway.features.deferred import DeferredEncodes, DeferredJob
+from gateway.features.segment_encoder import BoundedLRU, SegmentEncoder
+from gateway.features.tokenizer_files import load_tokenizer_files
+from gateway.openai_errors import RequestError
+from gateway.request import request_of
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "assets/tokenizers/kvgate-tiny")
+
+
+def _text(seed: int, chars: int) -> str:
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "kv", "cache", "the"]
+    out = " ".join(rng.choice(words) + str(rng.randrange(100)) for _ in range(chars // 6))
+    return out[:chars]
+
+
+def test_segment_cache_is_bounded_in_bytes_and_evicts_least_recent() -> None:
+    ids = np.zeros(1000, dtype=np.uint32)
+    one = text_bytes("a" * 10_000) + ids.nbytes + SEGMENT_ENTRY_OVERHEAD
+    lru = BoundedLRU(capacity=1000, max_bytes=3 * one)
+    keys = [("t", "", chr(ord("a") + i) * 10_000, "") for i in range(5)]
+    for k in keys[:3]:
+        lru.put(k, ids)
+    assert lru.bytes == 3 * one and len(lru) == 3
+    assert lru.get(keys[0]) is not None  # refreshed: keys[1] is now the oldest
+    lru.put(keys[3], ids)
+    assert lru.bytes <= 3 * one and lru.evictions == 1
+    assert lru.peek(keys[1]) is None and lru.peek(keys[0]) is not None
+    lru.put(keys[3], ids)  # replacing an entry does not count it twice
+    assert lru.bytes == 3 * one
+    lru.put(("t", "", "z" * 1_000_000, ""), ids)  # larger than the whole bound: not cached
+    assert lru.bytes == 3 * one and len(lru) == 3
+    with pytest.raises(ValueError):
+        BoundedLRU(1, max_bytes=-1)
+
+
+def test_text_bytes_counts_wide_characters() -> None:
+    assert text_bytes("é" * 1000) < text_bytes("€" * 1000) < text_bytes("😀" * 1000)
+    assert text_bytes("😀" * 1000) >= 4000
+
+
+async def test_deferred_backlog_is_bounded_in_bytes() -> None:
+    tok = load_tokenizer_files(Path(TINY), where="t").tokenizer
+    enc = SegmentEncoder(tok, BoundedLRU(100), "t")
+    # wide characters: the same number of characters holds 4 times the bytes
+    texts = [_text(i, 1000).replace("a", "😀") for i in range(4)]
+    jobs = []
+    for i, t in enumerate(texts):
+        plan = enc.plan(t, add_special_tokens=False)
+        jobs.append(DeferredJob(enc, plan, False, i, lambda tokens: [len(tokens)]))
+    per_job = jobs[0].bytes
+    assert per_job > 2 * jobs[0].chars
+    deferred = DeferredEncodes(10**9, lambda: None, backlog_bytes=int(2.5 * per_job))
+    try:
+        for j in jobs:
+            deferred.submit(j)
+        assert deferred.queued_bytes <= 2.5 * per_job and deferred.dropped == 2
+        assert [deferred.pending(i) for i in range(4)] == [False, False, True, True]
+        await deferred.drain()
+        assert deferred.queued_bytes == 0 and deferred.encoded == 2
+    finally:
+        await deferred.close()
+
+
+async def test_byte_budget_makes_holders_wait_and_lets_a_large_one_run_alone() -> None:
+    budget = ByteBudget(100)
+    order: list[str] = []
+    release = asyncio.Event()
+
+    async def holder(name: str, n: int) -> None:
+        async with budget.hold(n):
+            order.append(name)
+            assert budget.held <= budget.limit or budget.held == n
+            await release.wait()
+
+    a = asyncio.create_task(holder("a", 60))
+    await asyncio.sleep(0)
+    b = asyncio.create_task(holder("b", 60))  # would exceed: waits for a
+    await asyncio.sleep(0.01)
+    assert order == ["a"] and budget.held == 60
+    release.set()
+    await asyncio.gather(a, b)
+    assert order == ["a", "b"] and budget.held == 0 and budget.peak == 60
+    release.clear()
+    big = asyncio.create_task(holder("big", 1000))  # larger than the limit: runs alone
+    await asyncio.sleep(0.01)
+    assert budget.held == 1000
+    release.set()
+    await big
+    with pytest.raises(ValueError):
+        ByteBudget(0)
+
+
+def test_memory_releaser_is_rate_limited_and_ignores_small_encodes() -> None:
+    r = MemoryReleaser()
+    r.after_encode(10)
+    assert r.trims == 0
+    r.after_encode(10**6)
+    r.after_encode(10**6)  # within TRIM_INTERVAL_S of the first
+    assert r.trims == (1 if r._trim is not None else 0)
+
+
+def _featurizer(**budgets: int) -> Featurizer:
+    return Featurizer(
+        [ModelConfig(name="tiny", tokenizer=TINY, block_size=16)],
+        cache_entries=1000,
+        threads=1,
+        offload_chars=1000,
+        budgets=Budgets(**budgets),
+    )
+
+
+async def test_a_prompt_above_the_cap_is_refused_before_it_is_encoded() -> None:
+    f = _featurizer(max_prompt_chars=5000)
+    try:
+        ok = request_of("chat", {"model": "tiny", "messages": [{"role": "user", "content": "hi " * 100}]})
+        await f.featurize(ok)
+        big = request_of("chat", {"model": "tiny", "messages": [{"role": "user", "content": "x" * 6000}]})
+        with pytest.raises(RequestError) as exc:
+            await f.featurize(big)
+        assert (exc.value.status, exc.value.code, exc.value.param) == (400, "prompt_too_long", "messages")
+        with pytest.raises(RequestError):
+            f.featurize_sync(big)
+        big_prompt = request_of("completions", {"model": "tiny", "prompt": "y" * 6000})
+        with pytest.raises(RequestError) as exc:
+            await f.featurize(big_prompt)
+        assert exc.value.param == "prompt"
+        assert f.memory_stats()["segment_cache"][0] > 0
+    finally:
+        await f.close()
+
+
+async def test_memory_stats_report_every_holder_under_its_budget() -> None:
+    cache = 200_000
+    f = _featurizer(cache_bytes=cache, defer_backlog_bytes=50_000, inflight_bytes=30_000)
+    try:
+        for i in range(20):  # distinct long prompts: far more than the cache's bytes
+            req = request_of("completions", {"model": "tiny", "prompt": _text(i, 8000) + "<|im_end|>"})
+            await f.featurize(req)
+        stats = f.memory_stats()
+        assert set(stats) == {"segment_cache", "seen_texts", "deferred_backlog", "encodes_in_flight"}
+        held, bound = stats["segment_cache"]
+        assert 0 < held <= bound == cache
+        assert stats["encodes_in_flight"] == (0, 30_000)
+        assert f.executor.inflight.peak > 0  # the long encodes went through the budget
+    finally:
+        await f.close()
+
+
+def test_default_budgets_stay_well_under_the_chart_memory_limit() -> None:
+    """The defaults' sum (bytes held by clients' text, plus ~100 bytes of transient encode memory
+    a character in flight) stays under half the chart's 2 Gi limit."""
+    p = parse_config({"models": [{"name": "m"}]}).proxy
+    seen = p.tokenize_seen_entries * 80
+    in_flight_transient = p.tokenize_inflight_bytes * 100
+    total = p.tokenize_cache_bytes + seen + p.tokenize_defer_backlog_bytes + in_flight_transient
+    assert total < 1024**3, total
