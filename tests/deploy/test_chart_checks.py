@@ -121,6 +121,14 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
         },
         "no /metrics to scrape",
     ),
+    (
+        {"gateway": {"terminationGracePeriodSeconds": 30}},
+        "must stay below gateway.terminationGracePeriodSeconds (30 s)",
+    ),
+    (
+        {"gateway": {"config": {"server": {"drain_delay_s": 15, "shutdown_grace_s": 45}}}},
+        "(60 s) must stay below gateway.terminationGracePeriodSeconds (60 s)",
+    ),
 ]
 
 

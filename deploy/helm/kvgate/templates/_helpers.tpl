@@ -149,6 +149,11 @@ change, so `helm install` stops before anything reaches the cluster.
 {{- if and .Values.metrics.serviceMonitor.enabled (hasKey $telemetry "metrics") (not $telemetry.metrics) }}
 {{- fail "kvgate: metrics.serviceMonitor.enabled=true but gateway.config.telemetry.metrics=false: the gateway would serve no /metrics to scrape." }}
 {{- end }}
+{{- $server := default dict .Values.gateway.config.server }}
+{{- $drain := addf (default 0 $server.drain_delay_s) (default 50 $server.shutdown_grace_s) }}
+{{- if ge $drain (float64 .Values.gateway.terminationGracePeriodSeconds) }}
+{{- fail (printf "kvgate: gateway.config.server.drain_delay_s + shutdown_grace_s (%v s) must stay below gateway.terminationGracePeriodSeconds (%v s), or the kubelet kills the pod while it drains." $drain .Values.gateway.terminationGracePeriodSeconds) }}
+{{- end }}
 {{- if and .Values.engineExample.enabled (not (include "kvgate.agentTokenEnv" .)) }}
 {{- fail "kvgate: engineExample.enabled=true but gateway.config.auth.agent_token_env is empty: the example agents authenticate with the agent token." }}
 {{- end }}
