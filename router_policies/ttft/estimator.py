@@ -13,6 +13,13 @@ needs:
   the fit by at most ``huber_k s`` times its gain; a real change of speed makes every residual
   large, ``s`` (never below ``min_scale``) grows by at most a factor 1 + scale_rate (huber_k x 1.25 - 1) per observation, and
   the fit follows.
+* Change detection (covariance resetting): forgetting alone needs about its memory in
+  observations to follow a replica that became slower or faster (a neighbour on the same GPU,
+  thermal throttling, a new engine version). When the fast scale ``s`` exceeds ``reset_ratio``
+  times a slow one (the same residuals, averaged ten times more slowly), the residuals are
+  persistently large, not a few outliers (clipping limits how fast ``s`` can grow: about nine
+  consecutive clipped residuals at the defaults), and the covariance goes back to the prior's:
+  the next observations re-fit the coefficients from where they are.
 * Forgetting and windup: the covariance is divided by ``forgetting`` (< 1) at each step, so
   old observations weigh ``forgetting^age`` (memory about 1 / (1 - forgetting) observations); its
   trace is capped at the prior's, so directions the traffic does not excite (say, decode load on
@@ -39,13 +46,14 @@ REFERENCE_FLOORS = (1.0, 0.01, 0.1, 0.01, 10.0, 0.001)
 
 @dataclass(frozen=True, slots=True)
 class FitConfig:
-    forgetting: float = 0.99  # weight of an observation per later observation
-    prior_strength: float = 4.0  # initial covariance P0 = I / prior_strength (multiples^2)
+    forgetting: float = 0.995  # weight of an observation per later observation
+    prior_strength: float = 0.01  # initial covariance P0 = I / prior_strength (multiples^2)
     huber_k: float = 3.0  # residuals beyond huber_k x scale are clipped
     initial_scale: float = 0.3  # relative residual scale before any observation
     scale_rate: float = 0.05  # EW weight of a new absolute residual in the scale
     min_scale: float = 0.02  # the scale never drops below: a noiseless stretch cannot freeze the fit
     min_norm_ms: float = 1.0  # smallest prediction an observation is divided by
+    reset_ratio: float = 3.0  # fast scale / slow scale beyond which the covariance is reset
     max_multiple: float = 100.0  # a coefficient stays within [0, max_multiple x its reference]
 
     def __post_init__(self) -> None:
@@ -57,7 +65,7 @@ class FitConfig:
 class RobustRls:
     """One replica's fit. ``update(x, y_ms)`` with the raw feature vector of the TTFT model."""
 
-    __slots__ = ("_cfg", "_p", "_p0_trace", "_ref", "_scale", "_w", "observations")
+    __slots__ = ("_cfg", "_p", "_p0_trace", "_ref", "_scale", "_slow_scale", "_w", "observations", "resets")
 
     def __init__(self, prior: Sequence[float], config: FitConfig) -> None:
         assert len(prior) == len(REFERENCE_FLOORS)
@@ -68,7 +76,9 @@ class RobustRls:
         self._p = np.eye(d) / config.prior_strength
         self._p0_trace = float(np.trace(self._p))
         self._scale = config.initial_scale
+        self._slow_scale = config.initial_scale
         self.observations = 0
+        self.resets = 0
 
     def coefficients(self) -> tuple[float, ...]:
         return tuple(float(v) for v in self._w * self._ref)
@@ -100,6 +110,13 @@ class RobustRls:
         if tr > self._p0_trace:
             p *= self._p0_trace / tr
         self._p = p
-        self._scale = max(cfg.min_scale, (1 - cfg.scale_rate) * s + cfg.scale_rate * 1.25 * abs(clipped))
+        dev = 1.25 * abs(clipped)
+        self._scale = max(cfg.min_scale, (1 - cfg.scale_rate) * s + cfg.scale_rate * dev)
+        slow_rate = cfg.scale_rate / 10
+        self._slow_scale = max(cfg.min_scale, (1 - slow_rate) * self._slow_scale + slow_rate * dev)
+        if self._scale > cfg.reset_ratio * self._slow_scale:
+            self._p = np.eye(len(self._w)) * (self._p0_trace / len(self._w))
+            self._slow_scale = self._scale
+            self.resets += 1
         self.observations += 1
         return e
