@@ -14,9 +14,9 @@ One linear model in the coefficients of ``TtftParams`` (so that it can be fitted
 
     TTFT = steps(Q + u) x (step_ms + n x decode_ms_per_seq + K x kv_read_ms_per_mtoken / 1e6)
          + (Q + u) x prefill_ms_per_token
-         + u x (c + u / 2) / 1e6 x attention_ms_per_mpair        (this request's causal attention)
+         + u x (c + (u + 1) / 2) / 1e6 x attention_ms_per_mpair  (its causal attention)
          + c x cached_ms_per_token
-         + fetch_ms                                              (KV tiers, known, not fitted)
+         + fetch_ms                                              (KV tiers: known, not fitted)
 
 Its terms, reported by ``predict``: ``wait_ms`` is the same formula for the work ahead alone
 (Q, no request of its own: 0 steps when Q = 0), ``prefill_ms`` the rest of the compute
@@ -26,7 +26,7 @@ for every request that will queue behind it: its marginal work, with the per-ste
 for the fraction u / (B - n) of a step its tokens fill (a step that would run anyway is not its
 doing):
 
-    added = u x prefill_ms_per_token + u x (c + u / 2) / 1e6 x attention_ms_per_mpair
+    added = u x prefill_ms_per_token + u x (c + (u + 1) / 2) / 1e6 x attention_ms_per_mpair
           + u / (B - n) x (step_ms + n x decode_ms_per_seq + K x kv_read_ms_per_mtoken / 1e6)
 """
 
@@ -90,7 +90,7 @@ def feature_vector(inputs: TtftInputs, params: TtftParams, *, own: bool = True) 
     return (
         float(steps),
         float(work),
-        u * (c + u / 2) / 1e6,
+        u * (c + (u + 1) / 2) / 1e6,
         float(steps * n),
         steps * inputs.kv_tokens / 1e6,
         float(c),
