@@ -71,15 +71,7 @@ class Profile:
 
     def ttft_prior(self) -> TtftParams:
         """The TTFT model of an engine of this profile (router_policies.ttft), as a cold-start prior."""
-        c = self.costs
-        return params_from_step_costs(
-            c.step_overhead_s,
-            c.prefill_s_per_token,
-            prefill_s_per_pair=c.prefill_s_per_token_ctx,
-            decode_s_per_seq=c.decode_s_per_seq,
-            decode_s_per_ctx_token=c.decode_s_per_ctx_token,
-            chunk_tokens=self.max_num_batched_tokens,
-        )
+        return params_from_step_costs(self.costs, self.max_num_batched_tokens, self.max_num_seqs)
 
 
 _SMALL_P = 1.910 / 1984  # s per prefill token (see the module docstring)

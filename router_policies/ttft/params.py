@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
+from typing import Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,23 +94,32 @@ class TtftParams:
         return self.tiers.get(medium.upper())
 
 
-def params_from_step_costs(
-    step_s: float,
-    prefill_s_per_token: float,
-    *,
-    prefill_s_per_pair: float = 0.0,
-    decode_s_per_seq: float = 0.0,
-    decode_s_per_ctx_token: float = 0.0,
-    chunk_tokens: int = 8192,
-) -> TtftParams:
-    """A prior from an engine's step costs in seconds (the simulator's ``StepCosts`` formula)."""
+class StepCostsLike(Protocol):
+    """An engine's step costs in seconds (the simulator's ``StepCosts``)."""
+
+    @property
+    def step_overhead_s(self) -> float: ...
+    @property
+    def prefill_s_per_token(self) -> float: ...
+    @property
+    def prefill_s_per_token_ctx(self) -> float: ...
+    @property
+    def decode_s_per_seq(self) -> float: ...
+    @property
+    def decode_s_per_ctx_token(self) -> float: ...
+
+
+def params_from_step_costs(costs: StepCostsLike, chunk_tokens: int, max_num_seqs: int) -> TtftParams:
+    """A prior from an engine's step costs (the simulator's step-cost formula, in ms)."""
+    c = costs
     return TtftParams(
-        step_ms=step_s * 1e3,
-        prefill_ms_per_token=prefill_s_per_token * 1e3,
-        attention_ms_per_mpair=prefill_s_per_pair * 1e9,
-        decode_ms_per_seq=decode_s_per_seq * 1e3,
-        kv_read_ms_per_mtoken=decode_s_per_ctx_token * 1e9,
+        c.step_overhead_s * 1e3,
+        c.prefill_s_per_token * 1e3,
+        c.prefill_s_per_token_ctx * 1e9,
+        c.decode_s_per_seq * 1e3,
+        c.decode_s_per_ctx_token * 1e9,
         chunk_tokens=chunk_tokens,
+        max_num_seqs=max_num_seqs,
     )
 
 
@@ -117,23 +127,11 @@ def params_from_step_costs(
 # the datasheet and the model's shape; router_policies/sim/profiles.py): 8.0 ms per step,
 # 40.6 us per prefill token, 1.33 ns per attention pair, 40.6 us per decoding sequence, 55.8 ns
 # per KV token read. The gateway's cold-start prior when nothing better is configured.
-DEFAULT_PRIOR = TtftParams(
-    step_ms=8.035,
-    prefill_ms_per_token=0.0406,
-    attention_ms_per_mpair=1.325,
-    decode_ms_per_seq=0.0406,
-    kv_read_ms_per_mtoken=55.9,
-)
+DEFAULT_PRIOR = TtftParams(8.035, 0.0406, 1.325, 0.0406, 55.9)
 
 
 # The simulator's ``small-cpu`` profile (the seed's small model on CPU): 174.6 ms per step,
 # 0.963 ms per prefill token and per decoding sequence, 4,096 tokens per step, 64 sequences.
-SMALL_CPU_PRIOR = TtftParams(
-    step_ms=174.6,
-    prefill_ms_per_token=0.9627,
-    decode_ms_per_seq=0.9627,
-    chunk_tokens=4096,
-    max_num_seqs=64,
-)
+SMALL_CPU_PRIOR = TtftParams(174.6, 0.9627, 0.0, 0.9627, chunk_tokens=4096, max_num_seqs=64)
 
 NAMED_PRIORS: Mapping[str, TtftParams] = {"llama3-8b-h100": DEFAULT_PRIOR, "small-cpu": SMALL_CPU_PRIOR}

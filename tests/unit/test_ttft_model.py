@@ -90,15 +90,8 @@ def test_tiers_fetch_long_runs_and_recompute_short_ones() -> None:
 def test_the_default_prior_is_the_h100_profile_and_small_cpu_matches_its_profile() -> None:
     for name, prior in NAMED_PRIORS.items():
         prof = PROFILES[name]
-        c = prof.costs
-        derived = params_from_step_costs(
-            c.step_overhead_s,
-            c.prefill_s_per_token,
-            prefill_s_per_pair=c.prefill_s_per_token_ctx,
-            decode_s_per_seq=c.decode_s_per_seq,
-            decode_s_per_ctx_token=c.decode_s_per_ctx_token,
-            chunk_tokens=prof.max_num_batched_tokens,
-        )
+        derived = params_from_step_costs(prof.costs, prof.max_num_batched_tokens, prof.max_num_seqs)
+        assert derived == prof.ttft_prior()
         assert derived.coefficients() == pytest.approx(prior.coefficients(), rel=0.005), name
         assert (prior.chunk_tokens, prior.max_num_seqs) == (prof.max_num_batched_tokens, prof.max_num_seqs)
 
