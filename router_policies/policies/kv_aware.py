@@ -103,6 +103,11 @@ class KvAwareParams(BaseModel):
         description="Weight of this request's own prefill: 1 for the request itself, plus the delay "
         "it adds to the requests queued behind it.",
     )
+    behind_by_load: bool = Field(
+        True,
+        description="Scale the requests expected behind this one on a replica by its load relative "
+        "to the fleet mean (1 + load_r) / (1 + mean load); false: miss_weight - 1 everywhere.",
+    )
     fill_weight: float = Field(
         0.5,
         ge=0.0,
@@ -124,7 +129,7 @@ class KvAware:
         self._cursor += 1
 
     def _cost(
-        self, r: ReplicaState, request: RequestFeatures, matched: int, spread: float
+        self, r: ReplicaState, request: RequestFeatures, matched: int, spread: float, share: float
     ) -> tuple[float, dict[str, float]]:
         p = self.params
         prompt = request.prompt_tokens
@@ -137,7 +142,8 @@ class KvAware:
             return cost, {"cost": cost}
         model = r.ttft if r.ttft is not None else self._prior
         pred = predict(model, inputs_for(r, prompt, matched, request.block_size, model))
-        cost = pred.total_ms + (p.miss_weight * spread - 1.0) * pred.added_ms
+        behind = (p.miss_weight - 1.0) * (share if p.behind_by_load else 1.0)
+        cost = pred.total_ms + (spread * (1.0 + behind) - 1.0) * pred.added_ms
         terms = pred.as_terms()
         terms["cost"] = round(cost, 3)
         return cost, terms
@@ -147,7 +153,8 @@ class KvAware:
         p = self.params
         n = len(healthy)
         loads = [load_of(r) for r in healthy]
-        limit = p.balance_rel * (sum(loads) / n) + p.balance_abs
+        mean_load = sum(loads) / n
+        limit = p.balance_rel * mean_load + p.balance_abs
         prompt = request.prompt_tokens
         min_match = p.min_match_ratio * prompt
         start = self._cursor % n
@@ -165,7 +172,8 @@ class KvAware:
             if matched < min_match:
                 matched = 0
             spread = 1.0 + p.fill_weight * (fills[idx] - least_fill)
-            cost, terms[r.id] = self._cost(r, request, matched, spread)
+            share = (1.0 + loads[idx]) / (1.0 + mean_load)
+            cost, terms[r.id] = self._cost(r, request, matched, spread, share)
             scores[r.id] = cost
             if loads[idx] > limit:
                 continue

@@ -71,7 +71,9 @@ class Profile:
 
     def ttft_prior(self) -> TtftParams:
         """The TTFT model of an engine of this profile (router_policies.ttft), as a cold-start prior."""
-        return params_from_step_costs(self.costs, self.max_num_batched_tokens, self.max_num_seqs)
+        return params_from_step_costs(
+            self.costs, self.max_num_batched_tokens, self.max_num_seqs, self.kv_cache_tokens
+        )
 
 
 _SMALL_P = 1.910 / 1984  # s per prefill token (see the module docstring)

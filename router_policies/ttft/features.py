@@ -9,6 +9,9 @@ One linear model in the coefficients of ``TtftParams`` (so that it can be fitted
     c  = its cached prompt tokens (read, not computed)
     n  = decoding sequences interleaved in every step: min(requests on the replica, max_num_seqs)
     K  = KV tokens those sequences read per step (the gateway's in-flight tokens)
+    X  = KV demand beyond the cache: max(0, K + u + c - kv_capacity_tokens), in thousands; the
+         queue's prompts cannot all be admitted, so the request also waits for decoding
+         requests to finish and free their blocks
     B  = chunk_tokens (max_num_batched_tokens); a step has B - n tokens left for prefill
     steps(W) = ceil(W / (B - n)) steps to push W prefill tokens through, at least 1 for a request
 
@@ -16,6 +19,7 @@ One linear model in the coefficients of ``TtftParams`` (so that it can be fitted
          + (Q + u) x prefill_ms_per_token
          + u x (c + (u + 1) / 2) / 1e6 x attention_ms_per_mpair  (its causal attention)
          + c x cached_ms_per_token
+         + X x kv_wait_ms_per_ktoken
          + fetch_ms                                              (KV tiers: known, not fitted)
 
 Its terms, reported by ``predict``: ``wait_ms`` is the same formula for the work ahead alone
@@ -94,6 +98,7 @@ def feature_vector(inputs: TtftInputs, params: TtftParams, *, own: bool = True) 
         float(steps * n),
         steps * inputs.kv_tokens / 1e6,
         float(c),
+        max(0, inputs.kv_tokens + u + c - params.kv_capacity_tokens) / 1e3,
     )
 
 
@@ -105,7 +110,7 @@ def dot(x: Sequence[float], theta: Sequence[float]) -> float:
 def predict(params: TtftParams, inputs: TtftInputs) -> TtftPrediction:
     theta = params.coefficients()
     full = feature_vector(inputs, params)
-    read_ms = full[5] * theta[5]
+    read_ms = full[5] * theta[5]  # the compute terms include the KV wait (index 6)
     wait_ms = dot(feature_vector(inputs, params, own=False), theta)
     compute = dot(full, theta) - read_ms
     n = min(inputs.decoding, params.max_num_seqs)

@@ -11,9 +11,11 @@ that a policy stays a pure function of the snapshot. Coefficients are millisecon
     decode_ms_per_seq       each decoding sequence interleaved in a step
     kv_read_ms_per_mtoken   per step, per million KV tokens the decoding sequences read
     cached_ms_per_token     each cached prompt token the prefill reads instead of computing
+    kv_wait_ms_per_ktoken   per thousand tokens of KV demand beyond the cache's capacity: the
+                            queue cannot be admitted until decoding requests finish and free it
 
-``chunk_tokens`` (the engine's ``max_num_batched_tokens``) and ``max_num_seqs`` are scheduler
-settings, not fitted: they come with the prior. ``kv_bytes_per_token`` prices the KV tiers.
+``chunk_tokens`` (the engine's ``max_num_batched_tokens``), ``max_num_seqs`` and
+``kv_capacity_tokens`` (its KV cache) are engine settings, not fitted: they come with the prior. ``kv_bytes_per_token`` prices the KV tiers.
 
 Tiers: a matched block held on a slower medium than the GPU must be fetched before the prefill can
 read it: ``latency_ms + tokens x kv_bytes_per_token / bandwidth``. Defaults (``DEFAULT_TIERS``):
@@ -54,6 +56,7 @@ COEFFICIENTS = (
     "decode_ms_per_seq",
     "kv_read_ms_per_mtoken",
     "cached_ms_per_token",
+    "kv_wait_ms_per_ktoken",
 )
 
 
@@ -65,8 +68,10 @@ class TtftParams:
     decode_ms_per_seq: float = 0.0
     kv_read_ms_per_mtoken: float = 0.0
     cached_ms_per_token: float = 0.0
+    kv_wait_ms_per_ktoken: float = 20.0
     chunk_tokens: int = 8192
     max_num_seqs: int = 256
+    kv_capacity_tokens: int = 400_000
     kv_bytes_per_token: int = 131_072
     tiers: Mapping[str, TierCost] = field(default_factory=lambda: DEFAULT_TIERS)
     observations: int = 0  # first tokens the fit has seen (0: the prior itself)
@@ -109,7 +114,9 @@ class StepCostsLike(Protocol):
     def decode_s_per_ctx_token(self) -> float: ...
 
 
-def params_from_step_costs(costs: StepCostsLike, chunk_tokens: int, max_num_seqs: int) -> TtftParams:
+def params_from_step_costs(
+    costs: StepCostsLike, chunk_tokens: int, max_num_seqs: int, kv_capacity_tokens: int
+) -> TtftParams:
     """A prior from an engine's step costs (the simulator's step-cost formula, in ms)."""
     c = costs
     return TtftParams(
@@ -120,18 +127,25 @@ def params_from_step_costs(costs: StepCostsLike, chunk_tokens: int, max_num_seqs
         c.decode_s_per_ctx_token * 1e9,
         chunk_tokens=chunk_tokens,
         max_num_seqs=max_num_seqs,
+        kv_capacity_tokens=kv_capacity_tokens,
     )
 
 
 # Llama-3-8B BF16 on one H100 SXM (the simulator's ``llama3-8b-h100`` profile derives these from
 # the datasheet and the model's shape; router_policies/sim/profiles.py): 8.0 ms per step,
 # 40.6 us per prefill token, 1.33 ns per attention pair, 40.6 us per decoding sequence, 55.8 ns
-# per KV token read. The gateway's cold-start prior when nothing better is configured.
+# per KV token read; 400k tokens of KV. kv_wait_ms_per_ktoken (all priors): a request holds its
+# KV for its decode, seconds (200 tokens at ~20 ms per step: 4 s), so a 400k-token cache turns
+# over at ~100k tokens/s: ~10 ms per thousand tokens of excess demand, doubled because the
+# excess is queued behind requests that are themselves still prefilling. The gateway's
+# cold-start prior when nothing better is configured.
 DEFAULT_PRIOR = TtftParams(8.035, 0.0406, 1.325, 0.0406, 55.9)
 
 
 # The simulator's ``small-cpu`` profile (the seed's small model on CPU): 174.6 ms per step,
 # 0.963 ms per prefill token and per decoding sequence, 4,096 tokens per step, 64 sequences.
-SMALL_CPU_PRIOR = TtftParams(174.6, 0.9627, 0.0, 0.9627, chunk_tokens=4096, max_num_seqs=64)
+SMALL_CPU_PRIOR = TtftParams(
+    174.6, 0.9627, 0.0, 0.9627, chunk_tokens=4096, max_num_seqs=64, kv_capacity_tokens=65_536
+)
 
 NAMED_PRIORS: Mapping[str, TtftParams] = {"llama3-8b-h100": DEFAULT_PRIOR, "small-cpu": SMALL_CPU_PRIOR}
