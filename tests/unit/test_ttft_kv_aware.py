@@ -51,13 +51,14 @@ def test_terms_add_up_and_scores_are_costs() -> None:
     a = ReplicaState("a", pending_prefill_tokens=20_000, in_flight_requests=3, matched_blocks=40)
     b = ReplicaState("b", matched_on_media=(("DISK", 30),), matched_blocks=30)
     d = build_policy("kv_aware").choose(req(64), FleetSnapshot((a, b)))
+    share = {"a": (1 + 3) / (1 + 1.5), "b": (1 + 0) / (1 + 1.5)}  # (1 + load) / (1 + mean load)
     for rid, t in d.terms.items():
         assert t["ttft_ms"] == pytest.approx(
             t["wait_ms"] + t["prefill_ms"] + t["read_ms"] + t["fetch_ms"], abs=0.01
         )
         assert d.scores[rid] == pytest.approx(t["cost"], abs=0.001)
-        # cost = ttft + (miss_weight x spread - 1) x added, spread 1 here
-        assert t["cost"] == pytest.approx(t["ttft_ms"] + 3 * t["added_ms"], abs=0.01)
+        # cost = ttft + (spread x (1 + (miss_weight - 1) x share) - 1) x added, spread 1 here
+        assert t["cost"] == pytest.approx(t["ttft_ms"] + 3 * share[rid] * t["added_ms"], abs=0.01)
     assert d.terms["b"]["fetch_ms"] > 1.0 and d.terms["a"]["fetch_ms"] == 0.0
     assert d.terms["a"]["wait_ms"] > 0.0 and d.terms["b"]["wait_ms"] == 0.0
 
@@ -88,3 +89,14 @@ def test_cold_start_uses_the_configured_prior() -> None:
         f = FleetSnapshot((r, ReplicaState("b", pending_prefill_tokens=1000, ttft=params)))
         d = build_policy("kv_aware", prior).choose(req(8), f)
         assert d.terms["a"] == d.terms["b"]  # no fit yet: the prior is that model
+
+
+def test_new_content_goes_where_fewer_requests_will_queue_behind_it() -> None:
+    """A new session on a fleet of a busy fast replica and an idle slow one: its prefill delays the
+    requests behind it on the busy one, so by load share the idle one takes it; with the same
+    weight everywhere (behind_by_load false) the fast one always does."""
+    fast = ReplicaState("fast", in_flight_requests=12, engine_running=12, in_flight_tokens=120_000)
+    slow = ReplicaState("slow", ttft=scaled(2.0))
+    f = FleetSnapshot((fast, slow))
+    assert build_policy("kv_aware").choose(req(64), f).replica == "slow"
+    assert build_policy("kv_aware", {"behind_by_load": False}).choose(req(64), f).replica == "fast"
