@@ -41,6 +41,9 @@ class ReplicaState:
     held_blocks: int = 0  # how full the index believes its cache is (PrefixIndex.held_count)
     # of matched_blocks, those held on a slower medium than the GPU: ((medium, blocks), ...)
     matched_on_media: tuple[tuple[str, int], ...] = ()
+    # causal-attention pairs of that pending prefill: sum over its requests of u (c + (u + 1) / 2),
+    # u uncached and c cached tokens (router_policies.ttft.features.attention_pairs); 0: unknown
+    pending_prefill_pairs: float = 0.0
     ttft: TtftParams | None = None  # the replica's fitted TTFT model (None: the policy's prior)
 
 

@@ -19,7 +19,9 @@ The rule (``rule: ms``, the default), per healthy replica r:
     spread_r   = 1 + fill_weight x (fill_r - min over healthy replicas of fill)
     added_r    = the engine time this request's prefill adds on r for every request queued behind
                  it (its marginal work: its tokens and the share of steps they fill)
-    share_r    = (1 + load_r) / (1 + mean load over healthy replicas)   (1 if not behind_by_load)
+    ref_r      = model_r's TTFT of a lone 8,192-token prompt on an idle replica (its speed)
+    share_r    = (mean over healthy replicas of ref) / ref_r       (``behind: fleet``, the default;
+                 ``load``: (1 + load_r) / (1 + mean load); ``local``: 1)
     behind_r   = (miss_weight - 1) x share_r       (requests expected to queue behind it on r)
     cost_r     = ttft_r + (spread_r x (1 + behind_r) - 1) x added_r
 
@@ -39,15 +41,19 @@ prefill (added_r) is also time that every request queued behind it on r waits. A
 than the match, which scatters shared prefixes over the fleet and, under load, costs more
 recomputation than the queue it avoids. In queueing terms a unit of work at a server busy a
 fraction rho of the time delays about rho / (1 - rho) later requests; 4 = 1 + 3 is rho = 0.75.
-Why share_r (behind_by_load): requests queue behind this one on r in proportion to the traffic r
-draws, which its load measures. With the same weight everywhere, a fast replica looks cheapest for
-every new session (its prefill is shorter), draws them all, and then keeps their later turns by
-cache affinity until its queue is far longer than the slow replicas'. Measured in the simulator
-(agent workload, 4 H100 + 4 A100 replicas, load 0.8): TTFT p99 12.3 s without the share, 3.7 s
-with it; on 8 H100s 1.07 s (1.38 s with the token rule).
-In the simulator (docs/simulator.md) miss_weight 1 kept 0.65-0.76 of the oracle hit rate on the
-Mooncake synthetic trace and 4 kept 0.91-0.94, with TTFT p99 2.5 % higher at load 0.5 and lower
-at 0.8 and 1.0 (measured with the token rule; the ms rule keeps the weight).
+Why share_r (behind: fleet): requests queue behind this one on r in proportion to the traffic r
+draws, and a replica k times faster draws about k times the traffic of a slow one, so the delay
+its prefill adds to others is added_r x k x (miss_weight - 1): in fleet-mean milliseconds the
+same on every replica for the same work. Its own TTFT stays in r's milliseconds. With the same
+weight everywhere (``local``) a fast replica looks cheapest for every new session, draws them
+all and keeps their later turns by cache affinity until its queue is far longer than the slow
+replicas'. Speed is taken from whole predictions (ref_r), not from one coefficient: the online fit
+trades coefficients against each other (per-step against per-token costs) while its predictions
+stay right, and a per-token coefficient fed back into routing drifted (long prompts sent to the
+replica whose fit looked slow per token, which then looked slower). Measured in the simulator
+(8 replicas, llama3-8b-h100 or 4 H100 + 4 A100 interleaved, load 0.8; TTFT p99): agent on the mixed
+fleet 12.3 s (local), 3.7 s (load), 2.8 s (fleet), 3.3 s with the token rule; the conversation
+trace on H100s 10.6 s (load), 8.3 s (fleet), 8.2 s (token rule).
 
 Why spread_r (fill_weight, default 0.5): the uncached tokens a request brings are new content that
 the chosen replica's cache must absorb, evicting what it holds. Load alone cannot see this: with
@@ -81,7 +87,7 @@ from router_policies.policy import (
     load_of,
     require_healthy,
 )
-from router_policies.ttft.features import predict
+from router_policies.ttft.features import TtftInputs, predict
 from router_policies.ttft.params import NAMED_PRIORS
 from router_policies.ttft.snapshot import inputs_for
 
@@ -111,10 +117,11 @@ class KvAwareParams(BaseModel):
         description="Weight of this request's own prefill: 1 for the request itself, plus the delay "
         "it adds to the requests queued behind it.",
     )
-    behind_by_load: bool = Field(
-        True,
-        description="Scale the requests expected behind this one on a replica by its load relative "
-        "to the fleet mean (1 + load_r) / (1 + mean load); false: miss_weight - 1 everywhere.",
+    behind: Literal["fleet", "load", "local"] = Field(
+        "fleet",
+        description="How the delay added to requests behind is scaled per replica: fleet (by the "
+        "replica's prefill speed relative to the fleet mean), load ((1 + load) / (1 + mean load)), "
+        "local (not scaled).",
     )
     fill_weight: float = Field(
         0.5,
@@ -122,6 +129,11 @@ class KvAwareParams(BaseModel):
         description="Extra cost of uncached tokens on a replica whose cache the index fills most, "
         "relative to the emptiest (0 disables): spreads new content over the fleet's caches.",
     )
+
+
+_REFERENCE = TtftInputs(
+    queued_prefill_tokens=0, decoding=0, kv_tokens=0, uncached_tokens=8192, cached_tokens=0
+)
 
 
 class KvAware:
@@ -150,25 +162,39 @@ class KvAware:
             return cost, {"cost": cost}
         model = r.ttft if r.ttft is not None else self._prior
         pred = predict(model, inputs_for(r, prompt, matched, request.block_size, model))
-        behind = (p.miss_weight - 1.0) * (share if p.behind_by_load else 1.0)
+        behind = (p.miss_weight - 1.0) * share
         cost = pred.total_ms + (spread * (1.0 + behind) - 1.0) * pred.added_ms
         terms = pred.as_terms()
         terms["cost"] = round(cost, 3)
         return cost, terms
+
+    def _behind_scale(self, healthy: list[ReplicaState], loads: list[int]) -> list[float]:
+        """Per replica, the multiple of (miss_weight - 1) requests expected behind (docstring)."""
+        n = len(healthy)
+        if self.params.behind == "load":
+            mean_load = sum(loads) / n
+            return [(1.0 + x) / (1.0 + mean_load) for x in loads]
+        if self.params.behind == "fleet":
+            # speed as the fitted model's TTFT of one reference prompt on an idle replica: its
+            # predictions are well fitted even where single coefficients trade off
+            ref = [predict(r.ttft or self._prior, _REFERENCE).total_ms for r in healthy]
+            mean = sum(ref) / n
+            return [mean / x if x > 0 else 1.0 for x in ref]
+        return [1.0] * n
 
     def choose(self, request: RequestFeatures, fleet: FleetSnapshot) -> Decision:
         healthy = require_healthy(fleet)
         p = self.params
         n = len(healthy)
         loads = [load_of(r) for r in healthy]
-        mean_load = sum(loads) / n
-        limit = p.balance_rel * mean_load + p.balance_abs
+        limit = p.balance_rel * (sum(loads) / n) + p.balance_abs
         prompt = request.prompt_tokens
         min_match = p.min_match_ratio * prompt
         start = self._cursor % n
         most_held = max(r.held_blocks for r in healthy)
         fills = [r.held_blocks / most_held if most_held else 0.0 for r in healthy]
         least_fill = min(fills)
+        shares = self._behind_scale(healthy, loads)
         best: ReplicaState | None = None
         best_cost = 0.0
         scores: dict[str, float] = {}
@@ -180,8 +206,7 @@ class KvAware:
             if matched < min_match:
                 matched = 0
             spread = 1.0 + p.fill_weight * (fills[idx] - least_fill)
-            share = (1.0 + loads[idx]) / (1.0 + mean_load)
-            cost, terms[r.id] = self._cost(r, request, matched, spread, share)
+            cost, terms[r.id] = self._cost(r, request, matched, spread, shares[idx])
             scores[r.id] = cost
             if loads[idx] > limit:
                 continue

@@ -5,6 +5,7 @@ One linear model in the coefficients of ``TtftParams`` (so that it can be fitted
 ``estimator.py``), built on how a vLLM-like engine schedules (FCFS, chunked prefill, decodes first):
 
     Q  = prefill tokens queued ahead on the replica (routed there, no first token yet)
+    A  = their causal-attention pairs (sum of attention_pairs over those requests; 0 if unknown)
     u  = this request's uncached prompt tokens (after the KV tiers' fetch-or-recompute choice)
     c  = its cached prompt tokens (read, not computed)
     n  = decoding sequences interleaved in every step: min(requests on the replica, max_num_seqs)
@@ -17,7 +18,7 @@ One linear model in the coefficients of ``TtftParams`` (so that it can be fitted
 
     TTFT = steps(Q + u) x (step_ms + n x decode_ms_per_seq + K x kv_read_ms_per_mtoken / 1e6)
          + (Q + u) x prefill_ms_per_token
-         + u x (c + (u + 1) / 2) / 1e6 x attention_ms_per_mpair  (its causal attention)
+         + (A + u x (c + (u + 1) / 2)) / 1e6 x attention_ms_per_mpair  (causal attention)
          + c x cached_ms_per_token
          + X x kv_wait_ms_per_ktoken
          + fetch_ms                                              (KV tiers: known, not fitted)
@@ -53,6 +54,7 @@ class TtftInputs:
     uncached_tokens: int
     cached_tokens: int
     fetch_ms: float = 0.0
+    queued_prefill_pairs: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +80,11 @@ class TtftPrediction:
         }
 
 
+def attention_pairs(uncached: int, cached: int) -> float:
+    """(token, earlier token) pairs a prefill of ``uncached`` tokens after ``cached`` ones computes."""
+    return uncached * (cached + (uncached + 1) / 2)
+
+
 def _steps(work: int, decoding: int, chunk: int, at_least_one: bool) -> int:
     per_step = max(1, chunk - decoding)
     s = -(-work // per_step)
@@ -94,7 +101,7 @@ def feature_vector(inputs: TtftInputs, params: TtftParams, *, own: bool = True) 
     return (
         float(steps),
         float(work),
-        u * (c + (u + 1) / 2) / 1e6,
+        (inputs.queued_prefill_pairs + attention_pairs(u, c)) / 1e6,
         float(steps * n),
         steps * inputs.kv_tokens / 1e6,
         float(c),
@@ -122,7 +129,9 @@ def predict(params: TtftParams, inputs: TtftInputs) -> TtftPrediction:
         prefill_ms=max(0.0, compute - wait_ms),
         read_ms=read_ms,
         fetch_ms=inputs.fetch_ms,
-        added_ms=u * theta[1] + full[2] * theta[2] + step_share * per_step,
+        added_ms=u * theta[1]
+        + attention_pairs(u, inputs.cached_tokens) / 1e6 * theta[2]
+        + step_share * per_step,
     )
 
 

@@ -3,6 +3,7 @@ the policy predicts with and the gateway and simulator record at dispatch (docs/
 "Routing on predicted milliseconds").
 
     queued_prefill_tokens = pending_prefill_tokens (routed there, no first token yet)
+    queued_prefill_pairs  = pending_prefill_pairs (their attention pairs)
     decoding              = load_of(state): every request ahead will be decoding in the steps
                             that prefill this one (running now, or admitted before it)
     kv_tokens             = in_flight_tokens (prompt + expected output of those requests)
@@ -29,4 +30,5 @@ def inputs_for(
         uncached_tokens=uncached,
         cached_tokens=cached,
         fetch_ms=fetch_ms,
+        queued_prefill_pairs=state.pending_prefill_pairs,
     )

@@ -51,14 +51,14 @@ def test_terms_add_up_and_scores_are_costs() -> None:
     a = ReplicaState("a", pending_prefill_tokens=20_000, in_flight_requests=3, matched_blocks=40)
     b = ReplicaState("b", matched_on_media=(("DISK", 30),), matched_blocks=30)
     d = build_policy("kv_aware").choose(req(64), FleetSnapshot((a, b)))
-    share = {"a": (1 + 3) / (1 + 1.5), "b": (1 + 0) / (1 + 1.5)}  # (1 + load) / (1 + mean load)
     for rid, t in d.terms.items():
         assert t["ttft_ms"] == pytest.approx(
             t["wait_ms"] + t["prefill_ms"] + t["read_ms"] + t["fetch_ms"], abs=0.01
         )
         assert d.scores[rid] == pytest.approx(t["cost"], abs=0.001)
-        # cost = ttft + (spread x (1 + (miss_weight - 1) x share) - 1) x added, spread 1 here
-        assert t["cost"] == pytest.approx(t["ttft_ms"] + 3 * share[rid] * t["added_ms"], abs=0.01)
+        # cost = ttft + (spread x (1 + (miss_weight - 1) x share) - 1) x added; spread 1 here, and
+        # share 1: both replicas run the same model, so neither is faster than the fleet mean
+        assert t["cost"] == pytest.approx(t["ttft_ms"] + 3 * t["added_ms"], abs=0.01)
     assert d.terms["b"]["fetch_ms"] > 1.0 and d.terms["a"]["fetch_ms"] == 0.0
     assert d.terms["a"]["wait_ms"] > 0.0 and d.terms["b"]["wait_ms"] == 0.0
 
@@ -91,12 +91,22 @@ def test_cold_start_uses_the_configured_prior() -> None:
         assert d.terms["a"] == d.terms["b"]  # no fit yet: the prior is that model
 
 
-def test_new_content_goes_where_fewer_requests_will_queue_behind_it() -> None:
-    """A new session on a fleet of a busy fast replica and an idle slow one: its prefill delays the
-    requests behind it on the busy one, so by load share the idle one takes it; with the same
-    weight everywhere (behind_by_load false) the fast one always does."""
-    fast = ReplicaState("fast", in_flight_requests=12, engine_running=12, in_flight_tokens=120_000)
+def test_the_delay_added_behind_is_weighed_at_fleet_speed() -> None:
+    """A new 4,096-token prompt; a fast replica with a queue, an idle one twice as slow. Its own
+    TTFT is shorter on the fast one until the queue is long, but the requests that will queue
+    behind it on the fast one are more (a fast replica draws more traffic): behind "fleet" scales
+    the added delay by each replica's speed relative to the fleet mean (1.5 and 0.75 here), so the
+    slow one takes the prompt from a shorter queue on; "local" keeps it on the fast one longer."""
     slow = ReplicaState("slow", ttft=scaled(2.0))
-    f = FleetSnapshot((fast, slow))
-    assert build_policy("kv_aware").choose(req(64), f).replica == "slow"
-    assert build_policy("kv_aware", {"behind_by_load": False}).choose(req(64), f).replica == "fast"
+
+    def choice(queue: int, behind: str) -> str:
+        f = FleetSnapshot((ReplicaState("fast", pending_prefill_tokens=queue), slow))
+        return build_policy("kv_aware", {"behind": behind}).choose(req(64), f).replica
+
+    assert [choice(q, "fleet") for q in (0, 4000, 8000)] == ["fast", "fast", "slow"]
+    assert [choice(q, "local") for q in (0, 4000, 8000)] == ["fast", "fast", "fast"]
+    f = FleetSnapshot((ReplicaState("fast"), slow))
+    d = build_policy("kv_aware").choose(req(64), f)
+    for rid, share in (("fast", 1.5), ("slow", 0.75)):
+        t = d.terms[rid]
+        assert t["cost"] == pytest.approx(t["ttft_ms"] + 3 * share * t["added_ms"], rel=1e-3)
