@@ -144,7 +144,7 @@ class KvAware:
         self._cursor = seed
         self._prior = NAMED_PRIORS[params.prior]
 
-    def commit(self, decision: Decision) -> None:
+    def commit(self, _decision: Decision) -> None:
         """The decision was used: the next tie starts at the next replica."""
         self._cursor += 1
 

@@ -78,7 +78,7 @@ def test_choose_is_pure_and_commit_rotates_ties() -> None:
     out = []
     for _ in range(4):
         d = p.choose(req(4), f)
-        p.commit(d)  # type: ignore[attr-defined]
+        p.commit(d)
         out.append(d.replica)
     assert out == ["a", "b", "c", "a"]
 
