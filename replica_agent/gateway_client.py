@@ -67,6 +67,7 @@ class GatewayClient:
         tls_ca: bytes | None = None,
         state: Callable[[], pb.AgentState] | None = None,
         load: Callable[[], pb.Load | None] | None = None,
+        engine: Callable[[], pb.EngineState] | None = None,
         seed: int = 0,
         backoff_initial_s: float = 0.1,
         backoff_max_s: float = 5.0,
@@ -81,6 +82,7 @@ class GatewayClient:
         self._tls_ca = tls_ca
         self._state = state
         self._load = load
+        self._engine = engine  # EngineState: hybrid flag, LoRA adapters (sent when it changes)
         self._rng = random.Random(seed)
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
@@ -92,6 +94,7 @@ class GatewayClient:
         self._snapshot_id = 0
         self._last_state: bytes | None = None
         self._last_load: bytes | None = None
+        self._last_engine: bytes | None = None
 
     def backoff(self, attempt: int) -> float:
         """Delay before reconnect attempt ``attempt`` (0-based): exponential, capped, with jitter in
@@ -173,7 +176,7 @@ class GatewayClient:
                     log.info("gateway keys at %d tokens, hello said %d: re-keying", kbs, hello.block_size)
                     return True  # say hello again once the inventory is keyed at the gateway's size
                 reader = asyncio.create_task(self._read(call), name="agent-gateway-reader")
-                self._last_state = self._last_load = None
+                self._last_state = self._last_load = self._last_engine = None
                 await self._send_snapshot(send)
                 self.stats.connects += 1
                 self.connected.set()
@@ -224,6 +227,13 @@ class GatewayClient:
 
     async def _flush(self, send: Callable[..., Awaitable[None]]) -> None:
         outbox = self.outbox
+        if self._engine is not None:
+            # first: a hybrid flag reaches the gateway before the keys it changes the matching of
+            eng = self._engine()
+            raw = eng.SerializeToString()
+            if raw != self._last_engine:
+                self._last_engine = raw
+                await send(engine=eng)
         if outbox.need_snapshot:
             await self._send_snapshot(send)
         events = outbox.take()

@@ -25,6 +25,7 @@ class RequestFeatures:
     prompt_tokens: int
     block_size: int
     session_id: str | None = None
+    lora: str | None = None  # the LoRA adapter the request names (routed to replicas holding it)
 
 
 @dataclass(frozen=True, slots=True)
