@@ -116,6 +116,8 @@ class Upstream:
             up = await self._post(a)
             if up.status == 503 and a.may_retry:
                 raise Retry("503", f"{rec.id}: 503 Service Unavailable")
+            if up.status == 404 and a.may_retry and features.lora is not None:  # adapter not loaded there
+                raise Retry("404", f"{rec.id}: 404 for LoRA adapter {features.lora!r}")
             headers = filter_headers(up.headers, DROP_RESPONSE)
             if ctx.state.config.proxy.debug_headers:
                 headers["x-kvgate-replica"] = rec.id
