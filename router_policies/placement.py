@@ -171,7 +171,9 @@ def speculative_keys(keys: Sequence[int], hybrid: bool) -> Sequence[int]:
     hybrid engine (matched by the deepest key, ``PrefixIndex.match``) only the prompt's last
     full block: its sliding-window group caches the blocks of the prompt's last window only, so
     an earlier block of the prompt is no hit for a request diverging after it (vLLM 0.32, see
-    docs/e2e-vllm.md), while the last one is the hit of a request continuing the prompt."""
+    docs/e2e-vllm.md), while the last one is the hit of a request continuing the prompt. Even
+    that one may not stay reusable (decoding past the window frees it), so on a hybrid replica
+    the entry lives only until the agent's next report (``PrefixIndex`` drops it then)."""
     return keys[-1:] if hybrid else keys
 
 

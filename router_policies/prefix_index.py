@@ -32,6 +32,9 @@ Hybrid replicas (``set_hybrid``: a vLLM hybrid-attention engine, several KV-cach
 differently: the engine's hit is the *deepest* request block every group can serve, which is not
 closed under prefixes, and the agent reports exactly those blocks; so such a replica's match is
 its deepest held key within the prompt's bound (``match(keys, max_blocks)``), not a leading run.
+What such an engine keeps reusable after a request depends on its windows and on how far decoding
+went, which the gateway cannot know, so a hybrid replica's approximate entries only bridge the
+time until its agent's next report: any precise store or removal drops them all.
 
 Times are passed in by the caller (seconds, any monotone clock), so that the simulator can run
 the index on virtual time.
@@ -163,6 +166,8 @@ class PrefixIndex:
                 non_gpu[k] = medium
         rep.precise_count += new
         self._entries += added
+        if rep.hybrid and rep.approx:
+            self.clear_approximate(replica)  # the engine's report supersedes the guesses
         return new
 
     def remove(self, replica: str, keys: Iterable[int]) -> int:
@@ -170,6 +175,8 @@ class PrefixIndex:
         rep = self._replicas.get(replica)
         if rep is None:
             return 0
+        if rep.hybrid and rep.approx:
+            self.clear_approximate(replica)  # the engine's report supersedes the guesses
         if rep.approx:
             # an approximate entry is not the agent's to remove
             approx = rep.approx

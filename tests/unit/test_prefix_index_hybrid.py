@@ -42,6 +42,22 @@ def test_hybrid_slots_beyond_the_first_mask_word_and_a_removed_replica() -> None
     assert dict(ix.match([7, 5, 9]).blocks) == {"r129": 3, "r3": 2}
 
 
+def test_a_hybrid_replicas_precise_report_supersedes_its_approximate_entries() -> None:
+    ix = PrefixIndex()
+    for r in ("plain", "hyb"):
+        ix.add_replica(r)
+        ix.touch_approximate(r, [1, 2, 3], now=0.0)
+    ix.set_hybrid("hyb", True)
+    assert dict(ix.match([1, 2, 3]).blocks) == {"plain": 3, "hyb": 3}
+    ix.store("plain", [7])
+    ix.store("hyb", [7])  # the engine's report after the routed request: the guesses go
+    assert ix.approximate_keys("plain") == [3, 2, 1] and ix.approximate_keys("hyb") == []
+    assert dict(ix.match([1, 2, 3]).blocks) == {"plain": 3}
+    ix.touch_approximate("hyb", [3], now=1.0)
+    ix.remove("hyb", [7])  # a removal is a report too
+    assert ix.approximate_keys("hyb") == [] and ix.entries == 3 + 1
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     held=st.sets(st.integers(1, 12), max_size=12),
