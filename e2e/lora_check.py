@@ -138,7 +138,7 @@ def run(vllm_python: Path, model_dir: Path, logs: Path, seed: int) -> dict[str, 
             start_agent(procs, s.name, s, MODEL, gateway, "--models-interval", str(MODELS_INTERVAL_S))
         gateway.wait_agents([s.name for s in specs])
         follow["initial"] = wait_view(gateway, {"l0": True, "l1": False})
-        reqs = workload.mixed(seed + 3, docs=2, questions=2, sessions=2, turns=2)
+        reqs = workload.mixed(seed + 3, docs=3, questions=3, sessions=3, turns=3)
         half = len(reqs) // 2
         rows += [send(gateway, r, "only_l0", {"l0"}) for r in reqs[:half]]
         engine_adapter(specs[1].url, True, adapter_dir)
@@ -151,7 +151,7 @@ def run(vllm_python: Path, model_dir: Path, logs: Path, seed: int) -> dict[str, 
         before = retried_404(gateway)
         engine_adapter(specs[1].url, False, adapter_dir)
         t_unload = time.monotonic()
-        for r in reqs[half : half + 2]:
+        for r in reqs[half : half + 4]:
             rows.append(send(gateway, r, "stale_l1", {"l0"}))
         stale_s = time.monotonic() - t_unload
         retried = retried_404(gateway) - before
