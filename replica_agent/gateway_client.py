@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import grpc
 import grpc.aio
+from google.protobuf.message import Message
 
 from proto.contract import GPU, PROTOCOL_VERSION, wire_medium
 from proto.kvgate.v1 import inventory_pb2 as pb
@@ -92,9 +93,7 @@ class GatewayClient:
         self.stats = ClientStats()
         self.connected = asyncio.Event()
         self._snapshot_id = 0
-        self._last_state: bytes | None = None
-        self._last_load: bytes | None = None
-        self._last_engine: bytes | None = None
+        self._last_sent: dict[str, bytes] = {}  # body -> last state / load / engine sent on this stream
 
     def backoff(self, attempt: int) -> float:
         """Delay before reconnect attempt ``attempt`` (0-based): exponential, capped, with jitter in
@@ -176,7 +175,7 @@ class GatewayClient:
                     log.info("gateway keys at %d tokens, hello said %d: re-keying", kbs, hello.block_size)
                     return True  # say hello again once the inventory is keyed at the gateway's size
                 reader = asyncio.create_task(self._read(call), name="agent-gateway-reader")
-                self._last_state = self._last_load = self._last_engine = None
+                self._last_sent.clear()
                 await self._send_snapshot(send)
                 self.stats.connects += 1
                 self.connected.set()
@@ -227,31 +226,27 @@ class GatewayClient:
 
     async def _flush(self, send: Callable[..., Awaitable[None]]) -> None:
         outbox = self.outbox
-        if self._engine is not None:
-            # first: a hybrid flag reaches the gateway before the keys it changes the matching of
-            eng = self._engine()
-            raw = eng.SerializeToString()
-            if raw != self._last_engine:
-                self._last_engine = raw
-                await send(engine=eng)
+        # first: a hybrid flag reaches the gateway before the keys whose matching it changes
+        await self._send_changed(send, "engine", self._engine() if self._engine else None)
         if outbox.need_snapshot:
             await self._send_snapshot(send)
         events = outbox.take()
         if events:
             await send(events=pb.Events(events=events, engine_ts=outbox.engine_ts))
-        if self._state is not None:
-            st = self._state()
-            raw = st.SerializeToString()
-            if raw != self._last_state:
-                self._last_state = raw
-                await send(state=st)
-        if self._load is not None:
-            ld = self._load()
-            if ld is not None:
-                raw = ld.SerializeToString()
-                if raw != self._last_load:
-                    self._last_load = raw
-                    await send(load=ld)
+        await self._send_changed(send, "state", self._state() if self._state else None)
+        await self._send_changed(send, "load", self._load() if self._load else None)
+
+    async def _send_changed(
+        self, send: Callable[..., Awaitable[None]], body: str, msg: Message | None
+    ) -> None:
+        """Send ``msg`` as the message body ``body`` unless it is None or equals the last one of
+        that body sent on this stream."""
+        if msg is None:
+            return
+        raw = msg.SerializeToString()
+        if raw != self._last_sent.get(body):
+            self._last_sent[body] = raw
+            await send(**{body: msg})
 
     async def _send_snapshot(self, send: Callable[..., Awaitable[None]]) -> None:
         # taking the copy and reopening the outbox happen in one synchronous step: every delta
