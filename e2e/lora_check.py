@@ -10,12 +10,13 @@ gateway whose model lists ``lora_adapters: [sql]`` (``lora_fallback: any``). The
 2. ``sql`` loaded on ``l1`` and unloaded from ``l0`` (``/v1/load_lora_adapter``,
    ``/v1/unload_lora_adapter``): the gateway's view (``/admin/replicas`` ``lora_adapters``) must
    follow each change, and every request must then go to ``l1``;
-3. ``sql`` loaded on ``l0`` again; once the gateway sees it, unloaded from ``l1`` and, before the
-   agent's next poll, phase 2's prompts sent again: the gateway still routes them to ``l1`` (its
-   cache holds them), vLLM answers 404 and the gateway retries on ``l0`` before the first byte.
+3. a stale view: both agents paused (SIGSTOP), ``sql`` loaded on ``l0`` and unloaded from ``l1``,
+   4 of phase 2's prompts sent: the gateway, which believes only ``l1`` has the adapter, routes
+   each to ``l1``, vLLM answers 404 and the gateway retries before the first byte, on ``l0`` (no
+   holder it knows of is left, so ``lora_fallback: any``); the agents resumed, the view follows.
 
 Pass: phases 1 and 2 every request answered 200 by a replica that had the adapter; phase 3 every
-request answered 200 (by ``l0``) with at least one retried 404; the adapter view followed
+request answered 200 by ``l0`` after exactly one retried 404 each; the adapter view followed
 every load and unload.
 """
 
@@ -25,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -38,7 +40,7 @@ from e2e.procs import ProcessSet
 
 ADAPTER = "sql"
 ROOT = Path(__file__).resolve().parent.parent
-MODELS_INTERVAL_S = 3.0  # the agents' /v1/models poll: phase 3 sends inside one interval
+MODELS_INTERVAL_S = 1.0  # the agents' /v1/models poll (their default)
 LORA_FLAGS = ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--max-cpu-loras", "2")
 
 
@@ -134,8 +136,10 @@ def run(vllm_python: Path, model_dir: Path, logs: Path, seed: int) -> dict[str, 
             ready = vllm_replica.wait_ready(child, s)
             print(f"e2e: lora {s.name} vLLM ready ({ready:.0f} s)", file=sys.stderr)
         gateway.start("kv_aware")
-        for s in specs:
+        agents = [
             start_agent(procs, s.name, s, MODEL, gateway, "--models-interval", str(MODELS_INTERVAL_S))
+            for s in specs
+        ]
         gateway.wait_agents([s.name for s in specs])
         follow["initial"] = wait_view(gateway, {"l0": True, "l1": False})
         reqs = workload.mixed(seed + 3, docs=3, questions=3, sessions=3, turns=3)
@@ -146,20 +150,29 @@ def run(vllm_python: Path, model_dir: Path, logs: Path, seed: int) -> dict[str, 
         engine_adapter(specs[0].url, False, adapter_dir)
         follow["unload_l0"] = wait_view(gateway, {"l0": False, "l1": True})
         rows += [send(gateway, r, "only_l1", {"l1"}) for r in reqs[half:]]
-        engine_adapter(specs[0].url, True, adapter_dir)
-        follow["load_l0"] = wait_view(gateway, {"l0": True, "l1": True})
+        # A stale view, made certain: both agents paused (SIGSTOP: no poll, the streams stay
+        # open), the adapter moved from l1 to l0 behind the gateway's back. The gateway routes to
+        # l1, the only holder it knows of; l1 answers 404; the retry excludes l1 and, no holder
+        # being left, takes the fallback ('any'): l0, which has it.
         before = retried_404(gateway)
-        engine_adapter(specs[1].url, False, adapter_dir)
-        t_unload = time.monotonic()
-        for r in reqs[half : half + 4]:
-            rows.append(send(gateway, r, "stale_l1", {"l0"}))
-        stale_s = time.monotonic() - t_unload
-        retried = retried_404(gateway) - before
-        follow["unload_l1"] = wait_view(gateway, {"l0": True, "l1": False})
+        for a in agents:
+            os.kill(a.proc.pid, signal.SIGSTOP)
+        try:
+            engine_adapter(specs[0].url, True, adapter_dir)
+            engine_adapter(specs[1].url, False, adapter_dir)
+            t_stale = time.monotonic()
+            for r in reqs[half : half + 4]:
+                rows.append(send(gateway, r, "stale_view", {"l0"}))
+            stale_s = time.monotonic() - t_stale
+            retried = retried_404(gateway) - before
+        finally:
+            for a in agents:
+                os.kill(a.proc.pid, signal.SIGCONT)
+        follow["after_pause"] = wait_view(gateway, {"l0": True, "l1": False})
     finally:
         procs.stop_all()
-    synced = [r for r in rows if r["phase"] != "stale_l1"]
-    stale = [r for r in rows if r["phase"] == "stale_l1"]
+    synced = [r for r in rows if r["phase"] != "stale_view"]
+    stale = [r for r in rows if r["phase"] == "stale_view"]
     scored = [r for r in synced if r.get("cached") is not None and r["predicted"] is not None]
     summary = {
         "requests": len(rows),
@@ -176,7 +189,7 @@ def run(vllm_python: Path, model_dir: Path, logs: Path, seed: int) -> dict[str, 
     summary["pass"] = (
         summary["routed_to_holder"] == len(synced) > 0
         and summary["stale_answered_by_holder"] == len(stale)
-        and retried >= 1
+        and retried == len(stale)  # each went to l1 first: one retried 404 each
     )
     return {"summary": summary, "rows": rows}
 
