@@ -187,7 +187,7 @@ class Streams:
             )
         elif kind == "state":
             self._state(stream, msg.state)
-        elif kind == "engine":  # W11: hybrid flag and LoRA adapters
+        elif kind == "engine":  # hybrid flag and LoRA adapters (Fleet.agent_engine)
             self.fleet.agent_engine(stream.replica, engine_of(msg.engine))
         else:  # a second hello
             raise _protocol("hello sent twice on one stream")

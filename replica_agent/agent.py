@@ -146,7 +146,9 @@ class Agent:
                 async with http.get(f"{base}/v1/models") as resp:
                     if resp.status == 200:
                         listed = engine_models(await resp.json())
-                        self.models, self.adapters = list(listed.models), listed.adapters
+                        self.models = list(listed.models)
+                        # not followed (--models-interval 0): unknown rather than stale
+                        self.adapters = listed.adapters if self.cfg.models_interval_s > 0 else None
                 with contextlib.suppress(aiohttp.ClientError, ValueError, asyncio.TimeoutError):
                     async with http.get(f"{base}/version") as resp:
                         if resp.status == 200:
