@@ -40,7 +40,9 @@ class ReplicaState:
     engine_running: int = 0  # from the engine's /metrics via the agent (may lag)
     engine_waiting: int = 0
     kv_usage: float = 0.0  # 0..1
-    matched_blocks: int = 0  # request blocks this replica can reuse (index match: leading run, or deepest key)
+    matched_blocks: int = (
+        0  # request blocks this replica can reuse (index match: leading run, or deepest key)
+    )
     match_score: float = 0.0  # matched_blocks weighted by medium
     held_blocks: int = 0  # how full the index believes its cache is (PrefixIndex.held_count)
 
