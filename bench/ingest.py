@@ -33,7 +33,7 @@ import msgpack
 from prometheus_client import CollectorRegistry
 
 from gateway.inventory_server import InventoryServer, _Stream
-from gateway.inventory_sink import AgentHello, AgentLoad
+from gateway.inventory_sink import AgentEngine, AgentHello, AgentLoad
 from proto.kvgate.v1 import inventory_pb2 as pb
 from replica_agent.engine_events import decode_payload
 from replica_agent.inventory import AgentInventory
@@ -137,6 +137,9 @@ class _Fleet:
 
     def key_block_size(self, _models: Iterable[str]) -> int:
         return 0
+
+    def agent_engine(self, replica_id: str, engine: AgentEngine) -> None:
+        pass
 
     def agent_state(self, replica_id: str, *, connected: bool, degraded: bool) -> None:
         pass

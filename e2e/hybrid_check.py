@@ -13,8 +13,9 @@ compared with the engine's ``cached_tokens``:
 * ``index``: vLLM's rule applied to the gateway's keys for the replica (``/admin/index``): the
   inventory the agent streamed is exactly what the engine can reuse;
 * ``rebuilt``: the same rule on the harness's own reconstruction from the engine's frames;
-* ``header``: the gateway's ``x-kvgate-matched-tokens`` (its index matches the longest leading
-  run of keys, which is vLLM's hit for full attention only; see docs/e2e-vllm.md).
+* ``header``: the gateway's own prediction, ``x-kvgate-matched-tokens``: its index matches this
+  replica (hybrid, from the agent's EngineState) by the deepest reported key within the prompt's
+  bound, and its speculative entries keep only a routed prompt's last block (docs/e2e-vllm.md).
 
 After every request the gateway's keys must equal the reconstruction's reusable keys.
 """

@@ -8,7 +8,7 @@ import random
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ class Gateway:
     inventory_port: int = 0
     child: Child | None = None
     starts: int = 0
+    model_extra: dict[str, Any] = field(default_factory=dict)  # more of models[0] (lora_adapters)
 
     def __post_init__(self) -> None:
         # Fixed for the gateway's lifetime across restarts, so agents reconnect to the same port.
@@ -63,7 +64,10 @@ class Gateway:
         return {
             "listen": {"http": f"127.0.0.1:{self.http_port}", "inventory": self.inventory},
             "policy": {"name": policy, "seed": 0},
-            "models": [{"name": self.model, "tokenizer": str(self.tokenizer), "block_size": BLOCK_SIZE}],
+            "models": [
+                {"name": self.model, "tokenizer": str(self.tokenizer), "block_size": BLOCK_SIZE}
+                | self.model_extra
+            ],
             "replicas": [{"id": rid, "url": spec.url, "models": [self.model]} for rid, spec in self.replicas],
             # A fast health period bounds how long after a restart the replica is used again; the
             # generous timeout keeps a busy replica on a loaded 2-core machine from being ejected.
@@ -116,7 +120,9 @@ class Gateway:
             time.sleep(0.1)
 
 
-def start_agent(procs: ProcessSet, rid: str, spec: ReplicaSpec, model: str, gateway: Gateway) -> Child:
+def start_agent(
+    procs: ProcessSet, rid: str, spec: ReplicaSpec, model: str, gateway: Gateway, *extra: str
+) -> Child:
     argv = kvgate_argv(
         "agent",
         "--replica-id",
@@ -135,5 +141,6 @@ def start_agent(procs: ProcessSet, rid: str, spec: ReplicaSpec, model: str, gate
         str(BLOCK_SIZE),
         "--load-interval",
         "0.5",
+        *extra,
     )
     return procs.start(f"agent-{rid}", argv, TOKEN_ENV)

@@ -110,6 +110,12 @@ class ModelConfig(_Strict):
         description="LoRA adapter names the replicas serve on this model; a request naming one routes "
         "in that adapter's key namespace.",
     )
+    lora_fallback: Literal["any", "none"] = Field(
+        "any",
+        description="Where a request naming an adapter goes when no healthy replica reports it loaded "
+        "(agents report each engine's adapters): 'any' replica of the model (engines that load adapters "
+        "on demand), or 'none' (503 no_healthy_replica).",
+    )
     chat_template: str | None = Field(
         None,
         description="Path of a Jinja chat template overriding the tokenizer folder's (as vLLM's --chat-template).",

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from gateway.config import GatewayConfig, ReplicaConfig
-from gateway.inventory_sink import AgentHello, AgentLoad
+from gateway.inventory_sink import AgentEngine, AgentHello, AgentLoad
 from gateway.replica_identity import ReplicaIdentity
 from gateway.replica_load import NO_REMOTE_LOAD, EngineLoad, RemoteLoad
 from gateway.replica_record import ReplicaRecord
@@ -46,6 +46,7 @@ class Fleet:
         self._records: dict[str, ReplicaRecord] = {}
         self._health = config.health
         self._block_sizes: dict[str, int] = {m.name: m.block_size for m in config.models}
+        self._lora_fallback: dict[str, str] = {m.name: m.lora_fallback for m in config.models}
         self._allow_registration = config.inventory.allow_registration
         self.reconfigure(config)
 
@@ -66,6 +67,7 @@ class Fleet:
         (here or through the shared state): it then stays as an agent-registered replica."""
         self._health = config.health
         self._block_sizes = {m.name: m.block_size for m in config.models}
+        self._lora_fallback = {m.name: m.lora_fallback for m in config.models}
         self._allow_registration = config.inventory.allow_registration
         wanted: dict[str, ReplicaConfig] = {r.id: r for r in config.replicas}
         removed: list[str] = []
@@ -164,8 +166,20 @@ class Fleet:
                 return rec.identity.url
         return None
 
-    def candidates(self, model: str) -> list[ReplicaRecord]:
-        return [rec for rec in self._records.values() if rec.serves(model)]
+    def candidates(
+        self, model: str, lora: str | None = None, exclude: frozenset[str] = frozenset()
+    ) -> list[ReplicaRecord]:
+        """The replicas a request for ``model`` (and adapter ``lora``) may go to. With an adapter:
+        those whose engine reported it loaded, while one of them is healthy and not in
+        ``exclude``; otherwise the model's ``lora_fallback``: every replica of the model
+        ('any') or none ('none')."""
+        serving = [rec for rec in self._records.values() if rec.serves(model)]
+        if lora is None:
+            return serving
+        holding = [rec for rec in serving if rec.identity.has_adapter(lora)]
+        if any(rec.health.healthy and rec.id not in exclude for rec in holding):
+            return holding
+        return serving if self._lora_fallback.get(model, "any") == "any" else holding
 
     def snapshot(
         self,
@@ -199,6 +213,7 @@ class Fleet:
         if replica not in self._records:
             return  # left the fleet since (a deferred encode finishing late)
         lifetime = TouchRule(speculative_ttl_s).lifetime_s(self._index, self.has_agent(replica))
+        keys = placement.speculative_keys(keys, self._index.is_hybrid(replica))
         placement.speculative_touch(self._index, replica, keys, self._clock(), lifetime)
 
     # ------------------------------------------------------------------ health
@@ -224,6 +239,18 @@ class Fleet:
         rec = self._records.get(replica_id)
         if rec is not None:
             rec.engine_load = EngineLoad(load.running, load.waiting, load.kv_usage)
+
+    def agent_engine(self, replica_id: str, engine: AgentEngine) -> None:
+        """The agent's EngineState. A replica turning hybrid drops its speculative entries: they
+        were recorded as whole prompts, which a hybrid engine does not keep reusable."""
+        rec = self._records.get(replica_id)
+        if rec is None:
+            return
+        if engine.hybrid != self._index.is_hybrid(replica_id):
+            self._index.set_hybrid(replica_id, engine.hybrid)
+            self._index.clear_approximate(replica_id)
+        adapters = engine.lora_adapters if engine.adapters_known else None
+        rec.identity = dataclasses.replace(rec.identity, hybrid=engine.hybrid, adapters=adapters)
 
     def agent_state(self, replica_id: str, *, connected: bool, degraded: bool) -> None:
         """The agent stream came or went. Without an agent the replica stays routable while its

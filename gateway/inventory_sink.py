@@ -36,6 +36,16 @@ class AgentLoad:
     prefix_hits: int
 
 
+@dataclass(frozen=True, slots=True)
+class AgentEngine:
+    """What the agent last said of its engine (EngineState): hybrid KV-cache groups, and the
+    LoRA adapters it has loaded (``adapters_known`` false: the engine does not list them)."""
+
+    hybrid: bool
+    lora_adapters: frozenset[str]
+    adapters_known: bool
+
+
 class FleetSink(Protocol):
     def agent_hello(self, hello: AgentHello) -> str | None:
         """Accept the agent of ``hello.replica_id`` (register the replica if allowed).
@@ -47,6 +57,10 @@ class FleetSink(Protocol):
         ...
 
     def agent_load(self, replica_id: str, load: AgentLoad) -> None: ...
+
+    def agent_engine(self, replica_id: str, engine: AgentEngine) -> None:
+        """The agent's EngineState: how the replica's keys match, which adapters it serves."""
+        ...
 
     def key_block_size(self, models: Iterable[str]) -> int:
         """The block size the gateway keys the first of ``models`` it serves at (0: none). Sent

@@ -44,8 +44,8 @@ from gateway.inventory_ops import (
     ops_of_events,
     stored_keys,
 )
-from gateway.inventory_sink import AgentHello, AgentLoad, FleetSink
-from proto.contract import PROTOCOL_VERSION
+from gateway.inventory_sink import AgentEngine, AgentHello, AgentLoad, FleetSink
+from proto.contract import MAX_LORA_ADAPTERS, PROTOCOL_VERSION
 from proto.kvgate.v1 import inventory_pb2 as pb
 from router_policies.prefix_index import IndexBoundError, PrefixIndex
 
@@ -81,6 +81,13 @@ def _protocol(message: str) -> Refusal:
 
 def _over_bound(message: str) -> Refusal:
     return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "block_bound", message)
+
+
+def engine_of(st: pb.EngineState) -> AgentEngine:
+    """An EngineState as the fleet takes it (refused when it lists too many adapters)."""
+    if len(st.lora_adapters) > MAX_LORA_ADAPTERS:
+        raise _malformed(f"engine state lists {len(st.lora_adapters)} adapters, over {MAX_LORA_ADAPTERS}")
+    return AgentEngine(st.hybrid, frozenset(st.lora_adapters), st.adapters_known)
 
 
 @dataclass(slots=True)
@@ -186,6 +193,8 @@ class Streams:
             )
         elif kind == "state":
             self._state(stream, msg.state)
+        elif kind == "engine":  # hybrid flag and LoRA adapters (Fleet.agent_engine)
+            self.fleet.agent_engine(stream.replica, engine_of(msg.engine))
         else:  # a second hello
             raise _protocol("hello sent twice on one stream")
         stream.unacked += 1

@@ -18,9 +18,17 @@ class ReplicaIdentity:
     static: bool  # listed in the config (else registered by its agent)
     engine: str = ""  # "<engine> <version>" from the agent's hello
     block_size: int | None = None  # the engine's, from the agent's hello
+    # from the agent's EngineState: several KV-cache groups (matched by the deepest key), and the
+    # LoRA adapters the engine has loaded (None: not known, the engine does not list them)
+    hybrid: bool = False
+    adapters: frozenset[str] | None = None
 
     def serves(self, model: str) -> bool:
         return not self.models or model in self.models
+
+    def has_adapter(self, lora: str) -> bool:
+        """The engine reported ``lora`` among its loaded adapters."""
+        return self.adapters is not None and lora in self.adapters
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,6 +91,8 @@ class ReplicaRecord:
             "index_degraded": link.degraded,
             "engine": ident.engine,
             "block_size": ident.block_size,
+            "hybrid": ident.hybrid,
+            "lora_adapters": None if ident.adapters is None else sorted(ident.adapters),
             "healthy": self.health.healthy,
             "last_error": self.health.last_error,
             "in_flight_requests": flights.requests,

@@ -63,7 +63,10 @@ class Router:
         self._fleet = fleet
 
     def match(self, features: RequestFeatures) -> MatchResult:
-        return self._index.match(features.block_keys)
+        """The index's match; hybrid replicas' deepest key within the blocks the engine can reuse
+        (never the block of the prompt's last token: ``predicted_cached_tokens``)."""
+        bound = (features.prompt_tokens - 1) // features.block_size if features.prompt_tokens > 0 else None
+        return self._index.match(features.block_keys, bound)
 
     def decide(
         self,
@@ -74,7 +77,7 @@ class Router:
     ) -> Choice:
         """Pick a replica (raises ``NoReplicaError``). Pure: changes neither the index, the
         fleet nor the policy (``/admin/explain`` calls it on the live policy)."""
-        candidates = self._fleet.candidates(features.model)
+        candidates = self._fleet.candidates(features.model, features.lora, exclude)
         snap = self._fleet.snapshot(candidates, match.blocks, match.scores, exclude)
         decision = state.policy.choose(features, snap)
         record = self._fleet.get(decision.replica)

@@ -213,6 +213,9 @@ class Upstream:
                     up = await self._post(a)
                     if up.status == 503 and a.may_retry:
                         raise Retry("503", f"{rec.id}: 503 Service Unavailable")
+                    if up.status == 404 and a.may_retry and features.lora is not None:
+                        # the adapter is not loaded there (the fleet's view was stale)
+                        raise Retry("404", f"{rec.id}: 404 for LoRA adapter {features.lora!r}")
                     is_sse = up.headers.get("content-type", "").startswith("text/event-stream")
                     first, complete = await self._first(a, up, is_sse)
             except TimeoutError:  # _post and _first turn aiohttp's own timeouts into RequestError

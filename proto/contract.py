@@ -11,6 +11,9 @@ PROTOCOL_VERSION = 1
 GPU = "GPU"
 """The medium of a block whose ``medium`` field is empty (the common case travels as no bytes)."""
 
+MAX_LORA_ADAPTERS = 4096
+"""The most adapter names one EngineState may list (a longer list is refused as malformed)."""
+
 SERVICE = "kvgate.v1.Inventory"
 METHOD = "Sync"
 

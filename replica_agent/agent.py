@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proto.kvgate.v1 import inventory_pb2 as pb
 from replica_agent.agent_metrics import agent_registry
+from replica_agent.engine_models import engine_models
 from replica_agent.gateway_client import GatewayClient, HelloInfo
 from replica_agent.inventory import AgentInventory
 from replica_agent.load_probe import EngineLoad, MetricsParseError, parse_engine_metrics
@@ -46,6 +47,7 @@ class AgentConfig:
     max_blocks: int = 2_000_000  # engine hash -> key map bound
     max_outbox_events: int = 100_000
     load_interval_s: float = 1.0
+    models_interval_s: float = 1.0  # polls /v1/models for loaded LoRA adapters (0: never)
     replay_timeout_s: float = 1.0
     seed: int = 0
     backoff_max_s: float = 1.0
@@ -62,6 +64,7 @@ class Agent:
         self.subscriber: EventSubscriber | None = None
         self.client: GatewayClient | None = None
         self.models: list[str] = []
+        self.adapters: frozenset[str] | None = None  # LoRA adapters loaded (None: not known yet)
         self.engine_version = ""
         self.load: EngineLoad | None = None
         self.probe_errors = 0
@@ -113,6 +116,15 @@ class Agent:
             skipped_blocks=inv.stats.skipped_blocks,
         )
 
+    def _engine(self) -> pb.EngineState:
+        inv = self.inventory
+        adapters = self.adapters
+        return pb.EngineState(
+            hybrid=inv is not None and inv.hybrid,
+            lora_adapters=sorted(adapters or ()),
+            adapters_known=adapters is not None,
+        )
+
     def _load(self) -> pb.Load | None:
         ld = self.load
         if ld is None:
@@ -133,10 +145,10 @@ class Agent:
             try:
                 async with http.get(f"{base}/v1/models") as resp:
                     if resp.status == 200:
-                        data = await resp.json()
-                        self.models = [
-                            m["id"] for m in data.get("data", []) if isinstance(m, dict) and "id" in m
-                        ]
+                        listed = engine_models(await resp.json())
+                        self.models = list(listed.models)
+                        # not followed (--models-interval 0): unknown rather than stale
+                        self.adapters = listed.adapters if self.cfg.models_interval_s > 0 else None
                 with contextlib.suppress(aiohttp.ClientError, ValueError, asyncio.TimeoutError):
                     async with http.get(f"{base}/version") as resp:
                         if resp.status == 200:
@@ -170,6 +182,25 @@ class Agent:
                 self.probe_errors += 1
                 log.debug("load probe failed: %s", exc)
             await asyncio.sleep(self.cfg.load_interval_s)
+
+    async def _watch_models(self, http: aiohttp.ClientSession) -> None:
+        """Polls ``/v1/models`` for the engine's loaded LoRA adapters (they change on load and
+        unload); a change wakes the stream, which then sends the EngineState."""
+        url = f"{self.cfg.engine_url.rstrip('/')}/v1/models"
+        while True:
+            await asyncio.sleep(self.cfg.models_interval_s)
+            try:
+                async with http.get(url) as resp:
+                    if resp.status != 200:
+                        continue
+                    adapters = engine_models(await resp.json()).adapters
+            except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+                log.debug("/v1/models poll failed: %s", exc)
+                continue
+            if adapters != self.adapters:
+                log.info("engine adapters now %s", sorted(adapters))
+                self.adapters = adapters
+                self.outbox.wake.set()
 
     async def _serve_metrics(self) -> web.AppRunner:
         registry = agent_registry(self)
@@ -232,11 +263,14 @@ class Agent:
                     tls_ca=cfg.tls_ca,
                     state=self._state,
                     load=self._load,
+                    engine=self._engine,
                     seed=cfg.seed,
                     backoff_max_s=cfg.backoff_max_s,
                     on_key_block_size=self._gateway_block_size,
                 )
                 tasks.insert(0, asyncio.create_task(self.subscriber.run(), name="agent-subscriber"))
+                if cfg.models_interval_s > 0:
+                    tasks.append(asyncio.create_task(self._watch_models(http), name="agent-models"))
                 tasks.insert(0, asyncio.create_task(self.client.run(), name="agent-gateway"))
                 self.ready.set()
                 # the readiness line scripts and tests wait for (stdout, one line)

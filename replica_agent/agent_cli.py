@@ -54,6 +54,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--topic", default="", help="ZMQ topic to subscribe to (default: all)")
     parser.add_argument("--max-blocks", type=int, default=2_000_000, help="bound of the engine-hash map")
     parser.add_argument("--load-interval", type=float, default=1.0, help="seconds between /metrics polls")
+    parser.add_argument(
+        "--models-interval",
+        type=float,
+        default=1.0,
+        help="seconds between /v1/models polls for the engine's loaded LoRA adapters (0: never)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the reconnect jitter")
     parser.add_argument(
         "--reconnect-max", type=float, default=1.0, help="longest wait between gateway reconnects, seconds"
@@ -96,6 +102,8 @@ def _check(args: argparse.Namespace) -> AgentConfig:
         raise UserInputError("--reconnect-max: must be positive")
     if args.load_interval <= 0:
         raise UserInputError("--load-interval: must be positive")
+    if args.models_interval < 0:
+        raise UserInputError("--models-interval: must not be negative")
     tls_ca = None
     if args.tls_ca:
         try:
@@ -119,6 +127,7 @@ def _check(args: argparse.Namespace) -> AgentConfig:
         topic=args.topic,
         max_blocks=args.max_blocks,
         load_interval_s=args.load_interval,
+        models_interval_s=args.models_interval,
         seed=args.seed,
         backoff_max_s=args.reconnect_max,
         metrics_host=args.metrics_host,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import grpc
 import grpc.aio
+from google.protobuf.message import Message
 
 from proto.contract import GPU, PROTOCOL_VERSION, wire_medium
 from proto.kvgate.v1 import inventory_pb2 as pb
@@ -68,6 +69,7 @@ class GatewayClient:
         tls_ca: bytes | None = None,
         state: Callable[[], pb.AgentState] | None = None,
         load: Callable[[], pb.Load | None] | None = None,
+        engine: Callable[[], pb.EngineState] | None = None,
         seed: int = 0,
         backoff_initial_s: float = 0.1,
         backoff_max_s: float = 5.0,
@@ -82,6 +84,7 @@ class GatewayClient:
         self._tls_ca = tls_ca
         self._state = state
         self._load = load
+        self._engine = engine  # EngineState: hybrid flag, LoRA adapters (sent when it changes)
         self._rng = random.Random(seed)
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
@@ -91,8 +94,7 @@ class GatewayClient:
         self.stats = ClientStats()
         self.connected = asyncio.Event()
         self._snapshot_id = 0
-        self._last_state: bytes | None = None
-        self._last_load: bytes | None = None
+        self._last_sent: dict[str, bytes] = {}  # body -> last state / load / engine sent on this stream
 
     def backoff(self, attempt: int) -> float:
         """Delay before reconnect attempt ``attempt`` (0-based): exponential, capped, with jitter in
@@ -182,7 +184,7 @@ class GatewayClient:
                     log.info("gateway keys at %d tokens, hello said %d: re-keying", kbs, hello.block_size)
                     return True  # say hello again once the inventory is keyed at the gateway's size
                 reader = asyncio.create_task(self._read(call), name="agent-gateway-reader")
-                self._last_state = self._last_load = None
+                self._last_sent.clear()
                 await self._send_snapshot(send)
                 self.stats.connects += 1
                 self.connected.set()
@@ -233,24 +235,27 @@ class GatewayClient:
 
     async def _flush(self, send: Callable[..., Awaitable[None]]) -> None:
         outbox = self.outbox
+        # first: a hybrid flag reaches the gateway before the keys whose matching it changes
+        await self._send_changed(send, "engine", self._engine() if self._engine else None)
         if outbox.need_snapshot:
             await self._send_snapshot(send)
         events = outbox.take()
         if events:
             await send(events=pb.Events(events=events, engine_ts=outbox.engine_ts))
-        if self._state is not None:
-            st = self._state()
-            raw = st.SerializeToString()
-            if raw != self._last_state:
-                self._last_state = raw
-                await send(state=st)
-        if self._load is not None:
-            ld = self._load()
-            if ld is not None:
-                raw = ld.SerializeToString()
-                if raw != self._last_load:
-                    self._last_load = raw
-                    await send(load=ld)
+        await self._send_changed(send, "state", self._state() if self._state else None)
+        await self._send_changed(send, "load", self._load() if self._load else None)
+
+    async def _send_changed(
+        self, send: Callable[..., Awaitable[None]], body: str, msg: Message | None
+    ) -> None:
+        """Send ``msg`` as the message body ``body`` unless it is None or equals the last one of
+        that body sent on this stream."""
+        if msg is None:
+            return
+        raw = msg.SerializeToString()
+        if raw != self._last_sent.get(body):
+            self._last_sent[body] = raw
+            await send(**{body: msg})
 
     async def _send_snapshot(self, send: Callable[..., Awaitable[None]]) -> None:
         # taking the copy and reopening the outbox happen in one synchronous step: every delta

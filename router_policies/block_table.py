@@ -31,7 +31,7 @@ Invariants
 from __future__ import annotations
 
 import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar, cast
 
 import numba
@@ -197,6 +197,36 @@ def k_match(keys: U64, state: U8, masks: U64, shift: np.uint64, batch: U64) -> I
 
 
 @_compiled
+def k_deepest(keys: U64, state: U8, masks: U64, shift: np.uint64, batch: U64, only: U64) -> I64:
+    """Per replica slot of ``only`` (one mask per word), 1 + the position of the deepest key of
+    ``batch`` it holds (0: none). Walks from the end; stops once every slot of ``only`` is found."""
+    words = masks.shape[0]
+    deepest = np.zeros(words * 64, dtype=np.int64)
+    left = only.copy()
+    j = batch.shape[0] - 1
+    while j >= 0:
+        i = _probe(keys, state, shift, batch[j])
+        if state[i] != 0:
+            pending = False
+            for w in range(words):
+                hit = masks[w, i] & left[w]
+                left[w] &= ~hit
+                while hit != 0:
+                    low = hit & (~hit + np.uint64(1))
+                    b = 0
+                    while (low >> np.uint64(b)) != np.uint64(1):
+                        b += 1
+                    deepest[w * 64 + b] = j + 1
+                    hit ^= low
+                if left[w] != 0:
+                    pending = True
+            if not pending:
+                break
+        j -= 1
+    return deepest
+
+
+@_compiled
 def k_keys_with(keys: U64, state: U8, masks: U64, word: int, bit: np.uint64) -> U64:
     """Every key that has ``bit`` of ``word`` set, in slot order."""
     n = 0
@@ -264,6 +294,7 @@ class BlockTable:
         probe = np.zeros(1, dtype=np.uint64)
         self.has(probe, 0)
         self.match(probe)
+        self.deepest(probe, (0,))
         self.mask_of(0)
         self.keys_of(0)
         self.unset(probe, 0)
@@ -372,6 +403,17 @@ class BlockTable:
 
     def match(self, batch: U64) -> I64:
         return k_match(self.keys, self.state, self.masks, self.shift, batch)
+
+    def deepest(self, batch: U64, slots: Iterable[int]) -> I64:
+        """Per slot (of ``slots``; others 0), 1 + the position of the deepest key of ``batch``
+        it holds (0: none)."""
+        only = np.zeros(self.words, dtype=np.uint64)
+        for s in slots:
+            if s >> 6 < self.words:
+                only[s >> 6] |= np.uint64(1 << (s & 63))
+        if batch.size == 0:
+            return np.zeros(self.words * 64, dtype=np.int64)
+        return k_deepest(self.keys, self.state, self.masks, self.shift, batch, only)
 
     def keys_of(self, slot: int) -> U64:
         if slot >> 6 >= self.words:

@@ -165,6 +165,18 @@ class TouchRule:
         return min(self.speculative_ttl_s, ttl) if has_agent else ttl
 
 
+def speculative_keys(keys: Sequence[int], hybrid: bool) -> Sequence[int]:
+    """The keys a routed request's speculative entries record: the whole prompt's on a full-
+    attention engine (it keeps every block, and a later request hits its leading run); on a
+    hybrid engine (matched by the deepest key, ``PrefixIndex.match``) only the prompt's last
+    full block: its sliding-window group caches the blocks of the prompt's last window only, so
+    an earlier block of the prompt is no hit for a request diverging after it (vLLM 0.32, see
+    docs/e2e-vllm.md), while the last one is the hit of a request continuing the prompt. Even
+    that one may not stay reusable (decoding past the window frees it), so on a hybrid replica
+    the entry lives only until the agent's next report (``PrefixIndex`` drops it then)."""
+    return keys[-1:] if hybrid else keys
+
+
 def speculative_touch(
     index: PrefixIndex, replica: str, keys: Sequence[int], now: float, lifetime_s: float
 ) -> bool:

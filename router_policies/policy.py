@@ -27,6 +27,7 @@ class RequestFeatures:
     prompt_tokens: int
     block_size: int
     session_id: str | None = None
+    lora: str | None = None  # the LoRA adapter the request names (routed to replicas holding it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +42,9 @@ class ReplicaState:
     engine_running: int = 0  # from the engine's /metrics via the agent (may lag)
     engine_waiting: int = 0
     kv_usage: float = 0.0  # 0..1
-    matched_blocks: int = 0  # leading request blocks this replica holds (index match)
+    matched_blocks: int = (
+        0  # request blocks this replica can reuse (index match: leading run, or deepest key)
+    )
     match_score: float = 0.0  # matched_blocks weighted by medium
     held_blocks: int = 0  # how full the index believes its cache is (PrefixIndex.held_count)
     # of matched_blocks, those held on a slower medium than the GPU: ((medium, blocks), ...)

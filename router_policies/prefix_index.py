@@ -28,6 +28,14 @@ Invariants
   gone). Touch times are monotone along the order, so TTL expiry also pops from the front.
 * Mutations never await and never raise half-way: bounds are checked before anything changes.
 
+Hybrid replicas (``set_hybrid``: a vLLM hybrid-attention engine, several KV-cache groups) match
+differently: the engine's hit is the *deepest* request block every group can serve, which is not
+closed under prefixes, and the agent reports exactly those blocks; so such a replica's match is
+its deepest held key within the prompt's bound (``match(keys, max_blocks)``), not a leading run.
+What such an engine keeps reusable after a request depends on its windows and on how far decoding
+went, which the gateway cannot know, so a hybrid replica's approximate entries only bridge the
+time until its agent's next report: any precise store or removal drops them all.
+
 Times are passed in by the caller (seconds, any monotone clock), so that the simulator can run
 the index on virtual time.
 """
@@ -57,6 +65,7 @@ class _Replica:
     non_gpu: dict[int, str] = field(default_factory=dict)
     # key -> last touch time, oldest first, each block before its parent
     approx: OrderedDict[int, float] = field(default_factory=OrderedDict)
+    hybrid: bool = False  # matched by its deepest held key (see the module docstring)
 
 
 class PrefixIndex:
@@ -68,6 +77,7 @@ class PrefixIndex:
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._entries = 0  # precise + approximate entries over all replicas
+        self._hybrid: set[int] = set()  # slots of hybrid replicas
 
     # ---------------------------------------------------------------- replicas
     def add_replica(self, replica: str) -> None:
@@ -91,7 +101,21 @@ class PrefixIndex:
         self.clear_approximate(replica)
         del self._replicas[replica]
         del self._by_slot[rep.slot]
+        self._hybrid.discard(rep.slot)
         self._free_slots.append(rep.slot)
+
+    def set_hybrid(self, replica: str, hybrid: bool) -> None:
+        """Whether ``replica`` is matched by its deepest held key (a hybrid-attention engine)."""
+        rep = self._rep(replica)
+        rep.hybrid = hybrid
+        if hybrid:
+            self._hybrid.add(rep.slot)
+        else:
+            self._hybrid.discard(rep.slot)
+
+    def is_hybrid(self, replica: str) -> bool:
+        rep = self._replicas.get(replica)
+        return rep is not None and rep.hybrid
 
     @property
     def replicas(self) -> list[str]:
@@ -142,6 +166,8 @@ class PrefixIndex:
                 non_gpu[k] = medium
         rep.precise_count += new
         self._entries += added
+        if rep.hybrid and rep.approx:
+            self.clear_approximate(replica)  # the engine's report supersedes the guesses
         return new
 
     def remove(self, replica: str, keys: Iterable[int]) -> int:
@@ -149,6 +175,8 @@ class PrefixIndex:
         rep = self._replicas.get(replica)
         if rep is None:
             return 0
+        if rep.hybrid and rep.approx:
+            self.clear_approximate(replica)  # the engine's report supersedes the guesses
         if rep.approx:
             # an approximate entry is not the agent's to remove
             approx = rep.approx
@@ -358,12 +386,20 @@ class PrefixIndex:
         return [(k, t + ttl) for k, t in rep.approx.items()] if rep else []
 
     # ---------------------------------------------------------------- queries
-    def match(self, keys: Sequence[int]) -> MatchResult:
-        """Each replica's longest leading run of ``keys`` (replicas matching nothing are absent)."""
+    def match(self, keys: Sequence[int], max_blocks: int | None = None) -> MatchResult:
+        """Each replica's longest leading run of ``keys``; for a hybrid replica, 1 + the position
+        of its deepest held key among the first ``max_blocks`` (None: all; the engine never
+        reuses the block of the prompt's last token). Replicas matching nothing are absent."""
         blocks: dict[str, int] = {}
         if len(keys) == 0:
             return MatchResult(blocks=blocks, scores={})
-        runs = self._table.match(as_keys(keys))
+        batch = as_keys(keys)
+        runs = self._table.match(batch)
+        if self._hybrid:
+            bound = batch if max_blocks is None else batch[: max(0, max_blocks)]
+            deepest = self._table.deepest(bound, self._hybrid)
+            for s in self._hybrid:
+                runs[s] = deepest[s]
         slots = np.flatnonzero(runs)
         by_slot = self._by_slot
         blocks = dict(zip([by_slot[s] for s in slots.tolist()], runs[slots].tolist(), strict=True))

@@ -95,6 +95,7 @@ def exact_features(
         prompt_tokens=how.prompt_tokens,
         block_size=mc.block_size,
         session_id=session_id,
+        lora=r.lora,
     )
     info = FeatureInfo(
         model=r.requested,
@@ -128,6 +129,7 @@ def char_features(
         prompt_tokens=n,
         block_size=max(1, round(mc.char_block_size / CHARS_PER_TOKEN)),
         session_id=session_id,
+        lora=r.lora,
     )
     info = FeatureInfo(
         model=r.requested,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fproto/kvgate/v1/inventory.proto\x12\tkvgate.v1\"\xe2\x01\n\x0c\x41gentMessage\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12!\n\x05hello\x18\x02 \x01(\x0b\x32\x10.kvgate.v1.HelloH\x00\x12#\n\x06\x65vents\x18\x03 \x01(\x0b\x32\x11.kvgate.v1.EventsH\x00\x12\x1f\n\x04load\x18\x04 \x01(\x0b\x32\x0f.kvgate.v1.LoadH\x00\x12,\n\x08snapshot\x18\x05 \x01(\x0b\x32\x18.kvgate.v1.SnapshotChunkH\x00\x12&\n\x05state\x18\x06 \x01(\x0b\x32\x15.kvgate.v1.AgentStateH\x00\x42\x06\n\x04\x62ody\"\xbe\x01\n\x05Hello\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x0e\n\x06models\x18\x03 \x03(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x05 \x01(\x04\x12\x0e\n\x06\x65ngine\x18\x06 \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\x07 \x01(\t\x12\x15\n\ragent_version\x18\x08 \x01(\t\x12\x18\n\x10protocol_version\x18\t \x01(\r\"N\n\x06Stored\x12\x0c\n\x04keys\x18\x01 \x03(\x06\x12\x17\n\nparent_key\x18\x02 \x01(\x06H\x00\x88\x01\x01\x12\x0e\n\x06medium\x18\x03 \x01(\tB\r\n\x0b_parent_key\"\'\n\x07Removed\x12\x0c\n\x04keys\x18\x01 \x03(\x06\x12\x0e\n\x06medium\x18\x02 \x01(\t\"\t\n\x07\x43leared\"\x82\x01\n\x05\x45vent\x12#\n\x06stored\x18\x01 \x01(\x0b\x32\x11.kvgate.v1.StoredH\x00\x12%\n\x07removed\x18\x02 \x01(\x0b\x32\x12.kvgate.v1.RemovedH\x00\x12%\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x12.kvgate.v1.ClearedH\x00\x42\x06\n\x04kind\"=\n\x06\x45vents\x12 \n\x06\x65vents\x18\x01 \x03(\x0b\x32\x10.kvgate.v1.Event\x12\x11\n\tengine_ts\x18\x02 \x01(\x01\"g\n\x04Load\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x01\x12\x16\n\x0eprefix_queries\x18\x04 \x01(\x04\x12\x13\n\x0bprefix_hits\x18\x05 \x01(\x04\"P\n\rSnapshotChunk\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x0c\n\x04keys\x18\x02 \x03(\x06\x12\x0e\n\x06medium\x18\x03 \x01(\t\x12\x0c\n\x04last\x18\x04 \x01(\x08\"u\n\nAgentState\x12\x10\n\x08\x64\x65graded\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0b\x65ngine_gaps\x18\x03 \x01(\x04\x12\x18\n\x10unrecovered_gaps\x18\x04 \x01(\x04\x12\x16\n\x0eskipped_blocks\x18\x05 \x01(\x04\"\\\n\x0eGatewayMessage\x12\x1d\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x0e.kvgate.v1.AckH\x00\x12#\n\x06resync\x18\x02 \x01(\x0b\x32\x11.kvgate.v1.ResyncH\x00\x42\x06\n\x04\x62ody\"*\n\x03\x41\x63k\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x16\n\x0ekey_block_size\x18\x02 \x01(\r\"\x18\n\x06Resync\x12\x0e\n\x06reason\x18\x01 \x01(\t2K\n\tInventory\x12>\n\x04Sync\x12\x17.kvgate.v1.AgentMessage\x1a\x19.kvgate.v1.GatewayMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fproto/kvgate/v1/inventory.proto\x12\tkvgate.v1\"\x8c\x02\n\x0c\x41gentMessage\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12!\n\x05hello\x18\x02 \x01(\x0b\x32\x10.kvgate.v1.HelloH\x00\x12#\n\x06\x65vents\x18\x03 \x01(\x0b\x32\x11.kvgate.v1.EventsH\x00\x12\x1f\n\x04load\x18\x04 \x01(\x0b\x32\x0f.kvgate.v1.LoadH\x00\x12,\n\x08snapshot\x18\x05 \x01(\x0b\x32\x18.kvgate.v1.SnapshotChunkH\x00\x12&\n\x05state\x18\x06 \x01(\x0b\x32\x15.kvgate.v1.AgentStateH\x00\x12(\n\x06\x65ngine\x18\x07 \x01(\x0b\x32\x16.kvgate.v1.EngineStateH\x00\x42\x06\n\x04\x62ody\"\xbe\x01\n\x05Hello\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x0e\n\x06models\x18\x03 \x03(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x05 \x01(\x04\x12\x0e\n\x06\x65ngine\x18\x06 \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\x07 \x01(\t\x12\x15\n\ragent_version\x18\x08 \x01(\t\x12\x18\n\x10protocol_version\x18\t \x01(\r\"N\n\x06Stored\x12\x0c\n\x04keys\x18\x01 \x03(\x06\x12\x17\n\nparent_key\x18\x02 \x01(\x06H\x00\x88\x01\x01\x12\x0e\n\x06medium\x18\x03 \x01(\tB\r\n\x0b_parent_key\"\'\n\x07Removed\x12\x0c\n\x04keys\x18\x01 \x03(\x06\x12\x0e\n\x06medium\x18\x02 \x01(\t\"\t\n\x07\x43leared\"\x82\x01\n\x05\x45vent\x12#\n\x06stored\x18\x01 \x01(\x0b\x32\x11.kvgate.v1.StoredH\x00\x12%\n\x07removed\x18\x02 \x01(\x0b\x32\x12.kvgate.v1.RemovedH\x00\x12%\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x12.kvgate.v1.ClearedH\x00\x42\x06\n\x04kind\"=\n\x06\x45vents\x12 \n\x06\x65vents\x18\x01 \x03(\x0b\x32\x10.kvgate.v1.Event\x12\x11\n\tengine_ts\x18\x02 \x01(\x01\"g\n\x04Load\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x01\x12\x16\n\x0eprefix_queries\x18\x04 \x01(\x04\x12\x13\n\x0bprefix_hits\x18\x05 \x01(\x04\"P\n\rSnapshotChunk\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x0c\n\x04keys\x18\x02 \x03(\x06\x12\x0e\n\x06medium\x18\x03 \x01(\t\x12\x0c\n\x04last\x18\x04 \x01(\x08\"u\n\nAgentState\x12\x10\n\x08\x64\x65graded\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0b\x65ngine_gaps\x18\x03 \x01(\x04\x12\x18\n\x10unrecovered_gaps\x18\x04 \x01(\x04\x12\x16\n\x0eskipped_blocks\x18\x05 \x01(\x04\"L\n\x0b\x45ngineState\x12\x0e\n\x06hybrid\x18\x01 \x01(\x08\x12\x15\n\rlora_adapters\x18\x02 \x03(\t\x12\x16\n\x0e\x61\x64\x61pters_known\x18\x03 \x01(\x08\"\\\n\x0eGatewayMessage\x12\x1d\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x0e.kvgate.v1.AckH\x00\x12#\n\x06resync\x18\x02 \x01(\x0b\x32\x11.kvgate.v1.ResyncH\x00\x42\x06\n\x04\x62ody\"*\n\x03\x41\x63k\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x16\n\x0ekey_block_size\x18\x02 \x01(\r\"\x18\n\x06Resync\x12\x0e\n\x06reason\x18\x01 \x01(\t2K\n\tInventory\x12>\n\x04Sync\x12\x17.kvgate.v1.AgentMessage\x1a\x19.kvgate.v1.GatewayMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,31 +32,33 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.kvgate.v1.inventory_p
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_AGENTMESSAGE']._serialized_start=47
-  _globals['_AGENTMESSAGE']._serialized_end=273
-  _globals['_HELLO']._serialized_start=276
-  _globals['_HELLO']._serialized_end=466
-  _globals['_STORED']._serialized_start=468
-  _globals['_STORED']._serialized_end=546
-  _globals['_REMOVED']._serialized_start=548
-  _globals['_REMOVED']._serialized_end=587
-  _globals['_CLEARED']._serialized_start=589
-  _globals['_CLEARED']._serialized_end=598
-  _globals['_EVENT']._serialized_start=601
-  _globals['_EVENT']._serialized_end=731
-  _globals['_EVENTS']._serialized_start=733
-  _globals['_EVENTS']._serialized_end=794
-  _globals['_LOAD']._serialized_start=796
-  _globals['_LOAD']._serialized_end=899
-  _globals['_SNAPSHOTCHUNK']._serialized_start=901
-  _globals['_SNAPSHOTCHUNK']._serialized_end=981
-  _globals['_AGENTSTATE']._serialized_start=983
-  _globals['_AGENTSTATE']._serialized_end=1100
-  _globals['_GATEWAYMESSAGE']._serialized_start=1102
-  _globals['_GATEWAYMESSAGE']._serialized_end=1194
-  _globals['_ACK']._serialized_start=1196
-  _globals['_ACK']._serialized_end=1238
-  _globals['_RESYNC']._serialized_start=1240
-  _globals['_RESYNC']._serialized_end=1264
-  _globals['_INVENTORY']._serialized_start=1266
-  _globals['_INVENTORY']._serialized_end=1341
+  _globals['_AGENTMESSAGE']._serialized_end=315
+  _globals['_HELLO']._serialized_start=318
+  _globals['_HELLO']._serialized_end=508
+  _globals['_STORED']._serialized_start=510
+  _globals['_STORED']._serialized_end=588
+  _globals['_REMOVED']._serialized_start=590
+  _globals['_REMOVED']._serialized_end=629
+  _globals['_CLEARED']._serialized_start=631
+  _globals['_CLEARED']._serialized_end=640
+  _globals['_EVENT']._serialized_start=643
+  _globals['_EVENT']._serialized_end=773
+  _globals['_EVENTS']._serialized_start=775
+  _globals['_EVENTS']._serialized_end=836
+  _globals['_LOAD']._serialized_start=838
+  _globals['_LOAD']._serialized_end=941
+  _globals['_SNAPSHOTCHUNK']._serialized_start=943
+  _globals['_SNAPSHOTCHUNK']._serialized_end=1023
+  _globals['_AGENTSTATE']._serialized_start=1025
+  _globals['_AGENTSTATE']._serialized_end=1142
+  _globals['_ENGINESTATE']._serialized_start=1144
+  _globals['_ENGINESTATE']._serialized_end=1220
+  _globals['_GATEWAYMESSAGE']._serialized_start=1222
+  _globals['_GATEWAYMESSAGE']._serialized_end=1314
+  _globals['_ACK']._serialized_start=1316
+  _globals['_ACK']._serialized_end=1358
+  _globals['_RESYNC']._serialized_start=1360
+  _globals['_RESYNC']._serialized_end=1384
+  _globals['_INVENTORY']._serialized_start=1386
+  _globals['_INVENTORY']._serialized_end=1461
 # @@protoc_insertion_point(module_scope)

@@ -36,6 +36,7 @@ class AgentMessage(_message.Message):
     LOAD_FIELD_NUMBER: _builtins.int
     SNAPSHOT_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
+    ENGINE_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     @_builtins.property
     def hello(self) -> Global___Hello: ...
@@ -47,6 +48,8 @@ class AgentMessage(_message.Message):
     def snapshot(self) -> Global___SnapshotChunk: ...
     @_builtins.property
     def state(self) -> Global___AgentState: ...
+    @_builtins.property
+    def engine(self) -> Global___EngineState: ...
     def __init__(
         self,
         *,
@@ -56,12 +59,13 @@ class AgentMessage(_message.Message):
         load: Global___Load | None = ...,
         snapshot: Global___SnapshotChunk | None = ...,
         state: Global___AgentState | None = ...,
+        engine: Global___EngineState | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "events", b"events", "hello", b"hello", "load", b"load", "snapshot", b"snapshot", "state", b"state"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "engine", b"engine", "events", b"events", "hello", b"hello", "load", b"load", "snapshot", b"snapshot", "state", b"state"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "events", b"events", "hello", b"hello", "load", b"load", "seq", b"seq", "snapshot", b"snapshot", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "engine", b"engine", "events", b"events", "hello", b"hello", "load", b"load", "seq", b"seq", "snapshot", b"snapshot", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello", "events", "load", "snapshot", "state"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello", "events", "load", "snapshot", "state", "engine"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
@@ -349,6 +353,46 @@ class AgentState(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AgentState: _TypeAlias = AgentState  # noqa: Y015
+
+@_typing.final
+class EngineState(_message.Message):
+    """What the engine serves and how its blocks are matched, as the agent last saw it. Sent after
+    every snapshot and whenever it changes; each one replaces the previous one whole.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HYBRID_FIELD_NUMBER: _builtins.int
+    LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
+    ADAPTERS_KNOWN_FIELD_NUMBER: _builtins.int
+    hybrid: _builtins.bool
+    """The engine runs several KV-cache groups (a vLLM hybrid-attention model: sliding-window and
+    full-attention layers). Its reported keys are each a hit by themselves (vLLM's hybrid lookup
+    returns the deepest block every group can serve), not a set closed under prefixes: the
+    gateway matches a request by its deepest reported key within the prompt's bound.
+    """
+    adapters_known: _builtins.bool
+    """The engine lists its adapters (false: it was not asked or cannot say; lora_adapters is empty)."""
+    @_builtins.property
+    def lora_adapters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """LoRA adapters the engine has loaded now (vLLM: the /v1/models entries whose parent is a base
+        model), sorted; at most contract.MAX_LORA_ADAPTERS names.
+        """
+
+    def __init__(
+        self,
+        *,
+        hybrid: _builtins.bool = ...,
+        lora_adapters: _abc.Iterable[_builtins.str] | None = ...,
+        adapters_known: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters_known", b"adapters_known", "hybrid", b"hybrid", "lora_adapters", b"lora_adapters"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EngineState: _TypeAlias = EngineState  # noqa: Y015
 
 @_typing.final
 class GatewayMessage(_message.Message):
