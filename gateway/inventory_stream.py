@@ -83,6 +83,20 @@ def _over_bound(message: str) -> Refusal:
     return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "block_bound", message)
 
 
+def _check_keyed_at(stream: StreamState) -> None:
+    """Keys cover ``keyed_at`` tokens; the gateway's cover ``key_block_size``. Keys of another size
+    would never match a request, so they are refused rather than applied (an agent re-keys at the
+    size the Ack of its Hello gave, then says Hello again; an agent too old to re-key is told why)."""
+    if stream.key_block_size and stream.keyed_at != stream.key_block_size:
+        raise Refusal(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "block_size",
+            f"replica {stream.replica!r}: the agent keys blocks of {stream.keyed_at} tokens, the gateway "
+            f"keys this model at {stream.key_block_size}: re-key at {stream.key_block_size} "
+            "(agents re-key on the Ack of their Hello; or start the agent with --key-block-size)",
+        )
+
+
 def engine_of(st: pb.EngineState) -> AgentEngine:
     """An EngineState as the fleet takes it (refused when it lists too many adapters)."""
     if len(st.lora_adapters) > MAX_LORA_ADAPTERS:
@@ -112,6 +126,7 @@ class StreamState:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     last_gaps: tuple[int, int] = (0, 0)
     key_block_size: int = 0  # the gateway's block size, sent on the Ack of the Hello (seq 1)
+    keyed_at: int = 0  # the block size the agent's Hello says its keys cover
     identity: Identity | None = None  # what the stream's token may speak for (set by the server)
 
     @property
@@ -181,6 +196,8 @@ class Streams:
             self.metrics.gaps.labels("stream").inc()
             self._ask_resync(stream, f"stream seq {msg.seq}, expected {stream.expected_seq}")
         stream.expected_seq = msg.seq + 1
+        if kind in ("events", "snapshot"):
+            _check_keyed_at(stream)
         if kind == "events":
             self._events(stream, msg.events)
         elif kind == "snapshot":
@@ -256,6 +273,7 @@ class Streams:
         # acknowledging the hello tells the agent it was accepted before it sends its snapshot, and
         # at which block size the gateway keys (an agent keying a smaller engine page re-keys)
         stream.key_block_size = self.fleet.key_block_size(hello.models)
+        stream.keyed_at = h.block_size
         self._ack(stream, 1)
 
     def _check_identity(self, stream: StreamState, replica: str, url: str) -> None:

@@ -172,6 +172,7 @@ CASES: list[tuple[str, str | None, list[pb.AgentMessage | bytes], grpc.StatusCod
     ("empty replica id", bearer("shared"), [hello("")], _I, "malformed"),
     ("second hello as another replica", bearer("r1"), [hello("r1"), hello("r0", seq=2)], _I, "protocol"),
     ("block size mismatch", bearer("r0"), [hello("r0", block_size=5), snap(2, [99])], _F, "hello_refused"),
+    ("keys at a divisor, not re-keyed", bearer("r0"), [hello("r0", block_size=8), snap(2, [99])], _F, "block_size"),
     ("protocol version 99", bearer("r0"), [hello("r0", version=99), snap(2, [99])], _F, "protocol"),
     ("snapshot over its bound", bearer("r1"), [hello("r1", capacity=1), snap(2, list(range(100, 200)))],
      grpc.StatusCode.RESOURCE_EXHAUSTED, "block_bound"),

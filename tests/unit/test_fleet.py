@@ -130,7 +130,13 @@ def test_agent_hello_refusals() -> None:
     fleet = Fleet(_config(), PrefixIndex())
     msg = fleet.agent_hello(_hello("c", block_size=32))  # m has block_size 16
     assert msg is not None and "block size 32" in msg and "models[m].block_size=16" in msg
-    assert fleet.agent_hello(_hello("d", block_size=16, models=("n",))) is None  # 32 % 16 == 0
+    # An engine block dividing the gateway's (n keys at 32) is accepted only to be re-keyed: the
+    # gateway's size goes back on the Ack of the Hello (the agent then re-keys and says Hello
+    # again), and keys of the smaller size are refused on the stream, never applied unmatched
+    # (tests/integration/test_inventory_abuse.py, "keys at a divisor, not re-keyed";
+    # tests/unit/test_sglang_rekey.py, the agent's side).
+    assert fleet.agent_hello(_hello("d", block_size=16, models=("n",))) is None
+    assert fleet.key_block_size(("n",)) == 32 and fleet.key_block_size(("m",)) == 16
     closed = Fleet(_config(inventory={"allow_registration": False}), PrefixIndex())
     msg = closed.agent_hello(_hello("c"))
     assert msg is not None and "allow_registration" in msg
