@@ -1,6 +1,6 @@
 # The pre-numba PrefixIndex (pure-Python dicts + int bitmasks), kept verbatim for the before/after
 # comparison in bench/index_bench.py. Not used by kvgate.
-"""Approximate global prefix index: block key -> the replicas that hold it (ARCHITECTURE.md §6).
+"""Approximate global prefix index: block key -> the replicas that hold it (docs/architecture.md, "The index").
 
 Two kinds of entries per replica:
 

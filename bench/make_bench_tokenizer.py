@@ -1,4 +1,4 @@
-"""Train the benchmark tokenizer: a ~32k-vocabulary byte-level BPE (ARCHITECTURE.md §10).
+"""Train the benchmark tokenizer: a ~32k-vocabulary byte-level BPE (docs/performance.md).
 
 The toy 2k tokenizer (``assets/tokenizers/kvgate-tiny``) turns 8 KB of text into ~6k tokens; a
 real model's 32k-150k vocabulary yields ~4x fewer, so gateway overhead measured with the toy one

@@ -1,4 +1,4 @@
-"""The gateway's one typed config tree (ARCHITECTURE.md §8), loaded from YAML and validated at
+"""The gateway's one typed config tree (docs/architecture.md, "Config"), loaded from YAML and validated at
 start-up.
 
 Errors name the field path (``policy.kv_aware.balance_abs: Input should be ...``). Environment

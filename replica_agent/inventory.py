@@ -1,4 +1,4 @@
-"""The agent's copy of its replica's KV inventory, in kvgate block keys (ARCHITECTURE.md §3).
+"""The agent's copy of its replica's KV inventory, in kvgate block keys (docs/architecture.md, "Block keys").
 
 Re-keying: a stored block's key is ``chain_keys(parent_key, token_ids, block_size)``, where the
 parent key is the key already mapped to the event's ``parent_block_hash``, or the root key of the

@@ -1,4 +1,4 @@
-"""The load probe: reads the engine's Prometheus ``/metrics`` (ARCHITECTURE.md §4).
+"""The load probe: reads the engine's Prometheus ``/metrics`` (docs/architecture.md, "Engine KV events and the agent stream").
 
 vLLM: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
 (``vllm:gpu_cache_usage_perc`` before 0.8), ``vllm:prefix_cache_queries_total`` and

@@ -1,4 +1,4 @@
-"""The block-key contract shared by the replica agent and the gateway (ARCHITECTURE.md §3).
+"""The block-key contract shared by the replica agent and the gateway (docs/architecture.md, "Block keys").
 
     root    = xxh3_64(b"kvgate:v1:" + namespace)
     key[i]  = xxh3_64(key[i-1].to_bytes(8, "little") + tokens[i*B:(i+1)*B] as little-endian uint32)

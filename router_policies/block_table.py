@@ -1,5 +1,5 @@
 """A compact hash table from 64-bit block key to a bit mask of replica slots (the prefix index's
-storage, ARCHITECTURE.md §6).
+storage, docs/architecture.md, "The index").
 
 Layout: open addressing with linear probing over three numpy arrays of ``capacity`` slots,
 ``capacity`` a power of two:

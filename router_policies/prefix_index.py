@@ -1,4 +1,4 @@
-"""Approximate global prefix index: block key -> the replicas that hold it (ARCHITECTURE.md §6).
+"""Approximate global prefix index: block key -> the replicas that hold it (docs/architecture.md, "The index").
 
 Two kinds of entries per replica:
 

@@ -1,6 +1,6 @@
 """Cost presets for the replica model: step costs, KV capacity and scheduler limits.
 
-``small-cpu`` reproduces the seed's small model (ARCHITECTURE.md §9): a 2,000-token prompt costs
+``small-cpu`` reproduces the seed's small model (docs/architecture.md, "Measuring ourselves"): a 2,000-token prompt costs
 about 2,100 ms TTFT on a miss and about 190 ms on a full hit. With a block size of 32 (vLLM's CPU
 build) a full hit caches floor(1,999 / 32) = 62 blocks = 1,984 tokens and 16 tokens are computed,
 so with the linear model ``TTFT = overhead + prefill_per_token x uncached``:

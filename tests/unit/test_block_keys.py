@@ -1,4 +1,4 @@
-"""The block-key contract (ARCHITECTURE.md §3), checked against an independent per-token
+"""The block-key contract (docs/architecture.md, "Block keys"), checked against an independent per-token
 implementation and by property tests."""
 
 from __future__ import annotations
