@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from kvgate_tools.procs import ProcessGroup, Ready, low_free_port
 
 ADMIN_TOKEN = "e2e-admin-token"
 AGENT_TOKEN = "e2e-agent-token"
+ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 TOKEN_ENV = {"KVGATE_ADMIN_TOKEN": ADMIN_TOKEN, "KVGATE_AGENT_TOKEN": AGENT_TOKEN, "PYTHONUNBUFFERED": "1"}
 
 
@@ -40,6 +41,8 @@ class Gateway:
     rng: random.Random
     http_port: int = 0
     inventory_port: int = 0
+    url: str = field(init=False)  # http://127.0.0.1:<http_port>
+    inventory: str = field(init=False)  # 127.0.0.1:<inventory_port>, where agents connect
     proc: subprocess.Popen[bytes] | None = None
     name: str = ""  # the running process's log name
     starts: int = 0
@@ -48,18 +51,8 @@ class Gateway:
         # Fixed for the gateway's lifetime across restarts, so agents reconnect to the same port.
         self.http_port = low_free_port(self.rng)
         self.inventory_port = low_free_port(self.rng)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    @property
-    def inventory(self) -> str:
-        return f"127.0.0.1:{self.inventory_port}"
-
-    @property
-    def admin_headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        self.url = f"http://127.0.0.1:{self.http_port}"
+        self.inventory = f"127.0.0.1:{self.inventory_port}"
 
     def config(self, policy: str) -> dict[str, Any]:
         return {
@@ -93,12 +86,12 @@ class Gateway:
             self.proc = None
 
     def replicas_state(self) -> dict[str, dict[str, Any]]:
-        doc = http_client.get(self.url + "/admin/replicas", self.admin_headers).json()
+        doc = http_client.get(self.url + "/admin/replicas", ADMIN_HEADERS).json()
         return {r["id"]: r for r in doc["replicas"]}
 
     def index_keys(self, rid: str) -> set[int] | None:
         """The replica's precise keys in the gateway's index (None if it does not know the id)."""
-        resp = http_client.get(f"{self.url}/admin/index?replica={rid}", self.admin_headers)
+        resp = http_client.get(f"{self.url}/admin/index?replica={rid}", ADMIN_HEADERS)
         if resp.status == 404:
             return None
         if resp.status != 200:
