@@ -116,7 +116,9 @@ class AllBlocksCleared:
 
 EngineEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
-_STORED_FIELDS = (
+# The fields of vLLM's BlockStored, in the order of its array form (msgspec ``array_like``): what
+# every version sends (SGLang the first ones), then what newer vLLM versions add.
+BASE_STORED_FIELDS = (
     "block_hashes",
     "parent_block_hash",
     "token_ids",
@@ -124,8 +126,8 @@ _STORED_FIELDS = (
     "lora_id",
     "medium",
     "lora_name",
-    "extra_keys",
 )
+_STORED_FIELDS = (*BASE_STORED_FIELDS, "extra_keys")
 _REMOVED_FIELDS = ("block_hashes", "medium")
 
 
