@@ -42,6 +42,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from gateway.asyncio_tasks import cancel_and_wait
 from gateway.shared_state_codec import CodecError
 from gateway.shared_state_context import (
     REPLICA_KEYS_TTL_S,
@@ -88,9 +89,7 @@ class SharedState:
         if task is not None:
             self._ctx.stopping.set()
             self.publisher.wake()
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         self._set_down(None)
 
     @property

@@ -238,15 +238,19 @@ class EventSubscriber:
         self.expected = None
         self._rejoin = True
 
+    def _seq(self, frames: list[bytes], count: int) -> int | None:
+        """The seq of a message of ``count`` frames ending ``[seq, payload]``; None, counted as a
+        malformed frame, when the count or the seq frame is wrong."""
+        if len(frames) == count:
+            with contextlib.suppress(MalformedEvent):
+                return parse_seq(frames[-2])
+        self.stats.malformed_frames += 1
+        return None
+
     async def handle_frames(self, frames: list[bytes]) -> None:
         self.stats.frames += 1
-        if len(frames) != 3:
-            self.stats.malformed_frames += 1
-            return
-        try:
-            seq = parse_seq(frames[1])
-        except MalformedEvent:
-            self.stats.malformed_frames += 1
+        seq = self._seq(frames, 3)  # topic, seq, payload
+        if seq is None:
             return
         batch = self._decode(frames[2])
         if log.isEnabledFor(logging.DEBUG):
@@ -351,13 +355,8 @@ class EventSubscriber:
                     frames = frames[1:]
                 if len(frames) == 3:  # topic, seq, payload
                     frames = frames[1:]
-                if len(frames) != 2:
-                    self.stats.malformed_frames += 1
-                    continue
-                try:
-                    seq = parse_seq(frames[0])
-                except MalformedEvent:
-                    self.stats.malformed_frames += 1
+                seq = self._seq(frames, 2)
+                if seq is None:
                     continue
                 if seq == -1:
                     return out
