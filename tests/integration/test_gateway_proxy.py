@@ -11,7 +11,8 @@ import sys
 
 import aiohttp
 
-from tests.integration.gateway_harness import REPO, Procs, base_config, http, wait_until
+from tests.integration.gateway_harness import REPO, Procs, base_config, http
+from tests.polling import wait_until
 
 JSON = {"content-type": "application/json"}
 

@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 
 from kvgate_tools.local_fleet import FleetOptions, LocalFleet, http_json, http_text
-from tests.integration.gateway_harness import Gateway, Procs, RedisServer, http, wait_until
+from tests.integration.gateway_harness import Gateway, Procs, RedisServer, http
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.timeout(600)
 

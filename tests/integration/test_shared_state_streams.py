@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -26,8 +26,7 @@ from gateway.shared_state_codec import Keys
 from proto.kvgate.v1 import inventory_pb2 as pb
 from router_policies.prefix_index import PrefixIndex
 from tests.integration.gateway_harness import RedisServer, shared_state_instance
-
-WAIT_S = 20.0  # bounds a hang only
+from tests.polling import until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -80,15 +79,6 @@ async def nodes(redis_server: RedisServer) -> AsyncIterator[tuple[Node, Node]]:
             await n.channel.close()
             await n.inventory.stop(0)
             await n.shared.stop()
-
-
-async def until(check: Callable[[], bool], what: str) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + WAIT_S
-    while not check():
-        if loop.time() > end:
-            raise TimeoutError(f"{what} not reached after {WAIT_S}s")
-        await asyncio.sleep(0.02)
 
 
 class Agent:
@@ -148,15 +138,6 @@ async def _ttl_set(client: aioredis.Redis, name: str) -> bool:
     return bool(0 < ttl <= REPLICA_KEYS_TTL_S)
 
 
-async def until_async(check: Callable[[], Awaitable[bool]], what: str) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + WAIT_S
-    while not await check():
-        if loop.time() > end:
-            raise TimeoutError(f"{what} not reached after {WAIT_S}s")
-        await asyncio.sleep(0.02)
-
-
 async def test_ownership_moves_with_the_agent_stream(
     nodes: tuple[Node, Node], redis_server: RedisServer
 ) -> None:
@@ -174,7 +155,7 @@ async def test_ownership_moves_with_the_agent_stream(
     try:
         keys = Keys("streams")
         for name in (keys.stream("r5"), keys.snapshot("r5"), keys.replica("r5")):
-            await until_async(functools.partial(_ttl_set, client, name), f"TTL on {name}")
+            await until(functools.partial(_ttl_set, client, name), f"TTL on {name}")
     finally:
         await client.aclose()
 

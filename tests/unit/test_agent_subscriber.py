@@ -20,6 +20,7 @@ from gateway.asyncio_tasks import cancel_and_wait
 from replica_agent.inventory import AgentInventory
 from replica_agent.subscriber import EventSubscriber
 from router_policies.block_keys import block_keys
+from tests.polling import until
 
 BS = 2
 
@@ -127,11 +128,7 @@ def key(*tokens: int) -> int:
 
 
 async def wait_for(cond: Callable[[], bool]) -> None:
-    for _ in range(500):  # a deadline against hanging, not a timing assertion
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
+    await until(cond, timeout_s=5.0, interval_s=0.01)  # a deadline against hanging
 
 
 class Rig:
