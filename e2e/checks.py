@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from e2e import vllm_replica, workload
+from e2e import workload
 from e2e.event_tap import Frame, decode_payload
 from e2e.harness import SETTLE_QUIET_S, Harness, equal, exact
 
@@ -91,15 +91,14 @@ def check_restart(h: Harness, seed: int) -> tuple[float | None, int]:
     try:
         time.sleep(1.0)
         t_stop = time.monotonic()
-        assert victim.child is not None and victim.tap is not None
-        h.procs.stop(victim.child)
+        assert victim.proc is not None and victim.tap is not None
+        h.procs.stop(victim.proc)
         # The stopped engine's cache is gone: our reconstruction starts empty and takes only the
         # new engine's frames (whose seq restarts at 0). The gateway must find this out itself.
         victim.tap.wait_quiet(SETTLE_QUIET_S)
         victim.restart_view()
         h.start_engine(victim)
-        assert victim.child is not None
-        vllm_replica.wait_ready(victim.child, victim.spec, interval_s=0.05)
+        h.wait_engine(victim)
         t_healthy = time.monotonic()
         recovered_at: float | None = None
         polls: list[dict[str, Any]] = []

@@ -5,6 +5,7 @@ gateway's index with the rebuilt sets). Split out of ``e2e/run.py``; see docs/e2
 
 from __future__ import annotations
 
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,8 +14,8 @@ from typing import Any
 from e2e import http_client, vllm_replica, workload
 from e2e.event_tap import EventTap, HeldBlocks, wait_quiet
 from e2e.kvgate_procs import Gateway
-from e2e.procs import Child, ProcessSet
 from e2e.vllm_replica import BLOCK_SIZE, ReplicaSpec
+from kvgate_tools.procs import ProcessGroup
 
 MODEL = "tiny-llama"
 KV_CACHE_BYTES = 3 * 1024 * 1024  # 96 blocks of 32 tokens of the tiny Llama (32 KiB per block)
@@ -26,7 +27,7 @@ INDEX_SYNC_DEADLINE_S = 5.0
 class Replica:
     rid: str
     spec: ReplicaSpec
-    child: Child | None = None
+    proc: subprocess.Popen[bytes] | None = None  # the running engine
     tap: EventTap | None = None
     model: str = MODEL
     hybrid: bool = False  # several KV-cache groups: ``held`` reports what vLLM can reuse
@@ -50,9 +51,14 @@ class Replica:
         return self.held
 
 
+def engine_name(r: Replica) -> str:
+    """The engine's name in the process group (its log file)."""
+    return f"{r.rid}-vllm"
+
+
 @dataclass
 class Harness:
-    procs: ProcessSet
+    procs: ProcessGroup
     vllm_python: Path
     model_dir: Path
     replicas: list[Replica]
@@ -63,17 +69,18 @@ class Harness:
     # ---- engines ------------------------------------------------------------------------
 
     def start_engine(self, r: Replica) -> None:
-        env = vllm_replica.env(r.spec)
-        env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache between comparison runs
-        r.child = self.procs.start(
-            f"{r.rid}-vllm",
-            vllm_replica.launch_argv(self.vllm_python, self.model_dir, self.model, r.spec),
-            env,
+        r.proc = vllm_replica.spawn(
+            self.procs, engine_name(r), self.vllm_python, self.model_dir, self.model, r.spec
         )
         if r.tap is None:
             # Our own subscriber, opened before the engine binds: it sees every frame from seq 0,
             # and reconnects by itself across an engine restart on the same port.
             r.tap = EventTap(r.spec.events_endpoint)
+
+    def wait_engine(self, r: Replica) -> float:
+        """Seconds until the replica's engine answers ``/health``."""
+        assert r.proc is not None, "start_engine first"
+        return vllm_replica.wait_ready(self.procs, engine_name(r), r.proc, r.spec)
 
     def reset_engine_caches(self) -> None:
         for r in self.replicas:

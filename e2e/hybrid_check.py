@@ -32,8 +32,8 @@ from typing import Any
 from e2e import http_client, vllm_replica, workload
 from e2e.harness import KV_CACHE_BYTES, Harness, Replica, equal, exact
 from e2e.kvgate_procs import Gateway, start_agent
-from e2e.procs import ProcessSet
 from e2e.vllm_replica import BLOCK_SIZE
+from kvgate_tools.procs import ProcessGroup
 from router_policies.block_keys import block_keys
 
 HYBRID_MODEL = "tiny-gemma3"
@@ -77,7 +77,7 @@ def _fraction(rows: list[dict[str, Any]], field: str) -> tuple[int, int]:
 def run(vllm_python: Path, model_dir: Path, logs: Path, seed: int) -> dict[str, Any]:
     """Run the hybrid phase; returns its summary (the ``models`` entry and the details)."""
     ensure_model(vllm_python, model_dir)
-    procs = ProcessSet(logs / "hybrid")
+    procs = ProcessGroup(logs / "hybrid")
     ports = random.Random(os.getpid() + 1)  # port choice only, as in run.py
     spec = vllm_replica.new_spec("g0", core=0, kv_cache_bytes=KV_CACHE_BYTES, rng=ports)
     replica = Replica("g0", spec, model=HYBRID_MODEL, hybrid=True)
@@ -86,8 +86,7 @@ def run(vllm_python: Path, model_dir: Path, logs: Path, seed: int) -> dict[str, 
     rows: list[dict[str, Any]] = []
     try:
         h.start_engine(replica)
-        assert replica.child is not None
-        ready = vllm_replica.wait_ready(replica.child, spec)
+        ready = h.wait_engine(replica)
         print(f"e2e: hybrid {HYBRID_MODEL} vLLM ready ({ready:.0f} s)", file=sys.stderr)
         gateway.start("kv_aware")
         start_agent(procs, "g0", spec, HYBRID_MODEL, gateway)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import random
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -15,11 +16,12 @@ from typing import Any
 import yaml
 
 from e2e import http_client
-from e2e.procs import Child, ProcessSet, free_port, wait_http_ok
-from e2e.vllm_replica import BLOCK_SIZE, ReplicaSpec
+from e2e.vllm_replica import BLOCK_SIZE, ReplicaSpec, seconds_until_ready
+from kvgate_tools.procs import ProcessGroup, Ready, low_free_port
 
 ADMIN_TOKEN = "e2e-admin-token"
 AGENT_TOKEN = "e2e-agent-token"
+ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 TOKEN_ENV = {"KVGATE_ADMIN_TOKEN": ADMIN_TOKEN, "KVGATE_AGENT_TOKEN": AGENT_TOKEN, "PYTHONUNBUFFERED": "1"}
 
 
@@ -31,7 +33,7 @@ def kvgate_argv(*args: str) -> list[str]:
 class Gateway:
     """One gateway process; ``start`` writes its YAML config and waits for ``/ready``."""
 
-    procs: ProcessSet
+    procs: ProcessGroup
     workdir: Path
     model: str
     tokenizer: Path
@@ -39,26 +41,19 @@ class Gateway:
     rng: random.Random
     http_port: int = 0
     inventory_port: int = 0
-    child: Child | None = None
+    url: str = field(init=False)  # http://127.0.0.1:<http_port>
+    inventory: str = field(init=False)  # 127.0.0.1:<inventory_port>, where agents connect
+    proc: subprocess.Popen[bytes] | None = None
+    name: str = ""  # the running process's log name
     starts: int = 0
     model_extra: dict[str, Any] = field(default_factory=dict)  # more of models[0] (lora_adapters)
 
     def __post_init__(self) -> None:
         # Fixed for the gateway's lifetime across restarts, so agents reconnect to the same port.
-        self.http_port = free_port(self.rng)
-        self.inventory_port = free_port(self.rng)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    @property
-    def inventory(self) -> str:
-        return f"127.0.0.1:{self.inventory_port}"
-
-    @property
-    def admin_headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        self.http_port = low_free_port(self.rng)
+        self.inventory_port = low_free_port(self.rng)
+        self.url = f"http://127.0.0.1:{self.http_port}"
+        self.inventory = f"127.0.0.1:{self.inventory_port}"
 
     def config(self, policy: str) -> dict[str, Any]:
         return {
@@ -81,23 +76,26 @@ class Gateway:
         path = self.workdir / f"gateway-{policy}.yaml"
         path.write_text(yaml.safe_dump(self.config(policy), sort_keys=False))
         self.starts += 1
-        self.child = self.procs.start(
-            f"gateway-{self.starts}-{policy}", kvgate_argv("serve", "--config", str(path)), TOKEN_ENV
+        self.name = f"gateway-{self.starts}-{policy}"
+        self.proc = self.procs.spawn(
+            self.name, kvgate_argv("serve", "--config", str(path)), extra_env=TOKEN_ENV
         )
-        return wait_http_ok(self.url + "/ready", self.child, 60.0)
+        return seconds_until_ready(
+            self.procs, self.name, self.proc, Ready(url=self.url + "/ready", timeout_s=60.0)
+        )
 
     def stop(self) -> None:
-        if self.child is not None:
-            self.procs.stop(self.child)
-            self.child = None
+        if self.proc is not None:
+            self.procs.stop(self.proc)
+            self.proc = None
 
     def replicas_state(self) -> dict[str, dict[str, Any]]:
-        doc = http_client.get(self.url + "/admin/replicas", self.admin_headers).json()
+        doc = http_client.get(self.url + "/admin/replicas", ADMIN_HEADERS).json()
         return {r["id"]: r for r in doc["replicas"]}
 
     def index_keys(self, rid: str) -> set[int] | None:
         """The replica's precise keys in the gateway's index (None if it does not know the id)."""
-        resp = http_client.get(f"{self.url}/admin/index?replica={rid}", self.admin_headers)
+        resp = http_client.get(f"{self.url}/admin/index?replica={rid}", ADMIN_HEADERS)
         if resp.status == 404:
             return None
         if resp.status != 200:
@@ -115,14 +113,14 @@ class Gateway:
                 return time.monotonic() - t0
             if time.monotonic() - t0 > deadline_s:
                 raise RuntimeError(f"agents {list(ids)} not connected after {deadline_s:.0f} s: {state}")
-            if self.child is not None and not self.child.alive():
-                raise RuntimeError(f"gateway exited:\n{self.child.tail()}")
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited:\n{self.procs.tail(self.name)}")
             time.sleep(0.1)
 
 
 def start_agent(
-    procs: ProcessSet, rid: str, spec: ReplicaSpec, model: str, gateway: Gateway, *extra: str
-) -> Child:
+    procs: ProcessGroup, rid: str, spec: ReplicaSpec, model: str, gateway: Gateway, *extra: str
+) -> subprocess.Popen[bytes]:
     argv = kvgate_argv(
         "agent",
         "--replica-id",
@@ -143,4 +141,4 @@ def start_agent(
         "0.5",
         *extra,
     )
-    return procs.start(f"agent-{rid}", argv, TOKEN_ENV)
+    return procs.spawn(f"agent-{rid}", argv, extra_env=TOKEN_ENV)

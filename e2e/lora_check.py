@@ -36,7 +36,7 @@ from typing import Any
 from e2e import http_client, vllm_replica, workload
 from e2e.harness import KV_CACHE_BYTES, MODEL, int_or_none
 from e2e.kvgate_procs import Gateway, start_agent
-from e2e.procs import ProcessSet
+from kvgate_tools.procs import ProcessGroup
 
 ADAPTER = "sql"
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,7 +110,7 @@ def retried_404(gateway: Gateway) -> float:
 def run(vllm_python: Path, model_dir: Path, logs: Path, seed: int) -> dict[str, Any]:
     adapter_dir = model_dir.parent / (model_dir.name + "-lora")
     ensure_adapter(vllm_python, model_dir, adapter_dir)
-    procs = ProcessSet(logs / "lora")
+    procs = ProcessGroup(logs / "lora")
     ports = random.Random(os.getpid() + 2)  # port choice only, as in run.py
     specs = [vllm_replica.new_spec(f"l{i}", core=i, kv_cache_bytes=KV_CACHE_BYTES, rng=ports) for i in (0, 1)]
     gateway = Gateway(
@@ -131,9 +131,9 @@ def run(vllm_python: Path, model_dir: Path, logs: Path, seed: int) -> dict[str, 
             if s.name == "l0":
                 argv += ["--lora-modules", f"{ADAPTER}={adapter_dir}"]
             env = vllm_replica.env(s) | {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
-            children.append(procs.start(f"{s.name}-vllm", argv, env))
+            children.append(procs.spawn(f"{s.name}-vllm", argv, extra_env=env))
         for s, child in zip(specs, children, strict=True):
-            ready = vllm_replica.wait_ready(child, s)
+            ready = vllm_replica.wait_ready(procs, f"{s.name}-vllm", child, s)
             print(f"e2e: lora {s.name} vLLM ready ({ready:.0f} s)", file=sys.stderr)
         gateway.start("kv_aware")
         agents = [
@@ -156,7 +156,7 @@ def run(vllm_python: Path, model_dir: Path, logs: Path, seed: int) -> dict[str, 
         # being left, takes the fallback ('any'): l0, which has it.
         before = retried_404(gateway)
         for a in agents:
-            os.kill(a.proc.pid, signal.SIGSTOP)
+            os.kill(a.pid, signal.SIGSTOP)
         try:
             engine_adapter(specs[0].url, True, adapter_dir)
             engine_adapter(specs[1].url, False, adapter_dir)
@@ -167,7 +167,7 @@ def run(vllm_python: Path, model_dir: Path, logs: Path, seed: int) -> dict[str, 
             retried = retried_404(gateway) - before
         finally:
             for a in agents:
-                os.kill(a.proc.pid, signal.SIGCONT)
+                os.kill(a.pid, signal.SIGCONT)
         follow["after_pause"] = wait_view(gateway, {"l0": True, "l1": False})
     finally:
         procs.stop_all()

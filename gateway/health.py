@@ -8,12 +8,12 @@ and waits for it. A round checks every replica concurrently, each bounded by ``h
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 
 import aiohttp
 
+from gateway.asyncio_tasks import cancel_and_wait
 from gateway.config import HealthConfig
 from gateway.fleet import Fleet
 
@@ -67,8 +67,5 @@ class HealthChecker:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="kvgate-health")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await cancel_and_wait(task)

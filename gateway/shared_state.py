@@ -36,12 +36,14 @@ import contextlib
 import logging
 import random
 import time
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from gateway.asyncio_tasks import cancel_and_wait
 from gateway.shared_state_codec import CodecError
 from gateway.shared_state_context import (
     REPLICA_KEYS_TTL_S,
@@ -61,21 +63,20 @@ log = logging.getLogger("kvgate.shared_state")
 BACKOFF_BASE_S = 0.1
 
 
+@dataclass(eq=False, repr=False)  # identity equality and repr, as a service object
 class SharedState:
     """Keeps a Redis session up for the publisher, the follower and the load exchange."""
 
-    def __init__(
-        self, ctx: SharedContext, publisher: Publisher, follower: Follower, load: LoadExchange
-    ) -> None:
-        self._ctx = ctx
-        self.publisher = publisher
-        self.follower = follower
-        self.load = load
-        self.metrics = ctx.metrics
-        self.instance_id = ctx.instance_id
-        self._rng = random.Random(ctx.config.seed)
-        self._task: asyncio.Task[None] | None = None
-        self.metrics.up.set(0)
+    ctx: SharedContext
+    publisher: Publisher
+    follower: Follower
+    load: LoadExchange
+    _rng: random.Random = field(init=False)  # reconnect jitter, seeded by the config
+    _task: asyncio.Task[None] | None = field(default=None, init=False)  # the supervisor
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.ctx.config.seed)
+        self.ctx.metrics.up.set(0)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -86,28 +87,26 @@ class SharedState:
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:
-            self._ctx.stopping.set()
+            self.ctx.stopping.set()
             self.publisher.wake()
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         self._set_down(None)
 
     @property
     def up(self) -> bool:
-        return self._ctx.up
+        return self.ctx.up
 
     def status(self) -> dict[str, object]:
         return {
-            "instance": self.instance_id,
-            "up": self._ctx.up,
+            "instance": self.ctx.instance_id,
+            "up": self.ctx.up,
             "queue": self.publisher.queued,
             "following": self.follower.following(),
         }
 
     # ------------------------------------------------------------------ supervision
     async def _supervise(self) -> None:
-        ctx, attempt = self._ctx, 0
+        ctx, attempt = self.ctx, 0
         while not ctx.stopping.is_set():
             started = time.monotonic()
             try:
@@ -125,8 +124,8 @@ class SharedState:
             await ctx.pause(delay * (0.5 + 0.5 * self._rng.random()))
 
     def _client(self) -> Redis:
-        block_s = self._ctx.block_ms() / 1000
-        url = self._ctx.config.redis_url
+        block_s = self.ctx.block_ms() / 1000
+        url = self.ctx.config.redis_url
         assert url is not None  # SharedContext.create refuses a config without one
         return aioredis.Redis.from_url(
             url,
@@ -134,7 +133,7 @@ class SharedState:
             socket_timeout=max(5.0, 4 * block_s),
             # a failure must surface here (down, backoff, resync), not be retried silently
             retry=Retry(NoBackoff(), 0),
-            client_name=f"kvgate-{self.instance_id}",
+            client_name=f"kvgate-{self.ctx.instance_id}",
         )
 
     async def _session(self) -> None:
@@ -148,7 +147,7 @@ class SharedState:
                 tg.create_task(self.follower.run(rd), name="kvgate-shared-follow")
                 tg.create_task(self.load.run(pub), name="kvgate-shared-load")
         finally:
-            if self._ctx.up:
+            if self.ctx.up:
                 await self.load.withdraw(pub)
             for client in (pub, rd):
                 with contextlib.suppress(RedisError, OSError):
@@ -161,21 +160,21 @@ class SharedState:
         self._set_down(cause)
 
     def _set_up(self) -> None:
-        self._ctx.up = True
-        self.metrics.up.set(1)
-        log.info("shared state: connected to Redis as instance %s", self.instance_id)
+        self.ctx.up = True
+        self.ctx.metrics.up.set(1)
+        log.info("shared state: connected to Redis as instance %s", self.ctx.instance_id)
         self.publisher.connected()
         self.follower.reset()  # followers start over from each replica's snapshot
 
     def _set_down(self, cause: BaseException | None) -> None:
-        was_up = self._ctx.up
-        self._ctx.up = False
-        self.metrics.up.set(0)
+        was_up = self.ctx.up
+        self.ctx.up = False
+        self.ctx.metrics.up.set(0)
         self.publisher.disconnected()
         self.load.forget()
         self.follower.disconnected()
         if cause is not None:
-            self.metrics.errors.labels("connection").inc()
+            self.ctx.metrics.errors.labels("connection").inc()
             if was_up:
                 log.warning(
                     "shared state: Redis unreachable (%s); routing on local state until it is back",

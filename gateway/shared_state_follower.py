@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 from gateway.fleet import Fleet
@@ -65,13 +65,13 @@ class FleetRemoteReplicas:
     ``Fleet.register_remote(hello: AgentHello) -> str | None`` exists, the app passes the fleet."""
 
     def __init__(self, fleet: Fleet) -> None:
-        self._fleet = fleet
+        self.fleet = fleet
 
     def register_remote(self, hello: AgentHello) -> str | None:
-        return self._fleet.agent_hello(hello)
+        return self.fleet.agent_hello(hello)
 
     def set_shared_inventory(self, replica_id: str, shared: bool) -> None:
-        self._fleet.set_shared_inventory(replica_id, shared)
+        self.fleet.set_shared_inventory(replica_id, shared)
 
 
 @dataclass(slots=True)
@@ -88,17 +88,17 @@ def _id_text(pos: tuple[int, int]) -> str:
     return f"{pos[0]}-{pos[1]}"
 
 
+@dataclass(eq=False, repr=False)  # identity equality and repr, as a service object
 class Follower:
-    def __init__(
-        self, ctx: SharedContext, index: PrefixIndex, fleet: RemoteReplicas, inventory: AgentStreams
-    ) -> None:
-        self._ctx = ctx
-        self._index = index
-        self._fleet = fleet
-        self._inventory = inventory
-        self._follow: dict[str, _Follow] = {}
-        self._refused: set[str] = set()
-        self._applied_delta = ctx.metrics.applied.labels("delta")  # per entry: skip the lookup
+    ctx: SharedContext
+    index: PrefixIndex
+    fleet: RemoteReplicas
+    inventory: AgentStreams
+    _follow: dict[str, _Follow] = field(default_factory=dict, init=False)
+    _refused: set[str] = field(default_factory=set, init=False)
+
+    def __post_init__(self) -> None:
+        self._applied_delta = self.ctx.metrics.applied.labels("delta")  # per entry: skip the lookup
 
     def following(self) -> list[str]:
         return sorted(r for r, f in self._follow.items() if f.synced)
@@ -106,8 +106,8 @@ class Follower:
     def stop_following(self, replica: str) -> None:
         """An agent for ``replica`` connected here: the inventory server writes it from now on."""
         if self._follow.pop(replica, None) is not None:
-            self._fleet.set_shared_inventory(replica, False)
-            self._ctx.metrics.remote_replicas.set(len(self._follow))
+            self.fleet.set_shared_inventory(replica, False)
+            self.ctx.metrics.remote_replicas.set(len(self._follow))
 
     def reset(self) -> None:
         """Forget every followed replica (a new session reloads each from its snapshot)."""
@@ -116,11 +116,11 @@ class Follower:
 
     def disconnected(self) -> None:
         for replica in self._follow:
-            self._fleet.set_shared_inventory(replica, False)
+            self.fleet.set_shared_inventory(replica, False)
 
     # ------------------------------------------------------------------ the loop
     async def run(self, client: Redis) -> None:
-        ctx, keys = self._ctx, self._ctx.keys
+        ctx, keys = self.ctx, self.ctx.keys
         while not ctx.stopping.is_set():
             await self._discover(client)
             streams: dict[Any, Any] = {keys.stream(r): _id_text(f.pos) for r, f in self._follow.items()}
@@ -136,26 +136,26 @@ class Follower:
                 await self._apply_entries(client, name[prefix:], entries)
 
     async def _discover(self, client: Redis) -> None:
-        members = await client.smembers(self._ctx.keys.replicas)
-        owned = set(self._inventory.connected_replicas())
+        members = await client.smembers(self.ctx.keys.replicas)
+        owned = set(self.inventory.connected_replicas())
         for raw in sorted(members):
             replica = raw.decode() if isinstance(raw, bytes) else str(raw)
             if replica in owned or replica in self._follow or replica in self._refused:
                 continue
-            if len(self._follow) + len(owned) >= self._index.config.max_replicas:
+            if len(self._follow) + len(owned) >= self.index.config.max_replicas:
                 break
             if not await self._register(client, replica):
                 continue
-            if replica in self._inventory.connected_replicas():
+            if replica in self.inventory.connected_replicas():
                 continue  # its agent connected here meanwhile
             follow = _Follow()
             self._follow[replica] = follow
             await self._reload(client, replica, follow, "bootstrap")
-        self._ctx.metrics.remote_replicas.set(len(self._follow))
+        self.ctx.metrics.remote_replicas.set(len(self._follow))
 
     async def _register(self, client: Redis, replica: str) -> bool:
         """Make the replica routable here from its shared registration (a no-op for one we know)."""
-        keys, metrics = self._ctx.keys, self._ctx.metrics
+        keys, metrics = self.ctx.keys, self.ctx.metrics
         raw = cast("bytes | None", await client.hget(keys.replica(replica), "hello"))
         if raw is None:
             # its keys expired (no agent anywhere for REPLICA_KEYS_TTL_S): forget the id; an owner
@@ -168,7 +168,7 @@ class Follower:
             metrics.errors.labels("decode").inc()
             log.warning("shared state: registration of %r does not decode: %s", replica, exc)
             return False
-        refusal = self._fleet.register_remote(hello)
+        refusal = self.fleet.register_remote(hello)
         if refusal is not None:
             self._refused.add(replica)
             metrics.errors.labels("refused_replica").inc()
@@ -179,8 +179,8 @@ class Follower:
     async def _reload(self, client: Redis, replica: str, follow: _Follow, reason: str) -> None:
         """Replace the replica's precise entries by its latest snapshot when that is newer than
         what was applied; otherwise wait for the next snapshot marker (deltas are ignored)."""
-        metrics = self._ctx.metrics
-        raw = cast("dict[bytes, bytes]", await client.hgetall(self._ctx.keys.snapshot(replica)))
+        metrics = self.ctx.metrics
+        raw = cast("dict[bytes, bytes]", await client.hgetall(self.ctx.keys.snapshot(replica)))
         if self._follow.get(replica) is not follow:
             return  # owned here now, or the session restarted, while we awaited
         if not raw or b"id" not in raw:
@@ -194,8 +194,8 @@ class Follower:
             if pos <= follow.pos:
                 follow.synced = False
                 return
-            entries = decode_snapshot(raw[b"p"], self._index.config.max_blocks_per_replica)
-            self._index.replace_replica(replica, entries)
+            entries = decode_snapshot(raw[b"p"], self.index.config.max_blocks_per_replica)
+            self.index.replace_replica(replica, entries)
         except (IndexBoundError, SnapshotBoundError) as exc:
             self._refuse(follow, "index_bound", f"snapshot of {replica!r} refused by the index: {exc}")
             return
@@ -203,17 +203,17 @@ class Follower:
             self._refuse(follow, "decode", f"snapshot of {replica!r} does not decode: {exc}")
             return
         follow.pos, follow.origin, follow.n, follow.synced = pos, raw.get(b"o", b""), n, True
-        self._fleet.set_shared_inventory(replica, True)
+        self.fleet.set_shared_inventory(replica, True)
         metrics.applied.labels("snapshot").inc()
         metrics.resyncs.labels(reason).inc()
         ts = raw.get(b"ts")
         if ts:
             with contextlib.suppress(ValueError):
-                metrics.lag.set(max(0.0, self._ctx.clock() - float(ts)))
+                metrics.lag.set(max(0.0, self.ctx.clock() - float(ts)))
 
     def _refuse(self, follow: _Follow, kind: str, message: str) -> None:
         """Count and log a remote entry that cannot apply; deltas wait for the next snapshot."""
-        self._ctx.metrics.errors.labels(kind).inc()
+        self.ctx.metrics.errors.labels(kind).inc()
         log.warning("shared state: %s", message)
         follow.synced = False
 
@@ -230,7 +230,7 @@ class Follower:
             try:
                 head = decode_header(fields.get(b"h", b""))
             except CodecError as exc:
-                self._ctx.metrics.errors.labels("decode").inc()
+                self.ctx.metrics.errors.labels("decode").inc()
                 log.warning("shared state: entry %s of %r: %s", raw_id, replica, exc)
                 head = Header(b"d", -1, 0.0, b"")  # treated as a gap
             if head.kind == b"S":
@@ -257,12 +257,12 @@ class Follower:
             # no await since the ownership check above: stop_following drops a replica from
             # self._follow synchronously when its agent connects here
             self._apply_delta(replica, follow, fields.get(b"p", b""))
-            self._ctx.metrics.lag.set(max(0.0, self._ctx.clock() - head.ts))
+            self.ctx.metrics.lag.set(max(0.0, self.ctx.clock() - head.ts))
 
     def _apply_delta(self, replica: str, follow: _Follow, payload: bytes) -> None:
         try:
             ops = list(decode_ops(payload))  # whole or nothing: decoded before any is applied
-            apply_ops(ops, IndexReplica(self._index, replica))
+            apply_ops(ops, IndexReplica(self.index, replica))
         except CodecError as exc:
             self._refuse(follow, "decode", f"delta of {replica!r} does not decode: {exc}")
             return

@@ -28,6 +28,7 @@ import aiohttp
 from kvgate_tools.demo_workload import AgentWorkloadSpec, Session, agent_sessions
 from kvgate_tools.local_fleet import FleetOptions, LocalFleet
 from router_policies.errors import UserInputError
+from router_policies.flags import options_from_flags
 
 POLICIES = ("round_robin", "least_loaded", "consistent_hash", "kv_aware")
 
@@ -234,15 +235,8 @@ def run(args: argparse.Namespace) -> int:
     for flag in ("replicas", "sessions", "cache_blocks", "block_size"):
         if getattr(args, flag) <= 0:
             raise UserInputError(f"--{flag.replace('_', '-')}: must be positive")
-    opts = FleetOptions(
-        replicas=args.replicas,
-        cache_blocks=args.cache_blocks,
-        block_size=args.block_size,
-        profile=args.profile,
-        time_scale=args.time_scale,
-        seed=args.seed,
-        log_dir=args.log_dir,
-    )
+    fleet_flags = ("replicas", "cache_blocks", "block_size", "profile", "time_scale", "seed", "log_dir")
+    opts = options_from_flags(FleetOptions, args, fleet_flags)
     sessions = agent_sessions(opts.model, AgentWorkloadSpec(sessions=args.sessions, seed=args.seed))
     n_req = sum(len(s.turns) for s in sessions)
     print(

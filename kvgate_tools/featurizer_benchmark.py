@@ -30,20 +30,9 @@ TINY = ROOT / "assets/tokenizers/kvgate-tiny"
 
 
 def _train(vocab: int, out: Path) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from kvgate_tools.bpe_tokenizer import train_byte_level_bpe
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train([str(p) for p in sorted((ROOT / "assets/corpus").glob("*.txt"))], trainer)
-    out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "tokenizer.json"))
+    train_byte_level_bpe(vocab, sorted((ROOT / "assets/corpus").glob("*.txt")), out)
     shutil.copy(TINY / "tokenizer_config.json", out / "tokenizer_config.json")
     return out
 

@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,7 +70,7 @@ def low_free_port(rng: random.Random | None = None) -> int:
     raise RuntimeError(f"no free port in [{low}, {high})")
 
 
-def stop_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, grace_s: float = 10.0) -> None:
+def stop_group(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, grace_s: float = 10.0) -> None:
     """Send ``sig`` to ``proc``'s process group, SIGKILL the group after ``grace_s``; reap the leader."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):

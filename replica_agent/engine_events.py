@@ -35,6 +35,7 @@ see the image either.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import NoneType
 from typing import Any
 
@@ -47,45 +48,21 @@ class MalformedEvent(ValueError):
     """A payload or event that does not decode; the caller counts and skips it."""
 
 
+# eq=False: events are compared by identity, as before; repr=False: the short repr below
+@dataclass(slots=True, eq=False, repr=False)
 class BlockStored:
-    __slots__ = (
-        "block_hashes",
-        "block_size",
-        "cache_salt",
-        "group",
-        "lora_name",
-        "medium",
-        "parent",
-        "spec_kind",
-        "token_ids",
-        "window",
-    )
-
-    def __init__(
-        self,
-        block_hashes: list[EngineHash],
-        parent: EngineHash | None,
-        token_ids: list[int],
-        block_size: int,
-        medium: str,
-        lora_name: str | None,
-        cache_salt: str | None,
-        group: int | None = None,
-        spec_kind: str | None = None,
-        window: int | None = None,
-    ) -> None:
-        self.block_hashes = block_hashes
-        self.parent = parent
-        self.token_ids = token_ids
-        self.block_size = block_size
-        self.medium = medium
-        self.lora_name = lora_name
-        self.cache_salt = cache_salt
-        # vLLM's KV-cache group (hybrid models: one per attention type), its spec kind
-        # ("full_attention", "sliding_window", "mamba", ...) and sliding window in tokens
-        self.group = group
-        self.spec_kind = spec_kind
-        self.window = window
+    block_hashes: list[EngineHash]
+    parent: EngineHash | None
+    token_ids: list[int]
+    block_size: int
+    medium: str
+    lora_name: str | None
+    cache_salt: str | None
+    # vLLM's KV-cache group (hybrid models: one per attention type), its spec kind
+    # ("full_attention", "sliding_window", "mamba", ...) and sliding window in tokens
+    group: int | None = None
+    spec_kind: str | None = None
+    window: int | None = None
 
     def __repr__(self) -> str:
         return (
@@ -95,13 +72,11 @@ class BlockStored:
         )
 
 
+@dataclass(slots=True, eq=False, repr=False)
 class BlockRemoved:
-    __slots__ = ("block_hashes", "group", "medium")
-
-    def __init__(self, block_hashes: list[EngineHash], medium: str | None, group: int | None = None) -> None:
-        self.block_hashes = block_hashes
-        self.medium = medium
-        self.group = group
+    block_hashes: list[EngineHash]
+    medium: str | None
+    group: int | None = None
 
     def __repr__(self) -> str:
         return f"BlockRemoved({self.block_hashes!r}, medium={self.medium!r})"
@@ -116,7 +91,9 @@ class AllBlocksCleared:
 
 EngineEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
-_STORED_FIELDS = (
+# The fields of vLLM's BlockStored, in the order of its array form (msgspec ``array_like``): what
+# every version sends (SGLang the first ones), then what newer vLLM versions add.
+BASE_STORED_FIELDS = (
     "block_hashes",
     "parent_block_hash",
     "token_ids",
@@ -124,8 +101,8 @@ _STORED_FIELDS = (
     "lora_id",
     "medium",
     "lora_name",
-    "extra_keys",
 )
+_STORED_FIELDS = (*BASE_STORED_FIELDS, "extra_keys")
 _REMOVED_FIELDS = ("block_hashes", "medium")
 
 
@@ -241,13 +218,11 @@ def decode_event(raw: Any) -> EngineEvent:
     raise MalformedEvent(f"unknown event type {kind!r}")
 
 
+@dataclass(slots=True, eq=False)
 class EventBatch:
-    __slots__ = ("events", "malformed", "ts")
-
-    def __init__(self, ts: float, events: list[EngineEvent], malformed: int) -> None:
-        self.ts = ts
-        self.events = events
-        self.malformed = malformed  # events of the batch that did not decode (skipped)
+    ts: float
+    events: list[EngineEvent]
+    malformed: int  # events of the batch that did not decode (skipped)
 
 
 def decode_payload(payload: bytes) -> EventBatch:

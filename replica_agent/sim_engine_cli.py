@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from router_policies.errors import UserInputError
+from router_policies.flags import options_from_flags
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -91,27 +92,12 @@ def run(args: argparse.Namespace) -> int:
     from replica_agent.sim_engine.options import EngineOptions
     from replica_agent.sim_engine.server import serve
 
-    opts = EngineOptions(
-        host=args.host,
-        port=args.port,
-        events_port=args.events_port,
-        replay_port=args.replay_port,
-        model=args.model,
-        tokenizer=args.tokenizer,
-        block_size=args.block_size,
-        cache_blocks=args.cache_blocks,
-        profile=args.profile,
-        time_scale=args.time_scale,
-        seed=args.seed,
+    # every option is the flag of its name
+    opts = options_from_flags(
+        EngineOptions,
+        args,
         hash_format=HashFormat(args.hash_format),
         event_encoding=EventEncoding(args.event_encoding),
-        topic=args.topic,
-        replay_buffer=args.replay_buffer,
-        max_pending=args.max_pending,
-        max_model_len=args.max_model_len,
-        default_max_tokens=args.default_max_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
     )
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:

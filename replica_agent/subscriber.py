@@ -38,7 +38,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import zmq
@@ -73,39 +73,30 @@ def parse_seq(raw: bytes) -> int:
     return int.from_bytes(raw, "big", signed=True)
 
 
+@dataclass(eq=False, repr=False)  # identity equality and repr, as a service object
 class EventSubscriber:
     """Feeds the engine's events to ``inventory`` in order; ``on_applied(ts)`` after each batch."""
 
-    def __init__(
-        self,
-        ctx: zmq.asyncio.Context,
-        events_endpoint: str,
-        replay_endpoint: str | None,
-        inventory: AgentInventory,
-        *,
-        topic: bytes = b"",
-        replay_timeout_s: float = 1.0,
-        max_replay_batches: int = 100_000,
-        on_applied: Callable[[float], None] | None = None,
-    ) -> None:
-        self._ctx = ctx
-        self.events_endpoint = events_endpoint
-        self.replay_endpoint = replay_endpoint
-        self.inventory = inventory
-        self.topic = topic
-        self.replay_timeout_s = replay_timeout_s
-        self.max_replay_batches = max_replay_batches
-        self.stats = SubscriberStats()
-        self.expected: int | None = None  # next seq; None until the first batch
-        self.last_ts = float("-inf")  # engine timestamp of the newest batch applied
-        self._rejoin = False  # the engine went away: catch up from replay when it is back
-        self._on_applied = on_applied
-        # a new key block size to rebuild the inventory at (set by request_rekey, applied by run)
-        self._rekey: int | None = None
+    ctx: zmq.asyncio.Context
+    events_endpoint: str
+    replay_endpoint: str | None
+    inventory: AgentInventory
+    _: KW_ONLY
+    topic: bytes = b""
+    replay_timeout_s: float = 1.0
+    max_replay_batches: int = 100_000
+    on_applied: Callable[[float], None] | None = None
+    stats: SubscriberStats = field(default_factory=SubscriberStats, init=False)
+    expected: int | None = field(default=None, init=False)  # next seq; None until the first batch
+    last_ts: float = field(default=float("-inf"), init=False)  # engine time of the newest batch applied
+    # the engine went away: catch up from replay when it is back
+    _rejoin: bool = field(default=False, init=False)
+    # a new key block size to rebuild the inventory at (set by request_rekey, applied by run)
+    _rekey: int | None = field(default=None, init=False)
 
     async def run(self) -> None:
         """Subscribe and apply until cancelled."""
-        sub = self._ctx.socket(zmq.SUB)
+        sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 1_000_000)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
@@ -238,15 +229,19 @@ class EventSubscriber:
         self.expected = None
         self._rejoin = True
 
+    def _seq(self, frames: list[bytes], count: int) -> int | None:
+        """The seq of a message of ``count`` frames ending ``[seq, payload]``; None, counted as a
+        malformed frame, when the count or the seq frame is wrong."""
+        if len(frames) == count:
+            with contextlib.suppress(MalformedEvent):
+                return parse_seq(frames[-2])
+        self.stats.malformed_frames += 1
+        return None
+
     async def handle_frames(self, frames: list[bytes]) -> None:
         self.stats.frames += 1
-        if len(frames) != 3:
-            self.stats.malformed_frames += 1
-            return
-        try:
-            seq = parse_seq(frames[1])
-        except MalformedEvent:
-            self.stats.malformed_frames += 1
+        seq = self._seq(frames, 3)  # topic, seq, payload
+        if seq is None:
             return
         batch = self._decode(frames[2])
         if log.isEnabledFor(logging.DEBUG):
@@ -296,8 +291,8 @@ class EventSubscriber:
         self.expected = seq + 1
         if batch.ts > self.last_ts:
             self.last_ts = batch.ts
-        if self._on_applied is not None:
-            self._on_applied(batch.ts)
+        if self.on_applied is not None:
+            self.on_applied(batch.ts)
 
     async def _recover(self, start: int, upto: int, *, joined: bool = False) -> None:
         """Apply batches ``[start, upto)`` from replay, or clear and degrade."""
@@ -328,7 +323,7 @@ class EventSubscriber:
     async def replay(self, start: int) -> list[tuple[int, bytes]] | None:
         """The engine's buffered batches from ``start`` on; None when replay did not answer."""
         assert self.replay_endpoint is not None
-        dealer = self._ctx.socket(zmq.DEALER)
+        dealer = self.ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(self.replay_endpoint)
         out: list[tuple[int, bytes]] = []
@@ -351,13 +346,8 @@ class EventSubscriber:
                     frames = frames[1:]
                 if len(frames) == 3:  # topic, seq, payload
                     frames = frames[1:]
-                if len(frames) != 2:
-                    self.stats.malformed_frames += 1
-                    continue
-                try:
-                    seq = parse_seq(frames[0])
-                except MalformedEvent:
-                    self.stats.malformed_frames += 1
+                seq = self._seq(frames, 2)
+                if seq is None:
                     continue
                 if seq == -1:
                     return out

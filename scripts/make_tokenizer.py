@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script, also from .venv-vllm (which does not install kvgate)
+    sys.path.insert(0, str(ROOT))
+
+from kvgate_tools.bpe_tokenizer import train_byte_level_bpe  # noqa: E402
+
 CORPUS = [ROOT / "assets/corpus/stdlib_docstrings.txt", ROOT / "assets/corpus/multilingual.txt"]
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 CHAT_TEMPLATE = (
     "{%- if tools %}"
@@ -41,18 +44,7 @@ CHAT_TEMPLATE = (
 
 
 def build(vocab: int, out: Path) -> None:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab,
-        special_tokens=SPECIAL,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train([str(p) for p in CORPUS], trainer)
-    out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "tokenizer.json"))
+    train_byte_level_bpe(vocab, CORPUS, out)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None,

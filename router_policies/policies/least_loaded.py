@@ -5,33 +5,23 @@ tokens; remaining ties rotate so that an idle fleet still spreads (the rotation 
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
-
+from router_policies.policies.rotation import NoParams, Rotating
 from router_policies.policy import Decision, FleetSnapshot, RequestFeatures, load_of, require_healthy
 
 
-class LeastLoadedParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class LeastLoadedParams(NoParams):
+    """least_loaded takes no parameters."""
 
 
-class LeastLoaded:
+class LeastLoaded(Rotating):
     name = "least_loaded"
-
-    def __init__(self, _params: LeastLoadedParams, seed: int = 0) -> None:
-        self._cursor = seed
 
     def choose(self, _request: RequestFeatures, fleet: FleetSnapshot) -> Decision:
         healthy = require_healthy(fleet)
-        n = len(healthy)
-        start = self._cursor % n
-        rotated = healthy[start:] + healthy[:start]
-        best = min(rotated, key=lambda r: (load_of(r), r.in_flight_tokens))
+        best = min(self.rotated(healthy), key=lambda r: (load_of(r), r.in_flight_tokens))
         return Decision(
             replica=best.id,
             reason="least_loaded",
             matched_blocks=best.matched_blocks,
             scores={r.id: float(load_of(r)) for r in healthy},
         )
-
-    def commit(self, _decision: Decision) -> None:
-        self._cursor += 1

@@ -34,7 +34,7 @@ from typing import Any
 from router_policies.errors import UserInputError
 from router_policies.registry import validate_params
 from router_policies.sim.profiles import DEFAULT_PROFILE, PROFILES, get_profile
-from router_policies.sim.simulator import RunResult, oracle_hit_rate, prepare, run_matrix
+from router_policies.sim.simulator import RunResult, SimFleet, oracle_hit_rate, prepare, run_matrix
 from router_policies.sim.traces import Trace, load_trace
 from router_policies.sim.workloads import WORKLOADS, generate
 
@@ -268,15 +268,7 @@ def run(args: argparse.Namespace) -> int:
     prep = prepare(trace)
     oracle = oracle_hit_rate(prep, replicas * engine.num_blocks)
     progress = _Progress(len(loads) * len(policies))
-    results = run_matrix(
-        prep,
-        policies=policies,
-        loads=loads,
-        replicas=replicas,
-        engine=engine,
-        seed=seed,
-        progress=progress,
-    )
+    results = run_matrix(prep, SimFleet(replicas, engine, seed), policies, loads, progress)
     labels = {i: _label(*policies[i % len(policies)]) for i in range(len(results))}
     source = f"trace {trace.name}" if args.trace is not None else f"workload {args.workload} (seed {seed})"
     print(

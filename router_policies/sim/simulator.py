@@ -133,27 +133,36 @@ class RunResult:
 
 
 ProgressFn = Callable[[int, int], None]
+PolicySpec = tuple[str, Mapping[str, Any] | None]  # a registered policy's name and its parameters
+
+
+@dataclass(frozen=True, slots=True)
+class SimFleet:
+    """The simulated fleet every run of a matrix shares: ``replicas`` replica models of
+    ``engine``, the index's bounds, and the seed each run's policy is built with."""
+
+    replicas: int
+    engine: EngineConfig
+    seed: int = 0
+    index_config: IndexConfig | None = None
 
 
 def simulate(
     prep: PreparedTrace,
-    *,
-    policy: str,
-    policy_params: Mapping[str, Any] | None,
+    fleet: SimFleet,
+    policy_spec: PolicySpec,
     load: float,
     arrival_s: np.ndarray,
-    replicas: int,
-    engine: EngineConfig,
-    index_config: IndexConfig | None = None,
-    seed: int = 0,
     progress: ProgressFn | None = None,
 ) -> RunResult:
-    """One run of the trace (with arrival times ``arrival_s``) through ``policy``."""
+    """One run of the trace (with arrival times ``arrival_s``) through the policy ``policy_spec``."""
+    policy, policy_params = policy_spec
+    replicas = fleet.replicas
     names = [f"r{i}" for i in range(replicas)]
-    models = [ReplicaModel(engine) for _ in names]
-    index = PrefixIndex(index_config or IndexConfig())
+    models = [ReplicaModel(fleet.engine) for _ in names]
+    index = PrefixIndex(fleet.index_config or IndexConfig())
     gw = SimGateway(
-        names, build_policy(policy, policy_params, seed=seed), index, lambda ri: models[ri].load()
+        names, build_policy(policy, policy_params, seed=fleet.seed), index, lambda ri: models[ri].load()
     )
     bs = prep.block_size
     key_of = prep.key_of
@@ -337,30 +346,16 @@ def _bind(progress: Callable[[str, float, int, int], None], name: str, load: flo
 
 def run_matrix(
     prep: PreparedTrace,
-    *,
-    policies: Sequence[tuple[str, Mapping[str, Any] | None]],
+    fleet: SimFleet,
+    policies: Sequence[PolicySpec],
     loads: Sequence[float],
-    replicas: int,
-    engine: EngineConfig,
-    seed: int,
     progress: Callable[[str, float, int, int], None] | None = None,
 ) -> list[RunResult]:
+    """Every policy at every load (loads outer, policies inner), on the same fleet."""
     out = []
     for load in loads:
-        arr = scaled_arrivals(prep, load, replicas, engine)
-        for name, params in policies:
-            cb = None if progress is None else _bind(progress, name, load)
-            out.append(
-                simulate(
-                    prep,
-                    policy=name,
-                    policy_params=params,
-                    load=load,
-                    arrival_s=arr,
-                    replicas=replicas,
-                    engine=engine,
-                    seed=seed,
-                    progress=cb,
-                )
-            )
+        arr = scaled_arrivals(prep, load, fleet.replicas, fleet.engine)
+        for spec in policies:
+            cb = None if progress is None else _bind(progress, spec[0], load)
+            out.append(simulate(prep, fleet, spec, load, arr, cb))
     return out

@@ -35,7 +35,7 @@ from router_policies.errors import UserInputError
 from router_policies.sim.compare_cli import parse_policies
 from router_policies.sim.profiles import DEFAULT_PROFILE, PROFILES, get_profile
 from router_policies.sim.replica_model import EngineConfig, StepCosts
-from router_policies.sim.simulator import PreparedTrace, prepare, simulate
+from router_policies.sim.simulator import PreparedTrace, SimFleet, prepare, simulate
 from router_policies.sim.traces import load_trace
 
 DEFAULT_VARIATIONS = "2x-replicas,2x-cache"
@@ -110,16 +110,8 @@ def variations(text: str, fleet: FleetModel) -> list[Scenario]:
 
 def run_scenario(prep: PreparedTrace, fleet: FleetModel, sc: Scenario, seed: int) -> dict[str, Any]:
     engine = dataclasses.replace(fleet.engine, num_blocks=sc.cache_blocks)
-    res = simulate(
-        prep,
-        policy=sc.policy,
-        policy_params=dict(sc.params),
-        load=1.0,
-        arrival_s=prep.arrival_s,
-        replicas=sc.replicas,
-        engine=engine,
-        seed=seed,
-    )
+    fleet_sim = SimFleet(replicas=sc.replicas, engine=engine, seed=seed)
+    res = simulate(prep, fleet_sim, (sc.policy, dict(sc.params)), 1.0, prep.arrival_s)
     return {
         "scenario": sc.label,
         "replicas": sc.replicas,

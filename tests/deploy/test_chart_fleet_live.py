@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kvgate_tools.procs import stop_group
 from tests.deploy.conftest import CHART, RELEASE, REPO, containers_named, gateway_container, render
 from tests.deploy.test_chart_render import container_env
 
@@ -81,19 +82,9 @@ def _start(
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,
+            start_new_session=True,  # its own process group, which stop_group ends
         )
-
-    def stop() -> None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
-        if proc.stdout is not None:
-            proc.stdout.close()
-
-    stack.callback(stop)
+    stack.callback(stop_group, proc, grace_s=15.0)
     if ready:
         assert proc.stdout is not None
         seen = []

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from kvgate_tools.procs import stop_group
 from tests.deploy.conftest import RELEASE, Rendered, gateway_container
 from tests.deploy.test_chart_render import container_env
 
@@ -41,7 +42,10 @@ def gateway(rendered_cases: dict[str, Rendered], tmp_path: Path) -> Iterator[str
     cmd = [kvgate, *map(str, args), "--listen", "127.0.0.1:0", "--inventory", "127.0.0.1:0"]
     log = tmp_path / "gateway.log"  # a file, not a pipe: access logs never block the gateway
     with log.open("w") as err:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        # its own process group, which stop_group ends
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True
+        )
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
@@ -52,12 +56,7 @@ def gateway(rendered_cases: dict[str, Rendered], tmp_path: Path) -> Iterator[str
         http = line.split()[2].removeprefix("http=")
         yield f"http://{http}"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+        stop_group(proc, grace_s=15.0)
 
 
 @pytest.mark.timeout(120)

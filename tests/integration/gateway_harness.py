@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping
@@ -134,30 +133,12 @@ class Procs:
         m = read_line(proc, r"kvgate serve: http=\S+:(\d+) inventory=\S+:(\d+)", START_TIMEOUT_S)
         return Gateway(proc, int(m.group(1)), int(m.group(2)), path, self.group.log_path(name))
 
-    def stop_all(self) -> None:
-        self.group.stop_all(grace_s=5.0)
-
 
 @pytest.fixture
 def procs(tmp_path: Path) -> Iterator[Procs]:
     p = Procs(tmp_path)
-    try:
+    with p.group:  # stops every child on the way out
         yield p
-    finally:
-        p.stop_all()
-
-
-def wait_until(check: Any, timeout_s: float = 15.0, what: str = "condition") -> Any:
-    """Poll ``check()`` until it returns a truthy value (state, not speed: the timeout only bounds a
-    hang)."""
-    end = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > end:
-            raise TimeoutError(f"{what} not reached after {timeout_s}s")
-        time.sleep(0.05)
 
 
 def base_config(*backends: Backend, **extra: Any) -> dict[str, Any]:

@@ -9,7 +9,8 @@ import random
 
 import aiohttp
 
-from tests.integration.gateway_harness import REPO, Procs, base_config, wait_until
+from tests.integration.gateway_harness import REPO, Procs, base_config
+from tests.polling import wait_until
 
 
 def _doc(seed: int, words: int) -> str:

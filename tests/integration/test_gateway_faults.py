@@ -30,9 +30,9 @@ from tests.integration.gateway_harness import (
     Procs,
     base_config,
     http,
-    wait_until,
 )
 from tests.integration.test_sim_engine_harness import Engine, start_engine
+from tests.polling import wait_until
 
 JSON = {"content-type": "application/json"}
 MiB = 1024 * 1024

@@ -20,7 +20,8 @@ from gateway.app import build_state
 from gateway.config import parse_config
 from gateway.features.featurizer import Kind
 from proto.kvgate.v1 import inventory_pb2 as pb
-from tests.integration.gateway_harness import AGENT_TOKEN, Gateway, Procs, base_config, http, wait_until
+from tests.integration.gateway_harness import AGENT_TOKEN, Gateway, Procs, base_config, http
+from tests.polling import wait_until
 
 JSON = {"content-type": "application/json"}
 

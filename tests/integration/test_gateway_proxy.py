@@ -8,10 +8,13 @@ import signal
 import socket
 import subprocess
 import sys
+from typing import Any
 
 import aiohttp
+import pytest
 
-from tests.integration.gateway_harness import REPO, Procs, base_config, http, wait_until
+from tests.integration.gateway_harness import REPO, Procs, base_config, http
+from tests.polling import wait_until
 
 JSON = {"content-type": "application/json"}
 
@@ -197,12 +200,35 @@ def test_503_before_first_byte_is_retried(procs: Procs) -> None:
     assert index["replicas"]["r1"]["approximate"] > 0
 
 
-def test_503_is_passed_through_when_retries_are_spent(procs: Procs) -> None:
-    r0 = procs.backend("r0")
-    gw = procs.gateway(base_config(r0, proxy={"retries": 0}))
-    status, _, body = _post(gw.url + "/v1/completions", {"model": "m", "prompt": "overloaded@r0"})
-    assert status == 503
-    assert json.loads(body)["error"]["message"] == "overloaded"
+@pytest.mark.parametrize(
+    ("replicas", "proxy", "prompt", "status", "error"),
+    [
+        # the replica's own 503, passed through when retries are spent
+        (1, {"retries": 0}, "overloaded@r0", 503, {"message": "overloaded"}),
+        # every replica failed before its first byte
+        (
+            2,
+            {"retries": 1},
+            "die-before-first-byte@r0 die-before-first-byte@r1",
+            502,
+            {"code": "upstream_error", "type": "upstream_error"},
+        ),
+        # the per-request timeout (the upstream request is cancelled, checked below)
+        (1, {"request_timeout_s": 0.5}, "hang-forever", 504, {"code": "upstream_timeout"}),
+    ],
+    ids=["503-retries-spent", "502-failure-everywhere", "504-request-timeout"],
+)
+def test_upstream_failures_are_openai_errors(
+    procs: Procs, replicas: int, proxy: dict[str, Any], prompt: str, status: int, error: dict[str, str]
+) -> None:
+    backends = [procs.backend(f"r{i}") for i in range(replicas)]
+    gw = procs.gateway(base_config(*backends, proxy=proxy))
+    got, _, body = _post(gw.url + "/v1/completions", {"model": "m", "prompt": prompt})
+    assert got == status
+    err = json.loads(body)["error"]
+    assert {k: err[k] for k in error} == error
+    if status == 504:
+        wait_until(lambda: backends[0].stats()["active"] == 0, what="the upstream request cancelled")
 
 
 async def test_replica_killed_mid_stream_ends_that_stream_only(procs: Procs) -> None:
@@ -277,27 +303,6 @@ def test_no_healthy_replica_is_503_and_not_ready(procs: Procs) -> None:
     s, _, ready = http("GET", gw.url + "/ready")
     assert s == 503 and json.loads(ready)["error"]["code"] == "not_ready"
     assert http("GET", gw.url + "/health")[0] == 200  # the gateway itself is alive
-
-
-def test_upstream_failure_everywhere_is_502(procs: Procs) -> None:
-    r0, r1 = procs.backend("r0"), procs.backend("r1")
-    gw = procs.gateway(base_config(r0, r1, proxy={"retries": 1}))
-    status, _, body = _post(
-        gw.url + "/v1/completions",
-        {"model": "m", "prompt": "die-before-first-byte@r0 die-before-first-byte@r1"},
-    )
-    assert status == 502
-    err = json.loads(body)["error"]
-    assert err["code"] == "upstream_error" and err["type"] == "upstream_error"
-
-
-def test_per_request_timeout_is_504(procs: Procs) -> None:
-    b = procs.backend("r0")
-    gw = procs.gateway(base_config(b, proxy={"request_timeout_s": 0.5}))
-    status, _, body = _post(gw.url + "/v1/completions", {"model": "m", "prompt": "hang-forever"})
-    assert status == 504
-    assert json.loads(body)["error"]["code"] == "upstream_timeout"
-    wait_until(lambda: b.stats()["active"] == 0, what="the upstream request cancelled")
 
 
 def test_models_is_the_union_over_healthy_replicas(procs: Procs) -> None:

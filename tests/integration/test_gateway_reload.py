@@ -10,7 +10,8 @@ from typing import Any
 
 import yaml
 
-from tests.integration.gateway_harness import REPO, Gateway, Procs, base_config, http, wait_until
+from tests.integration.gateway_harness import REPO, Gateway, Procs, base_config, http
+from tests.polling import wait_until
 
 JSON = {"content-type": "application/json"}
 REQ = json.dumps({"model": "m", "prompt": "hello"}).encode()

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from kvgate_tools.local_fleet import FleetOptions, LocalFleet, http_text
-from tests.integration.gateway_harness import http, wait_until
+from tests.integration.gateway_harness import http
+from tests.polling import wait_until
 
 JSON = {"content-type": "application/json"}
 

@@ -228,17 +228,12 @@ class Fleet:
     def faults(self, **counts: Any) -> None:
         post_json(self.engine_url + "/debug/faults", counts)
 
-    def stop_all(self) -> None:
-        self.group.stop_all()
-
 
 @pytest.fixture
 def fleet(tmp_path: Path) -> Iterator[Fleet]:
     f = Fleet(tmp_path)
-    try:
+    with f.group:  # stops every child on the way out
         yield f
-    finally:
-        f.stop_all()
 
 
 def test_index_equals_engine_through_faults(fleet: Fleet) -> None:

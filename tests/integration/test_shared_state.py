@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 
 from kvgate_tools.local_fleet import FleetOptions, LocalFleet, http_json, http_text
-from tests.integration.gateway_harness import Gateway, Procs, RedisServer, http, wait_until
+from tests.integration.gateway_harness import Gateway, Procs, RedisServer, http
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -86,6 +87,15 @@ class Pair:
             if not engine or a != engine or b != engine:
                 return False
         return True
+
+    def wait_shared_state_up(self, value: float, what: str) -> None:
+        """Until both instances' ``kvgate_shared_state_up`` reads ``value``."""
+        for base in (self.a_url, self.b.url):
+            wait_until(
+                lambda base=base: metric(http_text(base + "/metrics"), "kvgate_shared_state_up") == value,
+                CONVERGE_S,
+                f"{base} reports shared state {what}",
+            )
 
 
 def shared_config(redis: RedisServer) -> dict[str, Any]:
@@ -175,12 +185,7 @@ def test_two_gateways_share_index_and_load_and_survive_redis_outage(
 
     # --- Redis goes away: both keep serving, the metric and a log line say so
     redis_server.stop()
-    for base in (pair.a_url, pair.b.url):
-        wait_until(
-            lambda base=base: metric(http_text(base + "/metrics"), "kvgate_shared_state_up") == 0.0,
-            CONVERGE_S,
-            f"{base} reports shared state down",
-        )
+    pair.wait_shared_state_up(0.0, "down")
     for prompt in PROMPTS[:4]:
         for base in (pair.a_url, pair.b.url):
             status, _, body = complete(base, prompt + " during outage")
@@ -193,12 +198,7 @@ def test_two_gateways_share_index_and_load_and_survive_redis_outage(
 
     # --- Redis comes back (empty: no persistence): owners republish, followers resync
     redis_server.start()
-    for base in (pair.a_url, pair.b.url):
-        wait_until(
-            lambda base=base: metric(http_text(base + "/metrics"), "kvgate_shared_state_up") == 1.0,
-            CONVERGE_S,
-            f"{base} reports shared state up",
-        )
+    pair.wait_shared_state_up(1.0, "up")
     for prompt in PROMPTS:
         status, _, body = complete(pair.a_url, prompt + " after the outage")
         assert status == 200, body

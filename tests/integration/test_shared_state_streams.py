@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -26,8 +26,7 @@ from gateway.shared_state_codec import Keys
 from proto.kvgate.v1 import inventory_pb2 as pb
 from router_policies.prefix_index import PrefixIndex
 from tests.integration.gateway_harness import RedisServer, shared_state_instance
-
-WAIT_S = 20.0  # bounds a hang only
+from tests.polling import until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -80,15 +79,6 @@ async def nodes(redis_server: RedisServer) -> AsyncIterator[tuple[Node, Node]]:
             await n.channel.close()
             await n.inventory.stop(0)
             await n.shared.stop()
-
-
-async def until(check: Callable[[], bool], what: str) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + WAIT_S
-    while not check():
-        if loop.time() > end:
-            raise TimeoutError(f"{what} not reached after {WAIT_S}s")
-        await asyncio.sleep(0.02)
 
 
 class Agent:
@@ -148,13 +138,17 @@ async def _ttl_set(client: aioredis.Redis, name: str) -> bool:
     return bool(0 < ttl <= REPLICA_KEYS_TTL_S)
 
 
-async def until_async(check: Callable[[], Awaitable[bool]], what: str) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + WAIT_S
-    while not await check():
-        if loop.time() > end:
-            raise TimeoutError(f"{what} not reached after {WAIT_S}s")
-        await asyncio.sleep(0.02)
+async def streamed(owner: Node, follower: Node, rid: str, keys: list[int], what: str) -> Agent:
+    """An agent of ``rid`` connected to ``owner``: a snapshot of ``keys`` but the last, then the last
+    one stored; returns once ``follower`` follows it through Redis (without an agent of its own)."""
+    agent = Agent(owner, rid)
+    await agent.hello()
+    await agent.snapshot(keys[:-1])
+    await agent.store(keys[-1])
+    await until(lambda: owner.keys(rid) == keys == follower.keys(rid), what)
+    rec = follower.fleet.get(rid)
+    assert rec is not None and rec.shared_inventory and not rec.agent_connected
+    return agent
 
 
 async def test_ownership_moves_with_the_agent_stream(
@@ -162,32 +156,20 @@ async def test_ownership_moves_with_the_agent_stream(
 ) -> None:
     a, b = nodes
     redis_url = redis_server.url
-    agent = Agent(a, "r5")
-    await agent.hello()
-    await agent.snapshot([1, 2, 3])
-    await agent.store(4)
-    await until(lambda: a.keys("r5") == [1, 2, 3, 4] == b.keys("r5"), "B follows A's agent")
-    rec = b.fleet.get("r5")
-    assert rec is not None and rec.shared_inventory and not rec.agent_connected
+    agent = await streamed(a, b, "r5", [1, 2, 3, 4], "B follows A's agent")
     # the owner keeps the replica's keys alive while it holds the agent (they expire otherwise)
     client = aioredis.Redis.from_url(redis_url)
     try:
         keys = Keys("streams")
         for name in (keys.stream("r5"), keys.snapshot("r5"), keys.replica("r5")):
-            await until_async(functools.partial(_ttl_set, client, name), f"TTL on {name}")
+            await until(functools.partial(_ttl_set, client, name), f"TTL on {name}")
     finally:
         await client.aclose()
 
     # the agent reconnects to B (A went away behind the Service): B now writes r5, A follows B
     await agent.close()
     await until(lambda: a.inventory.connected_replicas() == [], "A's stream closed")
-    moved = Agent(b, "r5")
-    await moved.hello()
-    await moved.snapshot([1, 2, 7])
-    await moved.store(8)
-    await until(lambda: b.keys("r5") == [1, 2, 7, 8] == a.keys("r5"), "A follows B's agent")
-    rec_a = a.fleet.get("r5")
-    assert rec_a is not None and rec_a.shared_inventory and not rec_a.agent_connected
+    moved = await streamed(b, a, "r5", [1, 2, 7, 8], "A follows B's agent")
     await moved.close()
 
 

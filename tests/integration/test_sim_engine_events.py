@@ -7,6 +7,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from replica_agent.engine_events import BASE_STORED_FIELDS
 from tests.integration.test_sim_engine_harness import (
     Batch,
     Engine,
@@ -25,16 +26,7 @@ from tests.integration.test_sim_engine_harness import (
 __all__ = ["engines", "launch"]
 
 MODEL = "sim-model"
-STORED_KEYS = {
-    "type",
-    "block_hashes",
-    "parent_block_hash",
-    "token_ids",
-    "block_size",
-    "lora_id",
-    "medium",
-    "lora_name",
-}
+STORED_KEYS = {"type", *BASE_STORED_FIELDS}  # the map form of vLLM's BlockStored
 
 
 def complete(e: Engine, prompt: list[int], max_tokens: int = 2) -> dict[str, Any]:

@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -31,6 +30,7 @@ import zmq
 
 from kvgate_tools.procs import read_line, stop_group
 from router_policies.block_keys import chain_keys, root_key
+from tests.polling import wait_until
 
 KVGATE = Path(sys.executable).parent / "kvgate"
 START_TIMEOUT_S = 60.0
@@ -163,14 +163,7 @@ def read_sse(base: str, path: str, body: Any) -> list[str]:
 
 def wait_for(predicate: Any, timeout_s: float = 20.0, what: str = "condition") -> Any:
     """Poll until ``predicate()`` is truthy (a liveness bound, not a timing assertion)."""
-    end = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
+    return wait_until(predicate, timeout_s, what, interval_s=0.02)
 
 
 def assert_error(status: int, body: Any, expect_status: int) -> dict[str, Any]:

@@ -8,30 +8,28 @@ costs in TTFT (docs/simulator.md)."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from router_policies.policies.rotation import NoParams, Rotating
 from router_policies.policy import Decision, FleetSnapshot, RequestFeatures, load_of, require_healthy
 
 
-class LongestMatchParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class LongestMatchParams(NoParams):
     min_blocks: int = Field(2, ge=1, description="Shorter matches count as no match.")
 
 
-class LongestMatch:
+class LongestMatch(Rotating):
+    """The cursor advances on ``commit`` (``choose`` is pure)."""
+
     Params = LongestMatchParams
     name = "longest_match"
 
     def __init__(self, params: LongestMatchParams, seed: int = 0) -> None:
+        super().__init__(params, seed)
         self.params = params
-        self._cursor = seed
 
     def choose(self, _request: RequestFeatures, fleet: FleetSnapshot) -> Decision:
-        healthy = require_healthy(fleet)
-        start = self._cursor % len(healthy)
-        self._cursor += 1
-        rotated = healthy[start:] + healthy[:start]
+        rotated = self.rotated(require_healthy(fleet))
         best = max(r.matched_blocks for r in rotated)
         cands = (
             [r for r in rotated if r.matched_blocks == best] if best >= self.params.min_blocks else rotated

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from router_policies.sim.profiles import PROFILES
-from router_policies.sim.simulator import RunResult, oracle_hit_rate, prepare, run_matrix
+from router_policies.sim.simulator import RunResult, SimFleet, oracle_hit_rate, prepare, run_matrix
 from router_policies.sim.traces import Trace, load_trace
 from router_policies.sim.workloads import AgentSpec, agent_trace
 
@@ -50,14 +50,7 @@ def results(workload: str) -> tuple[float, dict[tuple[str, float], RunResult]]:
     engine = PROFILES["llama3-8b-h100"].engine_config(trace.block_size)
     prep = prepare(trace)
     oracle = oracle_hit_rate(prep, REPLICAS * engine.num_blocks)
-    runs = run_matrix(
-        prep,
-        policies=[(p, None) for p in POLICIES],
-        loads=LOADS,
-        replicas=REPLICAS,
-        engine=engine,
-        seed=0,
-    )
+    runs = run_matrix(prep, SimFleet(REPLICAS, engine, seed=0), [(p, None) for p in POLICIES], LOADS)
     by = {(r.policy, r.load): r for r in runs}
     print(f"\n{workload}: oracle {oracle:.4f}")
     for (pol, load), r in by.items():

@@ -16,9 +16,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from gateway.asyncio_tasks import cancel_and_wait
 from replica_agent.inventory import AgentInventory
 from replica_agent.subscriber import EventSubscriber
 from router_policies.block_keys import block_keys
+from tests.polling import until
 
 BS = 2
 
@@ -78,11 +80,30 @@ class Publisher:
         self.buffer.clear()
 
     async def close(self) -> None:
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+        await cancel_and_wait(self._task)
         self.pub.close(linger=0)
         self.router.close(linger=0)
+
+
+@pytest.fixture
+async def pub() -> AsyncIterator[Publisher]:
+    ctx = zmq.asyncio.Context()
+    publisher = Publisher(ctx)
+    try:
+        yield publisher
+    finally:
+        await publisher.close()
+        ctx.destroy(linger=0)
+
+
+@contextlib.asynccontextmanager
+async def running(sub: EventSubscriber) -> AsyncIterator[None]:
+    """``sub.run()`` as a task for the block's duration."""
+    task = asyncio.create_task(sub.run())
+    try:
+        yield
+    finally:
+        await cancel_and_wait(task)
 
 
 def stored(h: int, parent: int | None, tokens: list[int]) -> dict[str, Any]:
@@ -107,11 +128,7 @@ def key(*tokens: int) -> int:
 
 
 async def wait_for(cond: Callable[[], bool]) -> None:
-    for _ in range(500):  # a deadline against hanging, not a timing assertion
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
+    await until(cond, timeout_s=5.0, interval_s=0.01)  # a deadline against hanging
 
 
 class Rig:
@@ -124,21 +141,12 @@ class Rig:
 
 
 @pytest.fixture
-async def rig() -> AsyncIterator[Rig]:
-    ctx = zmq.asyncio.Context()
-    pub = Publisher(ctx)
+async def rig(pub: Publisher) -> AsyncIterator[Rig]:
     inv = AgentInventory("m", BS, max_blocks=1000)
     sub = pub.subscriber(inv, replay_timeout_s=2.0)
-    task = asyncio.create_task(sub.run())
-    await asyncio.sleep(0.2)  # let the SUB connect (a missed first batch would be replayed anyway)
-    try:
+    async with running(sub):
+        await asyncio.sleep(0.2)  # let the SUB connect (a missed first batch would be replayed anyway)
         yield Rig(pub, sub, inv)
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await pub.close()
-        ctx.destroy(linger=0)
 
 
 async def test_in_order(rig: Rig) -> None:
@@ -228,55 +236,28 @@ async def test_malformed_payloads_are_skipped(rig: Rig) -> None:
     assert rig.sub.stats.malformed_events == 1
 
 
-async def test_joining_late_replays_from_zero() -> None:
-    ctx = zmq.asyncio.Context()
-    pub = Publisher(ctx)
-    try:
-        for i in range(3):
-            pub.batch([stored(10 + i, None, [i, i])])  # before the agent subscribed
-        inv = AgentInventory("m", BS, max_blocks=100)
-        sub = pub.subscriber(inv)
-        task = asyncio.create_task(sub.run())
+@pytest.mark.parametrize("replay", [True, False], ids=["replay", "no-replay"])
+async def test_joining_late(pub: Publisher, replay: bool) -> None:
+    """Batches published before the agent subscribed: recovered by replaying from seq 0, or,
+    without a replay endpoint, missed and the inventory marked degraded."""
+    for i in range(3):
+        pub.batch([stored(10 + i, None, [i, i])])  # before the agent subscribed
+    inv = AgentInventory("m", BS, max_blocks=100)
+    sub = pub.subscriber(inv, replay=replay)
+    async with running(sub):
         await asyncio.sleep(0.2)
         await pub.publish([stored(20, None, [9, 9])])
         await wait_for(lambda: sub.expected == pub.seq)
-        assert len(inv) == 4 and not inv.degraded
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-    finally:
-        await pub.close()
-        ctx.destroy(linger=0)
+    early = [key(i, i) for i in range(3)] if replay else []
+    assert sorted(inv.keys()) == sorted([*early, key(9, 9)])
+    assert inv.degraded is not replay
 
 
-async def test_joining_late_without_replay_is_degraded() -> None:
-    ctx = zmq.asyncio.Context()
-    pub = Publisher(ctx)
-    try:
-        pub.batch([stored(10, None, [1, 1])])
-        inv = AgentInventory("m", BS, max_blocks=100)
-        sub = pub.subscriber(inv, replay=False)
-        task = asyncio.create_task(sub.run())
-        await asyncio.sleep(0.2)
-        await pub.publish([stored(20, None, [9, 9])])
-        await wait_for(lambda: sub.expected == pub.seq)
-        assert inv.keys() == [key(9, 9)] and inv.degraded
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-    finally:
-        await pub.close()
-        ctx.destroy(linger=0)
-
-
-async def test_publisher_disconnect_clears_at_once() -> None:
+async def test_publisher_disconnect_clears_at_once(pub: Publisher) -> None:
     """The engine process went away: its cache is gone before any new batch says so."""
-    ctx = zmq.asyncio.Context()
-    pub = Publisher(ctx)
     inv = AgentInventory("m", BS, max_blocks=100)
     sub = pub.subscriber(inv, replay=False)
-    task = asyncio.create_task(sub.run())
-    try:
+    async with running(sub):
         await asyncio.sleep(0.2)
         await pub.publish([stored(1, None, [1, 2])])
         await pub.publish([stored(2, 1, [3, 4])])
@@ -284,21 +265,13 @@ async def test_publisher_disconnect_clears_at_once() -> None:
         await pub.close()
         await wait_for(lambda: sub.stats.engine_disconnects == 1)
         assert len(inv) == 0 and not inv.degraded and sub.expected is None
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        ctx.destroy(linger=0)
 
 
-async def test_replay_answer_is_bounded() -> None:
+async def test_replay_answer_is_bounded(pub: Publisher) -> None:
     """A replay longer than max_replay_batches is abandoned: the gap counts as unrecoverable."""
-    ctx = zmq.asyncio.Context()
-    pub = Publisher(ctx)
     inv = AgentInventory("m", BS, max_blocks=100)
     sub = pub.subscriber(inv, max_replay_batches=5)
-    task = asyncio.create_task(sub.run())
-    try:
+    async with running(sub):
         await asyncio.sleep(0.2)
         await pub.publish([stored(1, None, [1, 2])])
         await wait_for(lambda: sub.expected == 1)
@@ -308,26 +281,17 @@ async def test_replay_answer_is_bounded() -> None:
         await wait_for(lambda: sub.expected == pub.seq)
         assert sub.stats.unrecovered_gaps == 1 and inv.degraded
         assert inv.keys() == [key(3, 3)]
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await pub.close()
-        ctx.destroy(linger=0)
 
 
-async def test_unreachable_replay_endpoint_does_not_stall() -> None:
+async def test_unreachable_replay_endpoint_does_not_stall(pub: Publisher) -> None:
     """A replay endpoint nobody listens on: the start-up catch-up and a gap give up after the
     timeout, the gap counts as unrecoverable, and live events keep flowing."""
-    ctx = zmq.asyncio.Context()
-    pub = Publisher(ctx)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]
     inv = AgentInventory("m", BS, max_blocks=100)
     sub = pub.subscriber(inv, replay=dead, replay_timeout_s=0.3)
-    task = asyncio.create_task(sub.run())
-    try:
+    async with running(sub):
         await asyncio.sleep(0.6)
         await pub.publish([stored(1, None, [1, 2])])
         pub.batch([stored(2, 1, [3, 4])])  # lost
@@ -335,9 +299,3 @@ async def test_unreachable_replay_endpoint_does_not_stall() -> None:
         await wait_for(lambda: sub.expected == pub.seq)
         assert sub.stats.unrecovered_gaps == 1
         assert inv.keys() == [key(5, 6)]
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await pub.close()
-        ctx.destroy(linger=0)

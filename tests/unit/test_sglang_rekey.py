@@ -11,11 +11,11 @@ hello/re-key callbacks; the gateway's Fleet, PrefixIndex and InventoryServer ove
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
+from gateway.asyncio_tasks import cancel_and_wait
 from gateway.config import parse_config
 from gateway.fleet import Fleet
 from gateway.inventory_server import InventoryServer
@@ -93,9 +93,7 @@ async def test_page_size_1_is_rekeyed_at_the_gateways_block_size() -> None:
         assert set(index.precise_keys("r0")) == want
     finally:
         for t in tasks:
-            t.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+            await cancel_and_wait(t)
         await server.stop(0)
         await engine.close()
         ctx.destroy(linger=0)

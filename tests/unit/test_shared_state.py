@@ -9,7 +9,7 @@ queue, stream length, snapshot size) are enforced here; the codec's refusals too
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +39,7 @@ from gateway.shared_state_codec import (
 )
 from proto.kvgate.v1 import inventory_pb2 as pb
 from tests.integration.gateway_harness import RedisServer, SharedStateInstance, shared_state_instance
-
-WAIT_S = 20.0  # bounds a hang only
+from tests.polling import until
 
 
 # ---------------------------------------------------------------------- codec
@@ -123,15 +122,6 @@ def make_instance(redis_url: str, name: str, **shared: Any) -> SharedStateInstan
         }
     )
     return shared_state_instance(config, name)
-
-
-async def until(check: Callable[[], bool], what: str) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + WAIT_S
-    while not check():
-        if loop.time() > end:
-            raise TimeoutError(f"{what} not reached after {WAIT_S}s")
-        await asyncio.sleep(0.02)
 
 
 def stored(keys: list[int], medium: str = "GPU") -> pb.Event:

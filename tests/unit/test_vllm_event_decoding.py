@@ -11,6 +11,7 @@ import msgpack
 import pytest
 
 from replica_agent.engine_events import (
+    BASE_STORED_FIELDS,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -24,15 +25,11 @@ DATA = Path(__file__).resolve().parent.parent / "data" / "vllm_events"
 CAPTURES = sorted(p for p in DATA.glob("*.json") if not p.name.startswith("hybrid_"))
 HYBRID = sorted(DATA.glob("hybrid_*.json"))  # hybrid-attention models: several KV-cache groups
 
-_STORED_ORDER = (
-    "block_hashes",
-    "parent_block_hash",
-    "token_ids",
-    "block_size",
-    "lora_id",
-    "medium",
-    "lora_name",
-)
+
+def _stored_map(hashes: list[Any], parent: Any, tokens: list[int], **fields: Any) -> dict[str, Any]:
+    """A vLLM BlockStored in map form: block size 2, GPU, no LoRA, unless ``fields`` say otherwise."""
+    base = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens}
+    return {**base, "block_size": 2, "lora_id": None, "medium": "GPU", "lora_name": None, **fields}
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -60,7 +57,7 @@ def _to_tagged(payload: bytes) -> bytes:
     out = []
     for e in events:
         if e["type"] == "BlockStored":
-            out.append(["BlockStored", *(e.get(k) for k in _STORED_ORDER)])
+            out.append(["BlockStored", *(e.get(k) for k in BASE_STORED_FIELDS)])
         elif e["type"] == "BlockRemoved":
             out.append(["BlockRemoved", e["block_hashes"], e.get("medium")])
         else:
@@ -141,16 +138,7 @@ def test_map_and_tagged_encodings_give_the_same_inventory(path: Path) -> None:
 
 def test_map_payload_shape() -> None:
     """A msgspec EventBatch without array_like is a map: accept it too."""
-    ev = {
-        "type": "BlockStored",
-        "block_hashes": [2**64 - 1],
-        "parent_block_hash": None,
-        "token_ids": [1, 2],
-        "block_size": 2,
-        "lora_id": None,
-        "medium": "GPU",
-        "lora_name": None,
-    }
+    ev = _stored_map([2**64 - 1], None, [1, 2])
     batch = decode_payload(
         msgpack.packb({"ts": 5.0, "events": [ev, {"type": "AllBlocksCleared"}], "data_parallel_rank": 0})
     )
@@ -184,26 +172,8 @@ def test_sglang_events_signed_hashes_and_partial_page() -> None:
 def test_digest_hashes() -> None:
     h1, h2 = bytes(range(32)), bytes(range(1, 33))
     events = [
-        {
-            "type": "BlockStored",
-            "block_hashes": [h1],
-            "parent_block_hash": None,
-            "token_ids": [1, 2],
-            "block_size": 2,
-            "lora_id": None,
-            "medium": "GPU",
-            "lora_name": None,
-        },
-        {
-            "type": "BlockStored",
-            "block_hashes": [h2],
-            "parent_block_hash": h1,
-            "token_ids": [3, 4],
-            "block_size": 2,
-            "lora_id": None,
-            "medium": "GPU",
-            "lora_name": None,
-        },
+        _stored_map([h1], None, [1, 2]),
+        _stored_map([h2], h1, [3, 4]),
         {"type": "BlockRemoved", "block_hashes": [h2], "medium": "GPU"},
     ]
     batch = decode_payload(msgpack.packb([1.0, events, 0], use_bin_type=True))
@@ -219,28 +189,11 @@ def test_digest_hashes() -> None:
 def test_lora_and_cache_salt_namespace() -> None:
     """vLLM's extra_keys of a first block: (lora_name, *mm, cache_salt); the agent's root must be the
     gateway's root for (model, lora, salt)."""
-    ev = {
-        "type": "BlockStored",
-        "block_hashes": [1, 2],
-        "parent_block_hash": None,
-        "token_ids": [1, 2, 3, 4],
-        "block_size": 2,
-        "lora_id": 7,
-        "medium": "GPU",
-        "lora_name": "sql-adapter",
-        "extra_keys": [["sql-adapter", "tenant-a"], ["sql-adapter"]],
-    }
-    child = {
-        "type": "BlockStored",
-        "block_hashes": [3],
-        "parent_block_hash": 2,
-        "token_ids": [5, 6],
-        "block_size": 2,
-        "lora_id": 7,
-        "medium": "GPU",
-        "lora_name": "sql-adapter",
-        "extra_keys": [["sql-adapter"]],
-    }
+    lora = {"lora_id": 7, "lora_name": "sql-adapter"}
+    ev = _stored_map(
+        [1, 2], None, [1, 2, 3, 4], **lora, extra_keys=[["sql-adapter", "tenant-a"], ["sql-adapter"]]
+    )
+    child = _stored_map([3], 2, [5, 6], **lora, extra_keys=[["sql-adapter"]])
     inv = AgentInventory("m", 2, max_blocks=10)
     inv.apply(decode_payload(msgpack.packb([1.0, [ev, child], 0])).events)
     assert sorted(inv.keys()) == sorted(
