@@ -42,13 +42,13 @@ the index on virtual time.
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from router_policies import approx_lru
 from router_policies.block_table import BlockTable, as_keys
 from router_policies.index_types import IndexBoundError, IndexConfig, MatchResult, UnknownReplicaError
 
@@ -265,7 +265,7 @@ class PrefixIndex:
             return
         now = self._stamp(now, lifetime_s)
         if rep.approx:
-            self._lower_later_stamps(rep.approx, now)
+            approx_lru.lower_later_stamps(rep.approx, now)
         if len(keys) > cap:
             # a prompt longer than the whole budget keeps its leading blocks: those are the ones
             # another request can share
@@ -275,35 +275,7 @@ class PrefixIndex:
             return
         approx = rep.approx
         rev_arr = batch[::-1].copy()  # contiguous: the layout the kernels are compiled for
-        rev = rev_arr.tolist()
-        held = self._table.has(rev_arr, rep.slot)
-        fresh: list[int]
-        if len(set(rev)) != len(rev):
-            # repeated keys (never in a real chained prompt): the plain per-key walk
-            fresh = []
-            for k, h in zip(rev, held.tolist(), strict=True):
-                if k in approx:
-                    approx.move_to_end(k)
-                    approx[k] = now
-                elif not h:
-                    approx[k] = now
-                    fresh.append(k)
-        else:
-            # Every touched key that is not held precisely ends up at the end of the LRU order,
-            # leaf first (reversed prompt order), stamped ``now``; untouched entries keep their
-            # order before them. So: take the touched ones out, then append them all in one
-            # C-level update. A key with the replica's bit is approximate iff it is in ``approx``.
-            if held.any():
-                with_bit = set(rev_arr[held != 0].tolist())
-                precise = {k for k in with_bit if k not in approx}
-                if precise:
-                    rev = [k for k in rev if k not in precise]
-                for k in with_bit - precise:
-                    del approx[k]
-                fresh = rev_arr[held == 0].tolist()
-            else:
-                fresh = rev
-            approx.update(dict.fromkeys(rev, now))
+        fresh = approx_lru.touch(approx, rev_arr, self._table.has(rev_arr, rep.slot), now)
         if fresh:
             self._table.set(as_keys(fresh), rep.slot)
             self._entries += len(fresh)
@@ -311,15 +283,6 @@ class PrefixIndex:
         overflow = min(max(len(approx) - cap, over_total, 0), len(approx))
         if overflow:
             self._drop_approximate(rep, [approx.popitem(last=False)[0] for _ in range(overflow)])
-
-    @staticmethod
-    def _lower_later_stamps(approx: OrderedDict[int, float], stamp: float) -> None:
-        """Keep stamps monotone along the order before entries stamped ``stamp`` are appended:
-        the newest entries stamped later are lowered to ``stamp`` (a suffix, as stamps are
-        monotone; values change in place, the order does not)."""
-        later = list(itertools.takewhile(lambda kv: kv[1] > stamp, reversed(approx.items())))
-        for k, _ in later:
-            approx[k] = stamp
 
     def _drop_approximate(self, rep: _Replica, keys: list[int]) -> None:
         """Clear the bits of approximate entries already popped from ``rep.approx``."""
@@ -332,14 +295,7 @@ class PrefixIndex:
         reps = [self._replicas[replica]] if replica is not None else list(self._replicas.values())
         dropped = 0
         for rep in reps:
-            approx = rep.approx
-            gone: list[int] = []
-            while approx:
-                k, t = next(iter(approx.items()))
-                if t >= deadline:
-                    break
-                del approx[k]
-                gone.append(k)
+            gone = approx_lru.pop_expired(rep.approx, deadline)
             self._drop_approximate(rep, gone)
             dropped += len(gone)
         return dropped

@@ -1,0 +1,74 @@
+"""One replica's approximate entries in LRU order (docs/architecture.md, "The index"): pure
+functions over the ``OrderedDict`` key -> touch stamp that ``PrefixIndex`` keeps per replica.
+
+Invariants they keep (``PrefixIndex``'s docstring states why): oldest first, every block before
+its parent, stamps non-decreasing along the order.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+
+import numpy as np
+import numpy.typing as npt
+
+Approx = OrderedDict[int, float]
+
+
+def lower_later_stamps(approx: Approx, stamp: float) -> None:
+    """Keep stamps monotone along the order before entries stamped ``stamp`` are appended: the
+    newest entries stamped later are lowered to ``stamp`` (a suffix, as stamps are monotone;
+    values change in place, the order does not)."""
+    later = list(itertools.takewhile(lambda kv: kv[1] > stamp, reversed(approx.items())))
+    for k, _ in later:
+        approx[k] = stamp
+
+
+def touch(
+    approx: Approx, rev_arr: npt.NDArray[np.uint64], held: npt.NDArray[np.uint8], stamp: float
+) -> list[int]:
+    """Move the touched keys ``rev_arr`` (a prompt's keys, leaf first) to the end, stamped
+    ``stamp``, except those the replica holds precisely (``held`` set and not in ``approx``).
+    Returns the keys that are new entries (their bits must be set by the caller)."""
+    rev = rev_arr.tolist()
+    fresh: list[int]
+    if len(set(rev)) != len(rev):
+        # repeated keys (never in a real chained prompt): the plain per-key walk
+        fresh = []
+        for k, h in zip(rev, held.tolist(), strict=True):
+            if k in approx:
+                approx.move_to_end(k)
+                approx[k] = stamp
+            elif not h:
+                approx[k] = stamp
+                fresh.append(k)
+        return fresh
+    # Every touched key that is not held precisely ends up at the end of the LRU order, leaf
+    # first (reversed prompt order), stamped ``stamp``; untouched entries keep their order before
+    # them. So: take the touched ones out, then append them all in one C-level update. A key with
+    # the replica's bit is approximate iff it is in ``approx``.
+    if held.any():
+        with_bit = set(rev_arr[held != 0].tolist())
+        precise = {k for k in with_bit if k not in approx}
+        if precise:
+            rev = [k for k in rev if k not in precise]
+        for k in with_bit - precise:
+            del approx[k]
+        fresh = rev_arr[held == 0].tolist()
+    else:
+        fresh = rev
+    approx.update(dict.fromkeys(rev, stamp))
+    return fresh
+
+
+def pop_expired(approx: Approx, deadline: float) -> list[int]:
+    """Pop the entries stamped before ``deadline`` (a prefix of the order: stamps are monotone)."""
+    gone: list[int] = []
+    while approx:
+        k, t = next(iter(approx.items()))
+        if t >= deadline:
+            break
+        del approx[k]
+        gone.append(k)
+    return gone
