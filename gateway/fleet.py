@@ -47,6 +47,9 @@ class Fleet:
         self._health = config.health
         self._block_sizes: dict[str, int] = {m.name: m.block_size for m in config.models}
         self._allow_registration = config.inventory.allow_registration
+        # where held-prefix hints for a recovering agent go (the inventory server's held_prefix,
+        # set by the app; docs/agent.md, "Recovery without replay")
+        self.held_prefix_sink: Callable[[str, Sequence[int], Sequence[int]], bool] | None = None
         self.reconfigure(config)
 
     # ------------------------------------------------------------------ the replica set

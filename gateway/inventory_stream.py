@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -48,6 +49,8 @@ from gateway.inventory_sink import AgentHello, AgentLoad, FleetSink
 from proto.contract import PROTOCOL_VERSION
 from proto.kvgate.v1 import inventory_pb2 as pb
 from router_policies.prefix_index import IndexBoundError, PrefixIndex
+
+MAX_HELD_HINTS = 64  # held-prefix hints queued per stream
 
 
 class InventoryObserver(Protocol):
@@ -105,6 +108,9 @@ class StreamState:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     last_gaps: tuple[int, int] = (0, 0)
     key_block_size: int = 0  # the gateway's block size, sent on the Ack of the Hello (seq 1)
+    # held-prefix hints for a degraded agent (docs/agent.md, "Recovery without replay"); bounded:
+    # the oldest go, later requests send more
+    held: deque[pb.HeldPrefix] = field(default_factory=lambda: deque(maxlen=MAX_HELD_HINTS))
     identity: Identity | None = None  # what the stream's token may speak for (set by the server)
 
     @property
@@ -139,6 +145,16 @@ class Streams:
         self.rules = rules
         self.writers: dict[str, StreamState] = {}
         self.observer: InventoryObserver | None = None
+
+    def held_prefix(self, replica: str, keys: Sequence[int], next_tokens: Sequence[int]) -> bool:
+        """Tell a degraded replica's agent that its engine holds ``keys`` and stored a block of
+        ``next_tokens`` below them (False: no stream, or its inventory is not degraded)."""
+        stream = self.writers.get(replica)
+        if stream is None or not stream.agent_degraded:
+            return False
+        stream.held.append(pb.HeldPrefix(keys=keys, next_tokens=next_tokens))
+        stream.wake.set()
+        return True
 
     def request_resync(self, replica: str, reason: str) -> bool:
         stream = self.writers.get(replica)

@@ -35,6 +35,7 @@ from proto.contract import GPU
 from replica_agent.engine_events import AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent, EngineHash
 from replica_agent.inventory_groups import GroupedEvents
 from replica_agent.kv_groups import GroupTracker, order_stores
+from replica_agent.recovery import DEFAULT_ORPHAN_BYTES, PrefixRecovery
 from router_policies.block_keys import chain_keys, root_key
 
 
@@ -58,9 +59,12 @@ class InventoryStats:
     block_size_mismatches: int = 0  # stored events whose block_size differs from the replica's
     clears: int = 0
     bad_tokens: int = 0  # stored events whose token ids are not uint32 ints (skipped)
+    adopted_blocks: int = 0  # skipped blocks keyed later, once their parent was learnt
+    confirmed_blocks: int = 0  # keys reported from the gateway's held-prefix hints
+    held_hints: int = 0  # held-prefix hints received
 
 
-class AgentInventory(GroupedEvents):
+class AgentInventory(PrefixRecovery, GroupedEvents):
     def __init__(
         self,
         model: str,
@@ -69,6 +73,7 @@ class AgentInventory(GroupedEvents):
         sink: InventorySink | None = None,
         key_block_size: int | None = None,
         max_namespaces: int = 4096,
+        orphan_bytes: int = DEFAULT_ORPHAN_BYTES,
     ) -> None:
         if max_blocks <= 0:
             raise ValueError("max_blocks must be positive")
@@ -110,6 +115,7 @@ class AgentInventory(GroupedEvents):
         self.degraded_reason = ""
         self._rebuild_left = 0
         self.capacity_blocks = 0
+        self._init_recovery(orphan_bytes)  # recovery.py: blocks adopted once their parent is learnt
 
     # ------------------------------------------------------------------ views
     @property
@@ -141,6 +147,7 @@ class AgentInventory(GroupedEvents):
         self._link.clear()
         if self._groups is not None:
             self._groups.clear()
+        self._forget_recovery()
         self.stats.clears += 1
         if self.sink is not None:
             self.sink.cleared()
@@ -228,6 +235,7 @@ class AgentInventory(GroupedEvents):
                 found = mapping.get((ev.parent, ev.medium))
             if found is None:
                 self._skip(len(hashes))
+                self._orphan(ev)
                 return
             parent_key = found
         tokens = ev.token_ids
@@ -335,6 +343,13 @@ class AgentInventory(GroupedEvents):
         if len(mapping) > self.max_blocks:
             self._overflow()
 
+    def _drop_key(self, k: int) -> None:
+        """``k``'s last reference went: it leaves the inventory (the caller reports it)."""
+        del self._refs[k]
+        del self._medium[k]
+        self._link.pop(k, None)
+        self._released(k)
+
     def _overflow(self) -> None:
         mapping = self._map
         dropped: list[int] = []
@@ -345,9 +360,7 @@ class AgentInventory(GroupedEvents):
             if r:
                 self._refs[k] = r
             else:
-                del self._refs[k]
-                del self._medium[k]
-                self._link.pop(k, None)
+                self._drop_key(k)
                 dropped.append(k)
         if dropped and self.sink is not None:
             self.sink.removed(dropped, GPU)
@@ -357,9 +370,7 @@ class AgentInventory(GroupedEvents):
         if r:
             self._refs[k] = r
             return
-        del self._refs[k]
-        del self._medium[k]
-        self._link.pop(k, None)
+        self._drop_key(k)
         if self.sink is not None:
             self.sink.removed([k], medium)
 
@@ -368,24 +379,26 @@ class AgentInventory(GroupedEvents):
         gpu = medium == GPU
         mapping = self._map
         refs = self._refs
-        held = self._medium
         gone: list[int] = []
         partial = self._partial
+        orphans = self._orphans
         for h in ev.block_hashes:
             mk = h if gpu else (h, medium)
             k = mapping.pop(mk, None)
+            if orphans and orphans.remove(mk) and k is None:
+                continue  # a block not keyed yet (recovery.py)
             if k is None:
                 if partial and partial.pop(mk, None) is not None:
                     continue  # an engine block inside a key block: it held no key
                 self.stats.unknown_removals += 1
                 continue
             r = refs[k] - 1
+            if r and self._hashless:  # the engine lost k: no hint keeps it (recovery.py)
+                r -= self._hashless.pop(k, 0)
             if r:
                 refs[k] = r
             else:
-                del refs[k]
-                del held[k]
-                self._link.pop(k, None)
+                self._drop_key(k)
                 gone.append(k)
         self.stats.removed_blocks += len(gone)
         if self.degraded:
