@@ -385,8 +385,8 @@ class AgentInventory(PrefixRecovery, GroupedEvents):
         for h in ev.block_hashes:
             mk = h if gpu else (h, medium)
             k = mapping.pop(mk, None)
-            if orphans and orphans.remove(mk) and k is None:
-                continue  # a block not keyed yet (recovery.py)
+            if orphans:
+                orphans.remove(mk)  # a block kept for adoption (recovery.py) is gone
             if k is None:
                 if partial and partial.pop(mk, None) is not None:
                     continue  # an engine block inside a key block: it held no key
