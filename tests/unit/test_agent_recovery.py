@@ -33,7 +33,7 @@ def test_orphans_adopted_from_a_hint_and_ancestors_confirmed() -> None:
     assert inv.stats.adopted_blocks == 2 and inv.stats.confirmed_blocks == 3 and len(inv.orphans) == 0
     # the learnt parent is an ordinary mapping: new children of it are keyed at once
     inv.apply([stored([13], 3, [11, 12])])
-    assert block_keys(SYSTEM + [11, 12], B, "m")[-1] in inv.snapshot()
+    assert block_keys([*SYSTEM, 11, 12], B, "m")[-1] in inv.snapshot()
     # leaf-first eviction: the anchor (hash 3) going releases its hashless ancestors
     inv.apply([BlockRemoved([13, 12, 11], "GPU")])
     assert sorted(inv.keys()) == sorted(keys[:3])
@@ -71,7 +71,7 @@ def test_ambiguous_hint_is_not_used() -> None:
     inv, _ = fresh()
     # the same first block below two unknown parents: the hint cannot say which is its parent
     inv.apply([stored([11], 3, [7, 8]), stored([21], 9, [7, 8])])
-    inv.held_prefix(block_keys(SYSTEM + [7, 8], B, "m")[:3], [7, 8])
+    inv.held_prefix(block_keys([*SYSTEM, 7, 8], B, "m")[:3], [7, 8])
     assert len(inv) == 0 and len(inv.orphans) == 2
 
 
