@@ -17,8 +17,9 @@ Invariants
   last anchor leaves the inventory. Engines evict leaf first, so an ancestor outlives its cached
   descendants: while an anchor is held its hashless ancestors are too (never a block the engine
   lost, under leaf-first eviction), and once the last anchor goes they are next to be evicted.
-* A hint is used only when exactly one orphan parent starts with its tokens; a hint that matches
-  no orphan yet waits (at most ``MAX_PENDING_HINTS``, oldest dropped) for the orphan's event.
+* A hint is used only when its last key is not held through a known hash (else the request's
+  blocks were keyed, not orphaned) and exactly one orphan parent starts with its tokens; a hint
+  that matches no orphan yet waits (at most ``MAX_PENDING_HINTS``, oldest dropped) for the orphan's event.
 * Recovery is off for engines tracked per KV-cache group and when keys span several engine
   blocks (``key_block_size`` > ``block_size``): their blocks stay skipped, as before.
 """
@@ -95,11 +96,13 @@ class PrefixRecovery:
         if not keys or not self._recovering() or len(next_tokens) != self.block_size:
             return
         self.stats.held_hints += 1
+        if self._hashed(keys[-1]):
+            return  # the request's new blocks had a known parent: no orphan of it to find
         first = tuple(next_tokens)
         parents = self._orphans.parents_starting(first)
         if len(parents) == 1:
             self._learn(parents.pop(), keys)
-        elif not parents and not self._hashed(keys[-1]):
+        elif not parents:
             self._pending[first] = list(keys)
             self._pending.move_to_end(first)
             while len(self._pending) > MAX_PENDING_HINTS:

@@ -75,6 +75,15 @@ def test_ambiguous_hint_is_not_used() -> None:
     assert len(inv) == 0 and len(inv.orphans) == 2
 
 
+def test_hint_of_a_request_keyed_normally_adopts_nothing() -> None:
+    inv, _ = fresh()
+    # the same first block below a known prefix (keyed) and below an unknown one (an orphan)
+    inv.apply([stored([41, 42], None, [90, 91, 92, 93]), stored([43], 42, [7, 8]), stored([11], 3, [7, 8])])
+    known = block_keys([90, 91, 92, 93, 7, 8], B, "m")
+    inv.held_prefix(known[:2], [7, 8])  # the hint of the keyed request: not about the orphan
+    assert sorted(inv.keys()) == sorted(known) and len(inv.orphans) == 1
+
+
 def test_engine_removal_of_a_confirmed_key_drops_it() -> None:
     inv, _ = fresh()
     keys = block_keys(SYSTEM + TAIL, B, "m")
