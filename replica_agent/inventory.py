@@ -28,12 +28,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Protocol
 
 from proto.contract import GPU
 from replica_agent.engine_events import AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent, EngineHash
 from replica_agent.inventory_groups import GroupedEvents
+from replica_agent.inventory_stats import InventoryStats
 from replica_agent.kv_groups import GroupTracker, order_stores
 from replica_agent.recovery import DEFAULT_ORPHAN_BYTES, PrefixRecovery
 from router_policies.block_keys import chain_keys, root_key
@@ -47,21 +47,6 @@ class InventorySink(Protocol):
     def removed(self, keys: list[int], medium: str) -> None: ...
 
     def cleared(self) -> None: ...
-
-
-@dataclass(slots=True)
-class InventoryStats:
-    stored_blocks: int = 0  # blocks of BlockStored events keyed
-    removed_blocks: int = 0  # blocks of BlockRemoved events translated
-    skipped_blocks: int = 0  # blocks whose parent could not be mapped
-    unknown_removals: int = 0  # removals of engine hashes we never mapped
-    overflow_evictions: int = 0  # mappings dropped by the max_blocks bound
-    block_size_mismatches: int = 0  # stored events whose block_size differs from the replica's
-    clears: int = 0
-    bad_tokens: int = 0  # stored events whose token ids are not uint32 ints (skipped)
-    adopted_blocks: int = 0  # skipped blocks keyed later, once their parent was learnt
-    confirmed_blocks: int = 0  # keys reported from the gateway's held-prefix hints
-    held_hints: int = 0  # held-prefix hints received
 
 
 class AgentInventory(PrefixRecovery, GroupedEvents):
