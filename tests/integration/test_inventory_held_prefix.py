@@ -21,6 +21,7 @@ async def next_held(call: grpc.aio.StreamStreamCall) -> pb.HeldPrefix:
     while True:
         msg = await asyncio.wait_for(call.read(), 5)
         assert msg is not grpc.aio.EOF
+        assert isinstance(msg, pb.GatewayMessage)
         if msg.WhichOneof("body") == "held":
             return msg.held
 
