@@ -259,6 +259,8 @@ class AgentInventory(PrefixRecovery, GroupedEvents):
         self.stats.stored_blocks += n
         if changed and self.sink is not None:
             self.sink.stored(keys, parent_key, medium)
+        if self._orphans:
+            self._keyed(hashes[:n], medium)  # recovery.py: orphans below these blocks
         if len(mapping) > self.max_blocks:
             self._overflow()
 

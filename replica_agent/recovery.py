@@ -8,7 +8,8 @@ gateway knows each request's keys K and hears the engine's ``cached_tokens`` N: 
 K[:n] (n = N / block size) and the first block it stores for the request has the block of K[n-1]
 as its parent. It sends that as a ``HeldPrefix`` hint (K[:n], the tokens of block n). The agent
 finds the orphan event starting with those tokens, learns ``parent hash -> K[n-1]`` and adopts the
-orphan subtree (children of adopted blocks too).
+orphan subtree (children of adopted blocks too). Orphans whose parent the engine's own events key
+later are adopted as well.
 
 Invariants
 * A learnt parent mapping is an ordinary mapping (``_map``): its removal is translated exactly.
@@ -56,6 +57,7 @@ class PrefixRecovery:
         self._pending: OrderedDict[tuple[int, ...], list[int]] = OrderedDict()
         self._hashless: dict[int, int] = {}  # key -> anchors confirming it
         self._anchors: dict[int, list[int]] = {}  # learnt key -> the hashless keys it confirmed
+        self._adopting: list[MapKey] | None = None  # _adopt's work list while it runs
 
     def _store(self, ev: BlockStored) -> None:
         raise NotImplementedError
@@ -112,8 +114,11 @@ class PrefixRecovery:
     def _learn(self, parent: MapKey, keys: list[int]) -> None:
         """``parent`` is the engine hash of ``keys[-1]``: map it, confirm the ancestors, adopt."""
         anchor = keys[-1]
+        known = self._map.get(parent)
+        if known is not None and known != anchor:
+            return  # the hint contradicts what the engine's events said: keep those
         reported: list[int] = []
-        if self._map.get(parent) is None:
+        if known is None:
             self._map[parent] = anchor
             if self._refs.get(anchor, 0) == 0:
                 reported.append(anchor)
@@ -136,18 +141,28 @@ class PrefixRecovery:
         self.stats.confirmed_blocks += len(reported)
         if reported and self.sink is not None:
             self.sink.stored(reported, None, GPU)
-        self._adopt(parent)
+        self._adopt([parent])
 
-    def _adopt(self, parent: MapKey) -> None:
-        """Key the orphans below ``parent`` (now mapped), then their children, depth first."""
-        work = [parent]
-        while work:
-            for ev in self._orphans.take_children(work.pop()):
-                before = self.stats.stored_blocks
-                self._store(ev)
-                self.stats.adopted_blocks += self.stats.stored_blocks - before
-                gpu = ev.medium == GPU
-                work.extend(map_key(h, ev.medium, gpu) for h in ev.block_hashes)
+    def _keyed(self, hashes: list[Any], medium: str) -> None:
+        """``_store`` keyed blocks ``hashes``: orphans below them can be keyed now."""
+        gpu = medium == GPU
+        mks = [map_key(h, medium, gpu) for h in hashes]
+        if self._adopting is not None:
+            self._adopting.extend(mks)  # inside _adopt: its loop takes them (no recursion)
+        else:
+            self._adopt(mks)
+
+    def _adopt(self, parents: list[MapKey]) -> None:
+        """Key the orphans below ``parents`` (now mapped), then their children, depth first."""
+        work = self._adopting = list(parents)
+        try:
+            while work:
+                for ev in self._orphans.take_children(work.pop()):
+                    before = self.stats.stored_blocks
+                    self._store(ev)  # its blocks come back through _keyed
+                    self.stats.adopted_blocks += self.stats.stored_blocks - before
+        finally:
+            self._adopting = None
 
     def _released(self, k: int) -> None:
         """Key ``k`` left the inventory: the hashless keys it alone confirmed leave too."""

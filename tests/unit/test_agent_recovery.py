@@ -75,6 +75,22 @@ def test_ambiguous_hint_is_not_used() -> None:
     assert len(inv) == 0 and len(inv.orphans) == 2
 
 
+def test_orphans_adopted_when_the_engines_events_key_their_parent() -> None:
+    inv, sink = fresh()
+    inv.apply([stored([11], 3, [7, 8]), stored([12], 11, [9, 10])])
+    inv.apply([stored([3], None, [70, 71])])  # hash 3 is keyed after all (its store came late)
+    assert sorted(inv.keys()) == sorted(block_keys([70, 71, 7, 8, 9, 10], B, "m"))
+    assert len(inv.orphans) == 0 and inv.stats.adopted_blocks == 2 and sink.view == inv.snapshot()
+
+
+def test_a_hint_contradicting_a_known_mapping_is_ignored() -> None:
+    inv, _ = fresh()
+    inv.apply([stored([3], None, [70, 71])])
+    before = inv.snapshot()
+    inv._learn(3, [123, 456])  # a hint naming another key for hash 3
+    assert inv.snapshot() == before and inv.hashless_keys == 0
+
+
 def test_hint_of_a_request_keyed_normally_adopts_nothing() -> None:
     inv, _ = fresh()
     # the same first block below a known prefix (keyed) and below an unknown one (an orphan)
