@@ -163,6 +163,7 @@ class GatewayApp:
             tls_cert=config.inventory.tls_cert,
             tls_key=config.inventory.tls_key,
         )
+        self.fleet.held_prefix_sink = self.inventory.held_prefix
         self.shared_state: SharedState | None = None
         if config.shared_state.redis_url:
             self.shared_state = wire_shared_state(

@@ -48,6 +48,9 @@ class Fleet:
         self._block_sizes: dict[str, int] = {m.name: m.block_size for m in config.models}
         self._lora_fallback: dict[str, str] = {m.name: m.lora_fallback for m in config.models}
         self._allow_registration = config.inventory.allow_registration
+        # where held-prefix hints for a recovering agent go (the inventory server's held_prefix,
+        # set by the app; docs/agent.md, "Recovery without replay")
+        self.held_prefix_sink: Callable[[str, Sequence[int], Sequence[int]], bool] | None = None
         self.reconfigure(config)
 
     # ------------------------------------------------------------------ the replica set

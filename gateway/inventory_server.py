@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -38,8 +38,9 @@ from prometheus_client import CollectorRegistry
 
 from gateway.agent_credentials import AgentCredentials, Identity, RegistrationRules, StreamAccess
 from gateway.inventory_metrics import InventoryMetrics
+from gateway.inventory_refusals import Refusal
 from gateway.inventory_sink import AgentHello, AgentLoad, FleetSink
-from gateway.inventory_stream import InventoryObserver, Refusal, StreamRules, Streams, StreamState
+from gateway.inventory_stream import InventoryObserver, StreamRules, Streams, StreamState
 from proto.contract import METHOD, SERVICE
 from proto.kvgate.v1 import inventory_pb2 as pb
 from router_policies.prefix_index import PrefixIndex
@@ -155,6 +156,10 @@ class InventoryServer:
     # ------------------------------------------------------------------ queries
     def connected_replicas(self) -> list[str]:
         return sorted(self._streams.writers)
+
+    def held_prefix(self, replica: str, keys: Sequence[int], next_tokens: Sequence[int]) -> bool:
+        """A recovery hint for the replica's agent (``Streams.held_prefix``)."""
+        return self._streams.held_prefix(replica, keys, next_tokens)
 
     def request_resync(self, replica: str, reason: str = "admin") -> bool:
         """Ask the replica's agent for a full snapshot; False when it has no open stream."""
@@ -283,4 +288,6 @@ def _next_message(stream: StreamState) -> pb.GatewayMessage | None:
         seq, stream.ack_seq = stream.ack_seq, None
         kbs = stream.key_block_size if seq == 1 else 0
         return pb.GatewayMessage(ack=pb.Ack(seq=seq, key_block_size=kbs))
+    if stream.held:
+        return pb.GatewayMessage(held=stream.held.popleft())
     return None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -44,10 +45,13 @@ from gateway.inventory_ops import (
     ops_of_events,
     stored_keys,
 )
-from gateway.inventory_sink import AgentEngine, AgentHello, AgentLoad, FleetSink
-from proto.contract import MAX_LORA_ADAPTERS, PROTOCOL_VERSION
+from gateway.inventory_refusals import Refusal, check_keyed_at, engine_of, malformed, over_bound, protocol
+from gateway.inventory_sink import AgentHello, AgentLoad, FleetSink
+from proto.contract import PROTOCOL_VERSION
 from proto.kvgate.v1 import inventory_pb2 as pb
 from router_policies.prefix_index import IndexBoundError, PrefixIndex
+
+MAX_HELD_HINTS = 64  # held-prefix hints queued per stream
 
 
 class InventoryObserver(Protocol):
@@ -59,49 +63,6 @@ class InventoryObserver(Protocol):
     def inventory_snapshot(self, replica: str, entries: Mapping[int, str]) -> None: ...
 
     def inventory_ops(self, replica: str, ops: Sequence[Op]) -> None: ...
-
-
-class Refusal(Exception):
-    """End the stream with ``code``; ``reason`` is the metric label."""
-
-    def __init__(self, code: grpc.StatusCode, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.reason = reason
-        self.message = message
-
-
-def _malformed(message: str) -> Refusal:
-    return Refusal(grpc.StatusCode.INVALID_ARGUMENT, "malformed", message)
-
-
-def _protocol(message: str) -> Refusal:
-    return Refusal(grpc.StatusCode.INVALID_ARGUMENT, "protocol", message)
-
-
-def _over_bound(message: str) -> Refusal:
-    return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "block_bound", message)
-
-
-def _check_keyed_at(stream: StreamState) -> None:
-    """Keys cover ``keyed_at`` tokens; the gateway's cover ``key_block_size``. Keys of another size
-    would never match a request, so they are refused rather than applied (an agent re-keys at the
-    size the Ack of its Hello gave, then says Hello again; an agent too old to re-key is told why)."""
-    if stream.key_block_size and stream.keyed_at != stream.key_block_size:
-        raise Refusal(
-            grpc.StatusCode.FAILED_PRECONDITION,
-            "block_size",
-            f"replica {stream.replica!r}: the agent keys blocks of {stream.keyed_at} tokens, the gateway "
-            f"keys this model at {stream.key_block_size}: re-key at {stream.key_block_size} "
-            "(agents re-key on the Ack of their Hello; or start the agent with --key-block-size)",
-        )
-
-
-def engine_of(st: pb.EngineState) -> AgentEngine:
-    """An EngineState as the fleet takes it (refused when it lists too many adapters)."""
-    if len(st.lora_adapters) > MAX_LORA_ADAPTERS:
-        raise _malformed(f"engine state lists {len(st.lora_adapters)} adapters, over {MAX_LORA_ADAPTERS}")
-    return AgentEngine(st.hybrid, frozenset(st.lora_adapters), st.adapters_known)
 
 
 @dataclass(slots=True)
@@ -127,6 +88,9 @@ class StreamState:
     last_gaps: tuple[int, int] = (0, 0)
     key_block_size: int = 0  # the gateway's block size, sent on the Ack of the Hello (seq 1)
     keyed_at: int = 0  # the block size the agent's Hello says its keys cover
+    # held-prefix hints for a degraded agent (docs/agent.md, "Recovery without replay"); bounded:
+    # the oldest go, later requests send more
+    held: deque[pb.HeldPrefix] = field(default_factory=lambda: deque(maxlen=MAX_HELD_HINTS))
     identity: Identity | None = None  # what the stream's token may speak for (set by the server)
 
     @property
@@ -162,6 +126,16 @@ class Streams:
         self.writers: dict[str, StreamState] = {}
         self.observer: InventoryObserver | None = None
 
+    def held_prefix(self, replica: str, keys: Sequence[int], next_tokens: Sequence[int]) -> bool:
+        """Tell a degraded replica's agent that its engine holds ``keys`` and stored a block of
+        ``next_tokens`` below them (False: no stream, or its inventory is not degraded)."""
+        stream = self.writers.get(replica)
+        if stream is None or not stream.agent_degraded:
+            return False
+        stream.held.append(pb.HeldPrefix(keys=keys, next_tokens=next_tokens))
+        stream.wake.set()
+        return True
+
     def request_resync(self, replica: str, reason: str) -> bool:
         stream = self.writers.get(replica)
         if stream is None:
@@ -182,13 +156,13 @@ class Streams:
         try:
             msg = pb.AgentMessage.FromString(raw)
         except DecodeError as exc:
-            raise _malformed(f"malformed AgentMessage: {exc}") from None
+            raise malformed(f"malformed AgentMessage: {exc}") from None
         kind = msg.WhichOneof("body")
         if kind is None:
-            raise _malformed("AgentMessage without a body")
+            raise malformed("AgentMessage without a body")
         if stream.replica is None:
             if kind != "hello":
-                raise _protocol(f"the first message must be hello, got {kind}")
+                raise protocol(f"the first message must be hello, got {kind}")
             self._hello(stream, msg)
             return
         if msg.seq != stream.expected_seq:
@@ -197,7 +171,7 @@ class Streams:
             self._ask_resync(stream, f"stream seq {msg.seq}, expected {stream.expected_seq}")
         stream.expected_seq = msg.seq + 1
         if kind in ("events", "snapshot"):
-            _check_keyed_at(stream)
+            check_keyed_at(stream)
         if kind == "events":
             self._events(stream, msg.events)
         elif kind == "snapshot":
@@ -213,7 +187,7 @@ class Streams:
         elif kind == "engine":  # hybrid flag and LoRA adapters (Fleet.agent_engine)
             self.fleet.agent_engine(stream.replica, engine_of(msg.engine))
         else:  # a second hello
-            raise _protocol("hello sent twice on one stream")
+            raise protocol("hello sent twice on one stream")
         stream.unacked += 1
         if stream.unacked >= self.rules.ack_every:
             self._ack(stream, msg.seq)
@@ -221,11 +195,11 @@ class Streams:
     def _hello(self, stream: StreamState, msg: pb.AgentMessage) -> None:
         h = msg.hello
         if msg.seq != 1:
-            raise _protocol(f"hello must have seq 1, got {msg.seq}")
+            raise protocol(f"hello must have seq 1, got {msg.seq}")
         if not h.replica_id:
-            raise _malformed("hello.replica_id is empty")
+            raise malformed("hello.replica_id is empty")
         if h.block_size <= 0:
-            raise _malformed("hello.block_size must be positive")
+            raise malformed("hello.block_size must be positive")
         if h.protocol_version not in (0, PROTOCOL_VERSION):
             raise Refusal(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -334,14 +308,14 @@ class Streams:
             staging.add_chunk(op_of_chunk(chunk))
         except BoundExceeded as exc:
             stream.staging = None
-            raise _over_bound(f"snapshot of replica {replica!r} {exc}") from None
+            raise over_bound(f"snapshot of replica {replica!r} {exc}") from None
         if not chunk.last:
             return
         stream.staging = None
         try:
             self.index.replace_replica(replica, staging.entries)
         except IndexBoundError as exc:
-            raise _over_bound(str(exc)) from None
+            raise over_bound(str(exc)) from None
         if self.observer is not None:
             self.observer.inventory_snapshot(replica, staging.entries)
         self.metrics.snapshots_applied.inc()
@@ -371,10 +345,10 @@ class Streams:
                 # near a bound: replay the batch on a count first, so that none of it applies
                 apply_ops(ops, BoundCheck.of(index, replica, stream.bound))
         except MalformedOps as exc:
-            raise _malformed(str(exc)) from None
+            raise malformed(str(exc)) from None
         except BoundExceeded as exc:
             stream.staging = None
-            raise _over_bound(f"replica {replica!r} {exc}") from None
+            raise over_bound(f"replica {replica!r} {exc}") from None
         self._apply(replica, ops)
         if self.observer is not None:
             self.observer.inventory_ops(replica, ops)
@@ -386,7 +360,7 @@ class Streams:
         try:
             apply_ops(ops, target)
         except IndexBoundError as exc:  # only the global bound can get here (see BoundCheck)
-            raise _over_bound(str(exc)) from None
+            raise over_bound(str(exc)) from None
         finally:
             if target.stored:
                 self.metrics.stored.inc(target.stored)

@@ -9,11 +9,12 @@ the end.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import orjson
 
+from gateway.features.segment_encoder import TokenArray
 from gateway.metrics import GatewayMetrics
 from gateway.replica_record import ReplicaRecord
 
@@ -90,3 +91,17 @@ def record_audit(metrics: GatewayMetrics, record: ReplicaRecord, predicted: int,
     outcome = record.audit.record(predicted, reported)
     metrics.audit_by(record.id, outcome).inc()
     metrics.audit_error_by(record.id).observe(predicted - reported)
+
+
+def held_prefix_hint(
+    keys: Sequence[int], token_ids: TokenArray | None, block_size: int, reported: int
+) -> tuple[list[int], list[int]] | None:
+    """What the engine's report tells a recovering agent (docs/agent.md, "Recovery without
+    replay"): it holds the request's first ``reported // block_size`` keys, and the first block it
+    stored for the request (the tokens returned) is their child. None when nothing was cached,
+    or nothing new was stored, or the tokens are unknown."""
+    n = reported // block_size
+    if token_ids is None or n <= 0 or n >= len(keys) or len(token_ids) < (n + 1) * block_size:
+        return None
+    next_tokens: list[int] = token_ids[n * block_size : (n + 1) * block_size].tolist()
+    return list(keys[:n]), next_tokens

@@ -34,7 +34,13 @@ from multidict import CIMultiDict
 from gateway.fleet import Fleet, ReplicaRecord
 from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import RequestError, sse_error_event
-from gateway.prediction_audit import SseTail, cached_tokens_in_body, cached_tokens_in_sse_tail, record_audit
+from gateway.prediction_audit import (
+    SseTail,
+    cached_tokens_in_body,
+    cached_tokens_in_sse_tail,
+    held_prefix_hint,
+    record_audit,
+)
 from gateway.request_context import DROP_REQUEST, DROP_RESPONSE, Attempt, filter_headers
 from gateway.request_outcome import OutcomeSink
 
@@ -191,6 +197,10 @@ class Upstream:
     def _audit(self, a: Attempt, reported: int | None) -> None:
         if reported is not None:
             record_audit(self._metrics, a.record, a.choice.predicted_tokens, reported)
+            sink, f = self._fleet.held_prefix_sink, a.features
+            hint = held_prefix_hint(f.block_keys, a.info.token_ids, f.block_size, reported) if sink else None
+            if sink is not None and hint is not None:
+                sink(a.record.id, *hint)
             a.ctx.log["reported_cached_tokens"] = reported
 
     async def send(self, a: Attempt) -> web.StreamResponse:

@@ -64,11 +64,18 @@ class AgentCollector:
                 "skipped_blocks",
                 "unknown_removals",
                 "overflow_evictions",
+                "adopted_blocks",  # recovery without replay (recovery.py)
+                "confirmed_blocks",
             ):
                 b.add_metric([kind.replace("_blocks", "")], getattr(s, kind))
             yield b
             yield GaugeMetricFamily(
                 "kvgate_agent_inventory_blocks", "Blocks the agent holds.", value=len(inv)
+            )
+            yield GaugeMetricFamily(
+                "kvgate_agent_orphan_bytes",
+                "Estimated bytes of stored blocks kept until their parent is learnt.",
+                value=inv.orphans.bytes,
             )
             yield GaugeMetricFamily(
                 "kvgate_agent_degraded",

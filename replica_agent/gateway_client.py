@@ -223,6 +223,8 @@ class GatewayClient:
                 log.info("gateway asked for a snapshot: %s", msg.resync.reason)
                 self.outbox.need_snapshot = True
                 self.outbox.wake.set()
+            elif kind == "held":  # a recovery hint (recovery.py): applied at once, never awaited
+                self.inventory.held_prefix(list(msg.held.keys), list(msg.held.next_tokens))
 
     @staticmethod
     async def _raise_status(call: grpc.aio.StreamStreamCall[pb.AgentMessage, pb.GatewayMessage]) -> None:

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Protocol
 
 from proto.contract import GPU
 from replica_agent.engine_events import AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent, EngineHash
 from replica_agent.inventory_groups import GroupedEvents
+from replica_agent.inventory_stats import InventoryStats
 from replica_agent.kv_groups import GroupTracker, order_stores
+from replica_agent.recovery import DEFAULT_ORPHAN_BYTES, PrefixRecovery
 from router_policies.block_keys import chain_keys, root_key
 
 
@@ -48,19 +49,7 @@ class InventorySink(Protocol):
     def cleared(self) -> None: ...
 
 
-@dataclass(slots=True)
-class InventoryStats:
-    stored_blocks: int = 0  # blocks of BlockStored events keyed
-    removed_blocks: int = 0  # blocks of BlockRemoved events translated
-    skipped_blocks: int = 0  # blocks whose parent could not be mapped
-    unknown_removals: int = 0  # removals of engine hashes we never mapped
-    overflow_evictions: int = 0  # mappings dropped by the max_blocks bound
-    block_size_mismatches: int = 0  # stored events whose block_size differs from the replica's
-    clears: int = 0
-    bad_tokens: int = 0  # stored events whose token ids are not uint32 ints (skipped)
-
-
-class AgentInventory(GroupedEvents):
+class AgentInventory(PrefixRecovery, GroupedEvents):
     def __init__(
         self,
         model: str,
@@ -69,6 +58,7 @@ class AgentInventory(GroupedEvents):
         sink: InventorySink | None = None,
         key_block_size: int | None = None,
         max_namespaces: int = 4096,
+        orphan_bytes: int = DEFAULT_ORPHAN_BYTES,
     ) -> None:
         if max_blocks <= 0:
             raise ValueError("max_blocks must be positive")
@@ -110,6 +100,7 @@ class AgentInventory(GroupedEvents):
         self.degraded_reason = ""
         self._rebuild_left = 0
         self.capacity_blocks = 0
+        self._init_recovery(orphan_bytes)  # recovery.py: blocks adopted once their parent is learnt
 
     # ------------------------------------------------------------------ views
     @property
@@ -141,6 +132,7 @@ class AgentInventory(GroupedEvents):
         self._link.clear()
         if self._groups is not None:
             self._groups.clear()
+        self._forget_recovery()
         self.stats.clears += 1
         if self.sink is not None:
             self.sink.cleared()
@@ -228,6 +220,7 @@ class AgentInventory(GroupedEvents):
                 found = mapping.get((ev.parent, ev.medium))
             if found is None:
                 self._skip(len(hashes))
+                self._orphan(ev)
                 return
             parent_key = found
         tokens = ev.token_ids
@@ -266,6 +259,8 @@ class AgentInventory(GroupedEvents):
         self.stats.stored_blocks += n
         if changed and self.sink is not None:
             self.sink.stored(keys, parent_key, medium)
+        if self._orphans:
+            self._keyed(hashes[:n], medium)  # recovery.py: orphans below these blocks
         if len(mapping) > self.max_blocks:
             self._overflow()
 
@@ -335,6 +330,13 @@ class AgentInventory(GroupedEvents):
         if len(mapping) > self.max_blocks:
             self._overflow()
 
+    def _drop_key(self, k: int) -> None:
+        """``k``'s last reference went: it leaves the inventory (the caller reports it)."""
+        del self._refs[k]
+        del self._medium[k]
+        self._link.pop(k, None)
+        self._released(k)
+
     def _overflow(self) -> None:
         mapping = self._map
         dropped: list[int] = []
@@ -345,9 +347,7 @@ class AgentInventory(GroupedEvents):
             if r:
                 self._refs[k] = r
             else:
-                del self._refs[k]
-                del self._medium[k]
-                self._link.pop(k, None)
+                self._drop_key(k)
                 dropped.append(k)
         if dropped and self.sink is not None:
             self.sink.removed(dropped, GPU)
@@ -357,9 +357,7 @@ class AgentInventory(GroupedEvents):
         if r:
             self._refs[k] = r
             return
-        del self._refs[k]
-        del self._medium[k]
-        self._link.pop(k, None)
+        self._drop_key(k)
         if self.sink is not None:
             self.sink.removed([k], medium)
 
@@ -368,24 +366,26 @@ class AgentInventory(GroupedEvents):
         gpu = medium == GPU
         mapping = self._map
         refs = self._refs
-        held = self._medium
         gone: list[int] = []
         partial = self._partial
+        orphans = self._orphans
         for h in ev.block_hashes:
             mk = h if gpu else (h, medium)
             k = mapping.pop(mk, None)
+            if orphans:
+                orphans.remove(mk)  # a block kept for adoption (recovery.py) is gone
             if k is None:
                 if partial and partial.pop(mk, None) is not None:
                     continue  # an engine block inside a key block: it held no key
                 self.stats.unknown_removals += 1
                 continue
             r = refs[k] - 1
+            if r and self._hashless:  # the engine lost k: no hint keeps it (recovery.py)
+                r -= self._hashless.pop(k, 0)
             if r:
                 refs[k] = r
             else:
-                del refs[k]
-                del held[k]
-                self._link.pop(k, None)
+                self._drop_key(k)
                 gone.append(k)
         self.stats.removed_blocks += len(gone)
         if self.degraded:

@@ -38,6 +38,8 @@ class GroupedEvents:
 
     def mark_complete(self) -> None: ...
 
+    def _forget_recovery(self) -> None: ...
+
     def _needs_groups(self, ev: BlockStored) -> bool:
         """A block of a second group, or of a group that is not full attention: per-group
         tracking from here on (kv_groups.py)."""
@@ -54,6 +56,7 @@ class GroupedEvents:
             self._groups.adopt(
                 self._group0 or 0, self._map, self._link, set(self._roots.values()), self._medium
             )
+        self._forget_recovery()  # no recovery per group (recovery.py)
         self._map.clear()
         self._partial.clear()
         self._refs.clear()

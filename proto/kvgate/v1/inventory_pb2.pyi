@@ -400,21 +400,25 @@ class GatewayMessage(_message.Message):
 
     ACK_FIELD_NUMBER: _builtins.int
     RESYNC_FIELD_NUMBER: _builtins.int
+    HELD_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def ack(self) -> Global___Ack: ...
     @_builtins.property
     def resync(self) -> Global___Resync: ...
+    @_builtins.property
+    def held(self) -> Global___HeldPrefix: ...
     def __init__(
         self,
         *,
         ack: Global___Ack | None = ...,
         resync: Global___Resync | None = ...,
+        held: Global___HeldPrefix | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "resync", b"resync"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "held", b"held", "resync", b"resync"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "resync", b"resync"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "held", b"held", "resync", b"resync"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["ack", "resync"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["ack", "resync", "held"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
@@ -469,3 +473,34 @@ class Resync(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Resync: _TypeAlias = Resync  # noqa: Y015
+
+@_typing.final
+class HeldPrefix(_message.Message):
+    """A request on the agent's replica was answered with `cached_tokens` = len(keys) * block_size: the
+    engine holds `keys` (the request's first key blocks), and the first block it stores for the
+    request (tokens `next_tokens`) has the block of keys[-1] as its parent. Sent only while the
+    agent reports its inventory degraded; the agent uses it to learn the engine hash of keys[-1]
+    and adopt the blocks it could not key (docs/agent.md, "Recovery without replay").
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEYS_FIELD_NUMBER: _builtins.int
+    NEXT_TOKENS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def next_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        keys: _abc.Iterable[_builtins.int] | None = ...,
+        next_tokens: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "next_tokens", b"next_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeldPrefix: _TypeAlias = HeldPrefix  # noqa: Y015
