@@ -40,6 +40,9 @@ log = logging.getLogger("kvgate.http")
 FD_RESERVE = 128  # descriptors kept for upstream sockets, the inventory stream and files
 
 
+LINGER_S = 2.0  # how long a connection answered 408 is read and discarded before it closes
+
+
 def connection_cap(configured: int) -> int:
     """``configured``, lowered to the open-file limit less ``FD_RESERVE`` (at least 16)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -84,7 +87,7 @@ class HardenedHandler(web_protocol.RequestHandler):
     """aiohttp's connection protocol plus the header timeout, the connection cap and
     OpenAI-shaped parser errors (see the module docstring)."""
 
-    __slots__ = ("_body", "_cap", "_cfg", "_header_timer", "_refused")
+    __slots__ = ("_body", "_cap", "_cfg", "_header_timer", "_lingering", "_refused")
 
     def __init__(self, manager: HardenedServer, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -93,6 +96,7 @@ class HardenedHandler(web_protocol.RequestHandler):
         self._header_timer: asyncio.TimerHandle | None = None
         self._body: Any = None  # the payload of the last request whose headers arrived
         self._refused = False
+        self._lingering = False  # a 408 was sent: what the client still sends is discarded
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         manager = self._manager
@@ -107,7 +111,7 @@ class HardenedHandler(web_protocol.RequestHandler):
         super().connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
-        if self._refused:
+        if self._refused or self._lingering:
             return
         before = self._request_count
         super().data_received(data)
@@ -133,7 +137,13 @@ class HardenedHandler(web_protocol.RequestHandler):
         log.warning("request headers from %s not received in %ss: 408", peer, self._cfg.header_timeout_s)
         message = f"request headers not received in {self._cfg.header_timeout_s}s"
         transport.write(raw_error(408, "Request Timeout", message, "header_timeout"))
-        self.force_close()
+        # Lingering close (as nginx's lingering_close): closing at once, with the client's header
+        # bytes still arriving, makes the kernel send a reset that can destroy the 408 before the
+        # client reads it. So: end our side (FIN), discard what still comes, close a moment later.
+        self._lingering = True
+        if isinstance(transport, asyncio.WriteTransport) and transport.can_write_eof():
+            transport.write_eof()
+        self._loop.call_later(LINGER_S, transport.close)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._stop_header_timer()
