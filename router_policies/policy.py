@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from router_policies.ttft.params import TtftParams
+
 
 @dataclass(frozen=True, slots=True)
 class RequestFeatures:
@@ -42,6 +44,12 @@ class ReplicaState:
     matched_blocks: int = 0  # leading request blocks this replica holds (index match)
     match_score: float = 0.0  # matched_blocks weighted by medium
     held_blocks: int = 0  # how full the index believes its cache is (PrefixIndex.held_count)
+    # of matched_blocks, those held on a slower medium than the GPU: ((medium, blocks), ...)
+    matched_on_media: tuple[tuple[str, int], ...] = ()
+    # causal-attention pairs of that pending prefill: sum over its requests of u (c + (u + 1) / 2),
+    # u uncached and c cached tokens (router_policies.ttft.features.attention_pairs); 0: unknown
+    pending_prefill_pairs: float = 0.0
+    ttft: TtftParams | None = None  # the replica's fitted TTFT model (None: the policy's prior)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +66,8 @@ class Decision:
     reason: str
     matched_blocks: int = 0
     scores: Mapping[str, float] = field(default_factory=dict)
+    # per replica, the named terms of its score (kv_aware: predicted TTFT ms and its parts)
+    terms: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
 
 class NoReplicaError(Exception):

@@ -28,6 +28,15 @@ shape (Llama-3-8B config.json: 8.03 B parameters, 32 layers, hidden 4096, 8 KV h
     tokens (782 blocks of 512 tokens);
   * scheduler limits: vLLM's defaults for an OpenAI server (max_num_seqs 256,
     max_num_batched_tokens 8192).
+
+``llama3-8b-a100`` is the same model on one A100 SXM 80 GB, derived the same way from its
+datasheet (312 TFLOPS dense BF16, 2.039 TB/s HBM2e; NVIDIA A100 datasheet): 128.7 us per prefill
+token, 11.3 + 1.2 ms per step, 91.8 ns per KV token read; the same 80 GB, hence the same KV
+capacity. It is about 3.2x slower to prefill and 1.5x slower to decode than the H100.
+
+Fleets (``fleet_profiles``): a profile name gives N identical replicas; ``NAME*K,NAME*K`` lists
+the replicas of each profile; ``h100+a100`` is half H100s and half A100s, interleaved (r0 H100,
+r1 A100, ...), a fleet of two GPU generations as operators run them.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from dataclasses import dataclass
 
 from router_policies.errors import UserInputError
 from router_policies.sim.replica_model import EngineConfig, StepCosts
+from router_policies.ttft.params import TtftParams, params_from_step_costs
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,13 +69,38 @@ class Profile:
             max_num_batched_tokens=self.max_num_batched_tokens,
         )
 
+    def ttft_prior(self) -> TtftParams:
+        """The TTFT model of an engine of this profile (router_policies.ttft), as a cold-start prior."""
+        return params_from_step_costs(
+            self.costs, self.max_num_batched_tokens, self.max_num_seqs, self.kv_cache_tokens
+        )
+
 
 _SMALL_P = 1.910 / 1984  # s per prefill token (see the module docstring)
 
-_H100_FLOPS = 989e12 * 0.40  # BF16 dense at 40 % MFU
-_H100_BW = 3.35e12 * 0.70  # bytes/s effectively streamed
 _L3_PARAMS = 8.03e9
 _L3_KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2
+
+
+def _llama3_8b(name: str, dense_tflops: float, hbm_tb_per_s: float, description: str) -> Profile:
+    """Llama-3-8B BF16 on one 80 GB GPU: 40 % MFU, 70 % of peak memory bandwidth (docstring)."""
+    flops = dense_tflops * 1e12 * 0.40
+    bw = hbm_tb_per_s * 1e12 * 0.70
+    return Profile(
+        name=name,
+        costs=StepCosts(
+            step_overhead_s=2 * _L3_PARAMS / bw + 0.0012,
+            prefill_s_per_token=2 * _L3_PARAMS / flops,
+            prefill_s_per_token_ctx=4 * 32 * 4096 / flops,
+            decode_s_per_seq=2 * _L3_PARAMS / flops,
+            decode_s_per_ctx_token=_L3_KV_BYTES_PER_TOKEN / bw,
+        ),
+        kv_cache_tokens=400_000,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        description=description,
+    )
+
 
 PROFILES: dict[str, Profile] = {
     "small-cpu": Profile(
@@ -80,19 +115,11 @@ PROFILES: dict[str, Profile] = {
         max_num_batched_tokens=4096,
         description="the seed's small model on CPU: 2,000-token prompt ~2,100 ms miss / ~190 ms hit",
     ),
-    "llama3-8b-h100": Profile(
-        name="llama3-8b-h100",
-        costs=StepCosts(
-            step_overhead_s=2 * _L3_PARAMS / _H100_BW + 0.0012,
-            prefill_s_per_token=2 * _L3_PARAMS / _H100_FLOPS,
-            prefill_s_per_token_ctx=4 * 32 * 4096 / _H100_FLOPS,
-            decode_s_per_seq=2 * _L3_PARAMS / _H100_FLOPS,
-            decode_s_per_ctx_token=_L3_KV_BYTES_PER_TOKEN / _H100_BW,
-        ),
-        kv_cache_tokens=400_000,
-        max_num_seqs=256,
-        max_num_batched_tokens=8192,
-        description="Llama-3-8B BF16 on one H100 SXM 80 GB (datasheet-derived)",
+    "llama3-8b-h100": _llama3_8b(
+        "llama3-8b-h100", 989, 3.35, "Llama-3-8B BF16 on one H100 SXM 80 GB (datasheet-derived)"
+    ),
+    "llama3-8b-a100": _llama3_8b(
+        "llama3-8b-a100", 312, 2.039, "Llama-3-8B BF16 on one A100 SXM 80 GB (datasheet-derived)"
     ),
 }
 
@@ -105,3 +132,27 @@ def get_profile(name: str) -> Profile:
     except KeyError:
         known = ", ".join(sorted(PROFILES))
         raise UserInputError(f"--profile: unknown profile {name!r} (known: {known})") from None
+
+
+FLEETS: dict[str, tuple[str, ...]] = {"h100+a100": ("llama3-8b-h100", "llama3-8b-a100")}
+
+
+def fleet_profiles(spec: str, replicas: int) -> list[Profile]:
+    """The profile of each of ``replicas`` replicas: a profile name (all alike), a fleet name of
+    ``FLEETS`` (its profiles interleaved), or ``NAME*K,NAME*K,...`` whose counts sum to ``replicas``."""
+    if spec in PROFILES:
+        return [PROFILES[spec]] * replicas
+    if spec in FLEETS:
+        names = FLEETS[spec]
+        return [PROFILES[names[i % len(names)]] for i in range(replicas)]
+    out: list[Profile] = []
+    for part in spec.split(","):
+        name, _, count = part.strip().partition("*")
+        try:
+            k = int(count) if count else 1
+        except ValueError:
+            raise UserInputError(f"--fleet: {part!r}: expected NAME*COUNT") from None
+        out.extend([get_profile(name)] * k)
+    if len(out) != replicas:
+        raise UserInputError(f"--fleet: {spec!r} lists {len(out)} replicas, not {replicas}")
+    return out

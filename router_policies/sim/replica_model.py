@@ -82,151 +82,48 @@ prefix_cache_queries / prefix_cache_hits in tokens, counted once per admission.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from collections import deque
 
-RequestId = Hashable
+from router_policies.sim.engine_types import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineConfig,
+    EngineMetrics,
+    EngineRequest,
+    FirstToken,
+    KvEvent,
+    ReqState,
+    RequestId,
+    RequestTooLargeError,
+    StepCosts,
+    StepResult,
+)
+from router_policies.sim.kv_blocks import BlockPool
 
-
-@dataclass(frozen=True, slots=True)
-class StepCosts:
-    """Seconds per step and per unit of work (see the module docstring for the formula)."""
-
-    step_overhead_s: float
-    prefill_s_per_token: float
-    prefill_s_per_token_ctx: float = 0.0
-    decode_s_per_seq: float = 0.0
-    decode_s_per_ctx_token: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in (
-            "step_overhead_s",
-            "prefill_s_per_token",
-            "prefill_s_per_token_ctx",
-            "decode_s_per_seq",
-            "decode_s_per_ctx_token",
-        ):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: must be >= 0")
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    num_blocks: int
-    block_size: int
-    costs: StepCosts
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-
-    def __post_init__(self) -> None:
-        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: must be > 0")
-
-
-@dataclass(frozen=True, slots=True)
-class EngineRequest:
-    request_id: RequestId
-    block_ids: Sequence[int]  # one per full prompt block, chained ids
-    prompt_tokens: int
-    output_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    block_ids: tuple[int, ...]  # consecutive blocks, each the child of the previous one
-    parent: int | None  # id of the block before the first one, None for a first block
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    block_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
-    pass
-
-
-KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-@dataclass(frozen=True, slots=True)
-class FirstToken:
-    request_id: RequestId
-    cached_tokens: int  # prefix hit at the request's first admission, in tokens
-
-
-@dataclass(slots=True)
-class StepResult:
-    start: float
-    end: float
-    steps: int = 1
-    prefill_tokens: int = 0
-    first_tokens: list[FirstToken] = field(default_factory=list)
-    decoded: list[tuple[RequestId, int]] = field(default_factory=list)
-    finished: list[RequestId] = field(default_factory=list)
-    preempted: list[RequestId] = field(default_factory=list)
-    events: list[KvEvent] = field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineMetrics:
-    running: int
-    waiting: int
-    kv_usage: float
-    prefix_cache_queries: int  # tokens looked up
-    prefix_cache_hits: int  # tokens found cached
-
-
-class RequestTooLargeError(ValueError):
-    """The request cannot fit in the KV cache even alone."""
-
-
-class _Req:
-    __slots__ = (
-        "cached_tokens",
-        "computed",
-        "ids",
-        "kv_cap",
-        "n_ids",
-        "out_max",
-        "outputs",
-        "phys",
-        "prompt",
-        "req",
-        "rid",
-        "stored",
-        "target",
-    )
-
-    def __init__(self, req: EngineRequest) -> None:
-        self.req = req
-        self.rid = req.request_id
-        self.prompt = req.prompt_tokens
-        self.out_max = req.output_tokens
-        self.ids = req.block_ids
-        self.n_ids = len(req.block_ids)
-        self.kv_cap = 0  # tokens the held blocks can take: len(phys) x block_size
-        self.target = req.prompt_tokens  # tokens to prefill (prompt + generated after a preemption)
-        self.computed = 0  # of target, including the cached prefix
-        self.outputs = 0  # tokens emitted so far
-        self.cached_tokens = -1  # set at first admission
-        self.stored = 0  # leading prompt blocks whose caching has been decided
-        self.phys: list[int] = []
+__all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "EngineConfig",
+    "EngineMetrics",
+    "EngineRequest",
+    "FirstToken",
+    "KvEvent",
+    "ReplicaModel",
+    "RequestId",
+    "RequestTooLargeError",
+    "StepCosts",
+    "StepResult",
+]
 
 
 class ReplicaModel:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        n = config.num_blocks
-        self._hash: list[int | None] = [None] * n  # physical block -> cached id
-        self._ref: list[int] = [0] * n
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(n))  # front = evict first
-        self._cached: dict[int, int] = {}  # id -> physical block
-        self._waiting: deque[_Req] = deque()
-        self._running: list[_Req] = []  # admission order
+        self._pool = BlockPool(config.num_blocks, config.block_size)
+        self._waiting: deque[ReqState] = deque()
+        self._running: list[ReqState] = []  # admission order
         self._busy_until = float("-inf")
         self._last_submit = float("-inf")
         self._pending_events: list[KvEvent] = []
@@ -248,19 +145,13 @@ class ReplicaModel:
             raise RequestTooLargeError(
                 f"request {req.request_id!r} needs {need} blocks, the cache has {cfg.num_blocks}"
             )
-        self._waiting.append(_Req(req))
+        self._waiting.append(ReqState(req))
         self._last_submit = max(self._last_submit, now)
 
     def clear(self) -> bool:
         """vLLM's reset_prefix_cache: forget every cached id. Refused (False) while any block is
         pinned by a request. The ``AllBlocksCleared`` event comes with the next step."""
-        if len(self._free) != self.config.num_blocks:
-            return False
-        for phys in self._cached.values():
-            self._hash[phys] = None
-        self._cached.clear()
-        self._pending_events.append(AllBlocksCleared())
-        return True
+        return self._pool.clear(self._pending_events)
 
     def abort(self, request_id: RequestId) -> bool:
         """vLLM's abort (the client went away): drop a waiting or running request between steps.
@@ -269,12 +160,12 @@ class ReplicaModel:
         for i, r in enumerate(self._running):
             if r.req.request_id == request_id:
                 del self._running[i]
-                self._release(r)
+                self._pool.release(r)
                 return True
         for r in self._waiting:
             if r.req.request_id == request_id:
                 self._waiting.remove(r)
-                self._release(r)  # no-op unless it holds blocks
+                self._pool.release(r)  # no-op unless it holds blocks
                 return True
         return False
 
@@ -291,7 +182,7 @@ class ReplicaModel:
         return EngineMetrics(
             running=len(self._running),
             waiting=len(self._waiting),
-            kv_usage=(n - len(self._free)) / n,
+            kv_usage=(n - self._pool.free_count()) / n,
             prefix_cache_queries=self._queries,
             prefix_cache_hits=self._hits,
         )
@@ -299,115 +190,29 @@ class ReplicaModel:
     def load(self) -> tuple[int, int, float]:
         """(running, waiting, kv_usage) without building an ``EngineMetrics``."""
         n = self.config.num_blocks
-        return len(self._running), len(self._waiting), (n - len(self._free)) / n
+        return len(self._running), len(self._waiting), (n - self._pool.free_count()) / n
 
     @property
     def busy_until(self) -> float:
         return self._busy_until
 
     def cached_ids(self) -> set[int]:
-        return set(self._cached)
+        return self._pool.cached_ids()
 
     def is_cached(self, block_id: int) -> bool:
-        return block_id in self._cached
+        return self._pool.is_cached(block_id)
 
     def free_blocks(self) -> int:
-        return len(self._free)
+        return self._pool.free_count()
 
-    # ------------------------------------------------------------------ blocks
-    def _allocate(self, k: int, events: list[KvEvent], out: list[int]) -> bool:
-        """Pop ``k`` blocks from the front of the free queue into ``out`` (evicting their cached ids,
-        reported as one BlockRemoved). False, with nothing changed, when fewer than ``k`` are free."""
-        free = self._free
-        if k > len(free):
-            return False
-        hashes = self._hash
-        ref = self._ref
-        cached = self._cached
-        removed: list[int] = []
-        for _ in range(k):
-            phys, _none = free.popitem(last=False)
-            old = hashes[phys]
-            if old is not None:
-                del cached[old]
-                hashes[phys] = None
-                removed.append(old)
-            ref[phys] = 1
-            out.append(phys)
-        if removed:
-            if events and isinstance(events[-1], BlockRemoved):
-                events[-1] = BlockRemoved((*events[-1].block_ids, *removed))
-            else:
-                events.append(BlockRemoved(tuple(removed)))
-        return True
-
-    def _release(self, r: _Req) -> None:
-        ref = self._ref
-        free = self._free
-        for phys in reversed(r.phys):
-            ref[phys] -= 1
-            if ref[phys] == 0:
-                free[phys] = None
-        r.phys = []
-        r.kv_cap = 0
-
-    def _admit(self, r: _Req, events: list[KvEvent]) -> bool:
+    def _admit(self, r: ReqState, events: list[KvEvent]) -> bool:
         """Admit ``r`` if the free queue can supply its blocks; False leaves everything unchanged."""
-        bs = self.config.block_size
-        cached = self._cached
-        ref = self._ref
-        ids = r.ids
-        cap = min(r.n_ids, (r.target - 1) // bs)
-        hits: list[int] = []
-        for i in range(cap):
-            phys = cached.get(ids[i])
-            if phys is None:
-                break
-            hits.append(phys)
-        n_hits = len(hits)
-        need = -(-r.target // bs) - n_hits
-        in_free = sum(1 for p in hits if ref[p] == 0)
-        if need > len(self._free) - in_free:
+        hits = self._pool.admit(r, events)
+        if hits < 0:
             return False
-        free = self._free
-        for p in hits:
-            if ref[p] == 0:
-                del free[p]
-            ref[p] += 1
-        self._allocate(need, events, hits)  # checked above: cannot fail
-        r.phys = hits
-        r.kv_cap = len(hits) * bs
-        r.computed = n_hits * bs
-        r.stored = n_hits
-        if r.cached_tokens < 0:
-            r.cached_tokens = r.computed
         self._queries += r.prompt
-        self._hits += n_hits * bs
+        self._hits += hits * self.config.block_size
         return True
-
-    def _store_computed(self, r: _Req, events: list[KvEvent]) -> None:
-        full = min(r.computed // self.config.block_size, r.n_ids)
-        if full <= r.stored:
-            return
-        ids = r.ids
-        cached = self._cached
-        run: list[int] = []
-        parent: int | None = ids[r.stored - 1] if r.stored > 0 else None
-        for i in range(r.stored, full):
-            bid = ids[i]
-            if bid in cached:
-                if run:
-                    events.append(BlockStored(tuple(run), parent))
-                    run = []
-                parent = bid
-                continue
-            phys = r.phys[i]
-            cached[bid] = phys
-            self._hash[phys] = bid
-            run.append(bid)
-        if run:
-            events.append(BlockStored(tuple(run), parent))
-        r.stored = full
 
     # ------------------------------------------------------------------ step
     def step(self, now: float, horizon: float | None = None) -> StepResult:
@@ -428,9 +233,9 @@ class ReplicaModel:
         kv_read = 0
         preempted = False
         allocated = False
-        prefills: list[tuple[_Req, int]] = []
+        prefills: list[tuple[ReqState, int]] = []
         decoded_ids: list[RequestId] = []
-        finished: list[_Req] = []
+        finished: list[ReqState] = []
         # fast-forward bound: more identical steps before a completion or a block boundary
         ff_limit = 1 << 62
         running = self._running
@@ -449,7 +254,7 @@ class ReplicaModel:
             kv_after = r.prompt + r.outputs
             if kv_after > r.kv_cap:
                 self_preempted = False
-                while not self._allocate(1, events, r.phys):
+                while not self._pool.allocate(1, events, r.phys):
                     victim = running.pop()
                     self._preempt(victim, res)
                     preempted = True
@@ -496,7 +301,7 @@ class ReplicaModel:
             prefill_pairs += n * c + n * (n + 1) / 2
             r.computed = c + n
             if r.stored < r.n_ids:
-                self._store_computed(r, events)
+                self._pool.store_computed(r, events)
             if r.computed == r.target:
                 r.outputs += 1
                 if r.outputs == 1:
@@ -516,7 +321,7 @@ class ReplicaModel:
             done = {id(r) for r in finished}
             self._running = running = [r for r in running if id(r) not in done]
             for r in finished:
-                self._release(r)
+                self._pool.release(r)
                 res.finished.append(r.rid)
         res.prefill_tokens = prefill_lin
         end = now + duration
@@ -571,8 +376,8 @@ class ReplicaModel:
                 hi = mid - 1
         return lo
 
-    def _preempt(self, r: _Req, res: StepResult) -> None:
-        self._release(r)
+    def _preempt(self, r: ReqState, res: StepResult) -> None:
+        self._pool.release(r)
         if r.outputs:
             r.target = r.prompt + r.outputs
         r.computed = 0

@@ -250,3 +250,47 @@ def test_bad_requests_are_refused() -> None:
         m.submit(req("bad", [1], 9, 1), 0.0)
     with pytest.raises(ValueError):
         m.step(0.0)
+
+
+def test_gpu_profiles_and_heterogeneous_fleets() -> None:
+    from router_policies.errors import UserInputError
+    from router_policies.sim.profiles import fleet_profiles
+
+    h100, a100 = PROFILES["llama3-8b-h100"], PROFILES["llama3-8b-a100"]
+    # a 2,000-token miss on an idle engine: one step of overhead + prefill (+ attention)
+    ratio = a100.costs.prefill_s_per_token / h100.costs.prefill_s_per_token
+    assert ratio == pytest.approx(989 / 312)
+    mixed = fleet_profiles("h100+a100", 4)
+    assert [p.name for p in mixed] == ["llama3-8b-h100", "llama3-8b-a100"] * 2
+    assert fleet_profiles("llama3-8b-h100*1,llama3-8b-a100*2", 3)[1:] == [a100, a100]
+    assert fleet_profiles("small-cpu", 2) == [PROFILES["small-cpu"]] * 2
+    with pytest.raises(UserInputError, match="lists 2 replicas, not 3"):
+        fleet_profiles("llama3-8b-h100*2", 3)
+    with pytest.raises(UserInputError, match="unknown profile"):
+        fleet_profiles("nope*3", 3)
+    # the TTFT prior of a profile predicts what its engine does for a lone request
+    from router_policies.ttft.features import TtftInputs, predict
+
+    for prof in (h100, a100):
+        m = ReplicaModel(prof.engine_config(16))
+        m.submit(req("x", list(range(125)), 2000, 1), 0.0)
+        (res,) = run(m)
+        pred = predict(prof.ttft_prior(), TtftInputs(0, 0, 0, 2000, 0))
+        assert pred.total_ms == pytest.approx(res.end * 1000, rel=1e-6)
+
+
+def test_decode_heavy_workload_is_mostly_decode() -> None:
+    from router_policies.sim.simulator import no_cache_service_s, prepare
+    from router_policies.sim.workloads import generate
+
+    trace = generate("decode-heavy", 0)
+    assert trace.name == "decode-heavy"
+    outs = sorted(r.output_length for r in trace.requests)
+    assert 1000 <= outs[len(outs) // 2] <= 1400
+    engine = PROFILES["llama3-8b-h100"].engine_config(trace.block_size)
+    prep = prepare(trace)
+    c = engine.costs
+    prefill = sum(
+        c.prefill_s_per_token * p + c.prefill_s_per_token_ctx * p * (p + 1) / 2 for p in prep.prompt
+    )
+    assert prefill / len(prep.prompt) < 0.4 * no_cache_service_s(prep, engine)

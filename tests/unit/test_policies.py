@@ -195,14 +195,17 @@ def test_kv_aware_scores_are_the_documented_estimate() -> None:
         R("a", matched_blocks=3, pending_prefill_tokens=100, in_flight_requests=2),
         R("b", engine_running=1, engine_waiting=2),
     )
-    d = build_policy("kv_aware", {"request_cost_tokens": 10, "min_match_ratio": 0.0}).choose(req(8), f)
+    d = build_policy(
+        "kv_aware", {"rule": "tokens", "request_cost_tokens": 10, "min_match_ratio": 0.0}
+    ).choose(req(8), f)
+    # the token rule (rule: tokens; the ms rule is tested in tests/unit/test_ttft_kv_aware.py):
     # cost = queue + miss_weight (default 4) x uncached; before miss_weight (i.e. with 1) these
     # were 200 and 158 and b won: the 80 uncached tokens on a now outweigh its longer queue
     # cost_a = 100 + 10*2 + 4*(128 - 48) = 440; cost_b = 0 + 10*3 + 4*128 = 542
     assert dict(d.scores) == {"a": 440.0, "b": 542.0}
     assert d.replica == "a"
     d1 = build_policy(
-        "kv_aware", {"request_cost_tokens": 10, "min_match_ratio": 0.0, "miss_weight": 1.0}
+        "kv_aware", {"rule": "tokens", "request_cost_tokens": 10, "min_match_ratio": 0.0, "miss_weight": 1.0}
     ).choose(req(8), f)
     assert (dict(d1.scores), d1.replica) == ({"a": 200.0, "b": 158.0}, "b")
 

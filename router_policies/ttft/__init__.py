@@ -1,0 +1,7 @@
+"""A per-replica model of time to first token in milliseconds, learned online.
+
+``params`` (the immutable per-replica value on ``ReplicaState.ttft``), ``features`` (the model
+and its prediction), ``estimator`` (robust recursive least squares), ``model`` (the owner that
+fits it from first tokens), ``snapshot`` (a ``ReplicaState`` to the model's inputs).
+Kept free of imports so that ``router_policies.policy`` can import ``params``.
+"""

@@ -1,0 +1,123 @@
+"""Robust online least squares with forgetting: the per-replica fit of the TTFT model
+(docs/architecture.md, "Routing on predicted milliseconds").
+
+Recursive least squares on relative errors, with three safeguards an online fit on live traffic
+needs:
+
+* Relative errors: each observation is divided by the current prediction (at least
+  ``min_norm_ms``), so a 20 ms first token weighs as much as a 20 s one; the fit minimises squared
+  relative error, which is what a router comparing replicas cares about.
+* Outliers (Huber): a relative residual is clipped to ``huber_k`` x the robust scale ``s`` before
+  it moves the estimate; ``s`` follows an exponentially weighted mean of the clipped absolute
+  residuals (x 1.25, the normal mean-absolute-deviation factor). One stall or network hiccup moves
+  the fit by at most ``huber_k s`` times its gain; a real change of speed makes every residual
+  large, ``s`` (never below ``min_scale``) grows by at most a factor 1 + scale_rate (huber_k x 1.25 - 1) per observation, and
+  the fit follows.
+* Change detection (covariance resetting): forgetting alone needs about its memory in
+  observations to follow a replica that became slower or faster (a neighbour on the same GPU,
+  thermal throttling, a new engine version). When the fast scale ``s`` exceeds ``reset_ratio``
+  times a slow one (the same residuals, averaged ten times more slowly), the residuals are
+  persistently large, not a few outliers (clipping limits how fast ``s`` can grow: about nine
+  consecutive clipped residuals at the defaults), and the covariance goes back to the prior's:
+  the next observations re-fit the coefficients from where they are.
+* Forgetting and windup: the covariance is divided by ``forgetting`` (< 1) at each step, so
+  old observations weigh ``forgetting^age`` (memory about 1 / (1 - forgetting) observations); its
+  trace is capped at the prior's, so directions the traffic does not excite (say, decode load on
+  an idle replica) cannot blow up between observations.
+
+Coefficients are fitted as multiples ``w`` of reference scales (the prior, or a floor where the
+prior is 0), so that every direction is of order 1, and kept within ``[0, max_multiple]``.
+Memory: a d-vector and a d x d matrix (d = 7), whatever the number of observations.
+Deterministic: float64 arithmetic only, no randomness.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+# Smallest reference scale per coefficient (see params.COEFFICIENTS), where a prior is 0: 1 ms
+# per step; 0.01 ms per token, per decoding sequence; 0.1 ms per million attention pairs; 10 ms
+# per million KV tokens read per step; 0.001 ms per cached token; 1 ms per thousand tokens of
+# KV demand beyond capacity.
+REFERENCE_FLOORS = (1.0, 0.01, 0.1, 0.01, 10.0, 0.001, 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class FitConfig:
+    forgetting: float = 0.995  # weight of an observation per later observation
+    prior_strength: float = 0.01  # initial covariance P0 = I / prior_strength (multiples^2)
+    huber_k: float = 3.0  # residuals beyond huber_k x scale are clipped
+    initial_scale: float = 0.3  # relative residual scale before any observation
+    scale_rate: float = 0.05  # EW weight of a new absolute residual in the scale
+    min_scale: float = 0.02  # the scale never drops below: a noiseless stretch cannot freeze the fit
+    min_norm_ms: float = 1.0  # smallest prediction an observation is divided by
+    reset_ratio: float = 3.0  # fast scale / slow scale beyond which the covariance is reset
+    max_multiple: float = 100.0  # a coefficient stays within [0, max_multiple x its reference]
+
+    def __post_init__(self) -> None:
+        assert 0.5 < self.forgetting <= 1.0, "forgetting must be in (0.5, 1]"
+        assert self.prior_strength > 0 and self.huber_k > 0 and self.initial_scale > 0
+        assert 0 < self.scale_rate < 1 and self.min_norm_ms > 0 and self.max_multiple > 1
+
+
+class RobustRls:
+    """One replica's fit. ``update(x, y_ms)`` with the raw feature vector of the TTFT model."""
+
+    __slots__ = ("_cfg", "_p", "_p0_trace", "_ref", "_scale", "_slow_scale", "_w", "observations", "resets")
+
+    def __init__(self, prior: Sequence[float], config: FitConfig) -> None:
+        assert len(prior) == len(REFERENCE_FLOORS)
+        self._cfg = config
+        self._ref = np.maximum(np.asarray(prior, dtype=np.float64), REFERENCE_FLOORS)
+        self._w = np.asarray(prior, dtype=np.float64) / self._ref
+        d = len(prior)
+        self._p = np.eye(d) / config.prior_strength
+        self._p0_trace = float(np.trace(self._p))
+        self._scale = config.initial_scale
+        self._slow_scale = config.initial_scale
+        self.observations = 0
+        self.resets = 0
+
+    def coefficients(self) -> tuple[float, ...]:
+        return tuple(float(v) for v in self._w * self._ref)
+
+    @property
+    def scale(self) -> float:
+        """Robust scale of the relative residuals."""
+        return self._scale
+
+    def predict(self, x: Sequence[float]) -> float:
+        return float(np.dot(np.asarray(x, dtype=np.float64) * self._ref, self._w))
+
+    def update(self, x: Sequence[float], y_ms: float) -> float:
+        """Fit one observation; returns its relative residual before the update (unclipped)."""
+        cfg = self._cfg
+        z = np.asarray(x, dtype=np.float64) * self._ref
+        norm = max(float(np.dot(z, self._w)), cfg.min_norm_ms)
+        z /= norm
+        e = y_ms / norm - float(np.dot(z, self._w))
+        s = self._scale
+        clipped = min(max(e, -cfg.huber_k * s), cfg.huber_k * s)
+        p = self._p
+        pz = p @ z
+        gain = pz / (cfg.forgetting + float(z @ pz))
+        self._w = np.clip(self._w + gain * clipped, 0.0, cfg.max_multiple)
+        p = (p - np.outer(gain, pz)) / cfg.forgetting
+        p = (p + p.T) / 2
+        tr = float(np.trace(p))
+        if tr > self._p0_trace:
+            p *= self._p0_trace / tr
+        self._p = p
+        dev = 1.25 * abs(clipped)
+        self._scale = max(cfg.min_scale, (1 - cfg.scale_rate) * s + cfg.scale_rate * dev)
+        slow_rate = cfg.scale_rate / 10
+        self._slow_scale = max(cfg.min_scale, (1 - slow_rate) * self._slow_scale + slow_rate * dev)
+        if self._scale > cfg.reset_ratio * self._slow_scale:
+            self._p = np.eye(len(self._w)) * (self._p0_trace / len(self._w))
+            self._slow_scale = self._scale
+            self.resets += 1
+        self.observations += 1
+        return e

@@ -1,0 +1,151 @@
+"""The fitted TTFT model of one replica as an immutable value (docs/architecture.md, "Routing on
+predicted milliseconds"), and the KV tiers it prices.
+
+A ``TtftParams`` is what the model owner (``router_policies.ttft.model.TtftModel``) exports per
+replica after each observation and what the fleet snapshot carries on ``ReplicaState.ttft``, so
+that a policy stays a pure function of the snapshot. Coefficients are milliseconds:
+
+    step_ms                 fixed cost of one engine step (weights streamed once, scheduling)
+    prefill_ms_per_token    each prompt token computed (the linear, weights-and-MLP part)
+    attention_ms_per_mpair  causal attention: per million (token, earlier token) pairs computed
+    decode_ms_per_seq       each decoding sequence interleaved in a step
+    kv_read_ms_per_mtoken   per step, per million KV tokens the decoding sequences read
+    cached_ms_per_token     each cached prompt token the prefill reads instead of computing
+    kv_wait_ms_per_ktoken   per thousand tokens of KV demand beyond the cache's capacity: the
+                            queue cannot be admitted until decoding requests finish and free it
+
+``chunk_tokens`` (the engine's ``max_num_batched_tokens``), ``max_num_seqs`` and
+``kv_capacity_tokens`` (its KV cache) are engine settings, not fitted: they come with the prior. ``kv_bytes_per_token`` prices the KV tiers.
+
+Tiers: a matched block held on a slower medium than the GPU must be fetched before the prefill can
+read it: ``latency_ms + tokens x kv_bytes_per_token / bandwidth``. Defaults (``DEFAULT_TIERS``):
+host DRAM 0.1 ms + PCIe 4.0 x16 at ~25 GB/s effective; local NVMe 1 ms + ~5 GB/s (one PCIe 4.0
+x4 drive's sequential read); a remote store (Mooncake/LMCache over RDMA or TCP) 5 ms + ~10 GB/s
+(100 Gb/s links). For Llama-3-8B (128 KiB of KV per token) fetching from NVMe costs 26 us/token
+against 40.6 us/token of H100 prefill: fetching wins beyond ~70 tokens, recomputing a short tail
+is cheaper. A prefill that recomputes instead is priced as uncached, whichever is smaller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class TierCost:
+    latency_ms: float  # first byte from that medium
+    gb_per_s: float  # sustained read bandwidth, 1e9 bytes/s
+
+    def fetch_ms(self, tokens: int, kv_bytes_per_token: int) -> float:
+        return self.latency_ms + tokens * kv_bytes_per_token / (self.gb_per_s * 1e6)
+
+
+DEFAULT_TIERS: Mapping[str, TierCost] = {
+    "CPU": TierCost(0.1, 25.0),
+    "DISK": TierCost(1.0, 5.0),
+    "REMOTE": TierCost(5.0, 10.0),
+}
+
+# Names of the fitted coefficients, in the order of the feature vector (``features.py``).
+COEFFICIENTS = (
+    "step_ms",
+    "prefill_ms_per_token",
+    "attention_ms_per_mpair",
+    "decode_ms_per_seq",
+    "kv_read_ms_per_mtoken",
+    "cached_ms_per_token",
+    "kv_wait_ms_per_ktoken",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TtftParams:
+    step_ms: float
+    prefill_ms_per_token: float
+    attention_ms_per_mpair: float = 0.0
+    decode_ms_per_seq: float = 0.0
+    kv_read_ms_per_mtoken: float = 0.0
+    cached_ms_per_token: float = 0.0
+    kv_wait_ms_per_ktoken: float = 20.0
+    chunk_tokens: int = 8192
+    max_num_seqs: int = 256
+    kv_capacity_tokens: int = 400_000
+    kv_bytes_per_token: int = 131_072
+    tiers: Mapping[str, TierCost] = field(default_factory=lambda: DEFAULT_TIERS)
+    observations: int = 0  # first tokens the fit has seen (0: the prior itself)
+    error_ratio: float = 0.0  # the fit's robust scale of relative residuals (0: no observation)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, int | float) and v < 0:
+                raise ValueError(f"{f.name}: must be >= 0")
+        if self.chunk_tokens < 2 or self.max_num_seqs < 1:
+            raise ValueError("chunk_tokens must be >= 2 and max_num_seqs >= 1")
+
+    def coefficients(self) -> tuple[float, ...]:
+        return tuple(float(getattr(self, n)) for n in COEFFICIENTS)
+
+    def with_coefficients(
+        self, values: tuple[float, ...], observations: int, error_ratio: float
+    ) -> TtftParams:
+        assert len(values) == len(COEFFICIENTS)
+        fitted = dict(zip(COEFFICIENTS, values, strict=True))
+        return replace(self, **fitted, observations=observations, error_ratio=error_ratio)  # type: ignore[arg-type]
+
+    def tier(self, medium: str) -> TierCost | None:
+        return self.tiers.get(medium.upper())
+
+
+class StepCostsLike(Protocol):
+    """An engine's step costs in seconds (the simulator's ``StepCosts``)."""
+
+    @property
+    def step_overhead_s(self) -> float: ...
+    @property
+    def prefill_s_per_token(self) -> float: ...
+    @property
+    def prefill_s_per_token_ctx(self) -> float: ...
+    @property
+    def decode_s_per_seq(self) -> float: ...
+    @property
+    def decode_s_per_ctx_token(self) -> float: ...
+
+
+def params_from_step_costs(
+    costs: StepCostsLike, chunk_tokens: int, max_num_seqs: int, kv_capacity_tokens: int
+) -> TtftParams:
+    """A prior from an engine's step costs (the simulator's step-cost formula, in ms)."""
+    c = costs
+    return TtftParams(
+        c.step_overhead_s * 1e3,
+        c.prefill_s_per_token * 1e3,
+        c.prefill_s_per_token_ctx * 1e9,
+        c.decode_s_per_seq * 1e3,
+        c.decode_s_per_ctx_token * 1e9,
+        chunk_tokens=chunk_tokens,
+        max_num_seqs=max_num_seqs,
+        kv_capacity_tokens=kv_capacity_tokens,
+    )
+
+
+# Llama-3-8B BF16 on one H100 SXM (the simulator's ``llama3-8b-h100`` profile derives these from
+# the datasheet and the model's shape; router_policies/sim/profiles.py): 8.0 ms per step,
+# 40.6 us per prefill token, 1.33 ns per attention pair, 40.6 us per decoding sequence, 55.8 ns
+# per KV token read; 400k tokens of KV. kv_wait_ms_per_ktoken (all priors): a request holds its
+# KV for its decode, seconds (200 tokens at ~20 ms per step: 4 s), so a 400k-token cache turns
+# over at ~100k tokens/s: ~10 ms per thousand tokens of excess demand, doubled because the
+# excess is queued behind requests that are themselves still prefilling. The gateway's
+# cold-start prior when nothing better is configured.
+DEFAULT_PRIOR = TtftParams(8.035, 0.0406, 1.325, 0.0406, 55.9)
+
+
+# The simulator's ``small-cpu`` profile (the seed's small model on CPU): 174.6 ms per step,
+# 0.963 ms per prefill token and per decoding sequence, 4,096 tokens per step, 64 sequences.
+SMALL_CPU_PRIOR = TtftParams(
+    174.6, 0.9627, 0.0, 0.9627, chunk_tokens=4096, max_num_seqs=64, kv_capacity_tokens=65_536
+)
+
+NAMED_PRIORS: Mapping[str, TtftParams] = {"llama3-8b-h100": DEFAULT_PRIOR, "small-cpu": SMALL_CPU_PRIOR}

@@ -1,0 +1,112 @@
+"""kv_aware on predicted milliseconds: faster replicas, decode load and KV tiers decide; choose is
+pure and commit advances the tie-break; the explain terms add up."""
+
+from __future__ import annotations
+
+import pytest
+
+from router_policies.policy import FleetSnapshot, ReplicaState, RequestFeatures
+from router_policies.registry import build_policy
+from router_policies.ttft.params import DEFAULT_PRIOR, NAMED_PRIORS, TtftParams
+
+BS = 64
+
+
+def req(blocks: int, prompt: int | None = None) -> RequestFeatures:
+    keys = list(range(1, blocks + 1))
+    return RequestFeatures(model="m", block_keys=keys, prompt_tokens=prompt or blocks * BS, block_size=BS)
+
+
+def scaled(k: float) -> TtftParams:
+    return DEFAULT_PRIOR.with_coefficients(tuple(k * v for v in DEFAULT_PRIOR.coefficients()), 100, 0.05)
+
+
+def test_the_faster_replica_wins_when_nothing_else_differs() -> None:
+    f = FleetSnapshot((ReplicaState("slow", ttft=scaled(3.0)), ReplicaState("fast", ttft=scaled(1.0))))
+    d = build_policy("kv_aware").choose(req(32), f)
+    assert d.replica == "fast"
+    assert d.terms["slow"]["ttft_ms"] == pytest.approx(3 * d.terms["fast"]["ttft_ms"], rel=1e-3)
+
+
+def test_a_faster_replica_can_beat_a_short_match_on_a_slow_one() -> None:
+    f = FleetSnapshot(
+        (ReplicaState("slow", ttft=scaled(4.0), matched_blocks=8), ReplicaState("fast", ttft=scaled(1.0)))
+    )
+    assert build_policy("kv_aware").choose(req(64), f).replica == "fast"
+    # the token rule cannot see speed: the match decides
+    assert build_policy("kv_aware", {"rule": "tokens"}).choose(req(64), f).replica == "slow"
+
+
+def test_decode_load_counts() -> None:
+    busy = ReplicaState("busy", engine_running=200, in_flight_requests=200, in_flight_tokens=380_000)
+    light = ReplicaState("light", engine_running=20, in_flight_requests=20, in_flight_tokens=40_000)
+    d = build_policy("kv_aware", {"balance_abs": 1000}).choose(req(64), FleetSnapshot((busy, light)))
+    assert d.replica == "light"
+    t = d.terms["busy"]
+    # one step carrying 200 decodes reading 380k KV tokens: 8 + 8.1 + 21.2 ms, plus 4,096 prefill tokens
+    assert t["prefill_ms"] > d.terms["light"]["prefill_ms"] + 20
+
+
+def test_terms_add_up_and_scores_are_costs() -> None:
+    a = ReplicaState("a", pending_prefill_tokens=20_000, in_flight_requests=3, matched_blocks=40)
+    b = ReplicaState("b", matched_on_media=(("DISK", 30),), matched_blocks=30)
+    d = build_policy("kv_aware").choose(req(64), FleetSnapshot((a, b)))
+    for rid, t in d.terms.items():
+        assert t["ttft_ms"] == pytest.approx(
+            t["wait_ms"] + t["prefill_ms"] + t["read_ms"] + t["fetch_ms"], abs=0.01
+        )
+        assert d.scores[rid] == pytest.approx(t["cost"], abs=0.001)
+        # cost = ttft + (spread x (1 + (miss_weight - 1) x share) - 1) x added; spread 1 here, and
+        # share 1: both replicas run the same model, so neither is faster than the fleet mean
+        assert t["cost"] == pytest.approx(t["ttft_ms"] + 3 * t["added_ms"], abs=0.01)
+    assert d.terms["b"]["fetch_ms"] > 1.0 and d.terms["a"]["fetch_ms"] == 0.0
+    assert d.terms["a"]["wait_ms"] > 0.0 and d.terms["b"]["wait_ms"] == 0.0
+
+
+def test_kv_on_a_slow_medium_costs_its_fetch() -> None:
+    gpu = ReplicaState("gpu", matched_blocks=60)
+    disk = ReplicaState("disk", matched_blocks=60, matched_on_media=(("DISK", 60),))
+    d = build_policy("kv_aware").choose(req(64), FleetSnapshot((disk, gpu)))
+    assert d.replica == "gpu"
+    assert d.terms["disk"]["fetch_ms"] == pytest.approx(1.0 + 60 * 64 * 131_072 / 5e6, abs=0.001)
+
+
+def test_choose_is_pure_and_commit_rotates_ties() -> None:
+    f = FleetSnapshot((ReplicaState("a"), ReplicaState("b"), ReplicaState("c")))
+    p = build_policy("kv_aware")
+    assert [p.choose(req(4), f).replica for _ in range(3)] == ["a", "a", "a"]
+    out = []
+    for _ in range(4):
+        d = p.choose(req(4), f)
+        p.commit(d)  # type: ignore[attr-defined]
+        out.append(d.replica)
+    assert out == ["a", "b", "c", "a"]
+
+
+def test_cold_start_uses_the_configured_prior() -> None:
+    r = ReplicaState("a", pending_prefill_tokens=1000)
+    for prior, params in (({"prior": "small-cpu"}, NAMED_PRIORS["small-cpu"]), ({}, DEFAULT_PRIOR)):
+        f = FleetSnapshot((r, ReplicaState("b", pending_prefill_tokens=1000, ttft=params)))
+        d = build_policy("kv_aware", prior).choose(req(8), f)
+        assert d.terms["a"] == d.terms["b"]  # no fit yet: the prior is that model
+
+
+def test_the_delay_added_behind_is_weighed_at_fleet_speed() -> None:
+    """A new 4,096-token prompt; a fast replica with a queue, an idle one twice as slow. Its own
+    TTFT is shorter on the fast one until the queue is long, but the requests that will queue
+    behind it on the fast one are more (a fast replica draws more traffic): behind "fleet" scales
+    the added delay by each replica's speed relative to the fleet mean (1.5 and 0.75 here), so the
+    slow one takes the prompt from a shorter queue on; "local" keeps it on the fast one longer."""
+    slow = ReplicaState("slow", ttft=scaled(2.0))
+
+    def choice(queue: int, behind: str) -> str:
+        f = FleetSnapshot((ReplicaState("fast", pending_prefill_tokens=queue), slow))
+        return build_policy("kv_aware", {"behind": behind}).choose(req(64), f).replica
+
+    assert [choice(q, "fleet") for q in (0, 4000, 8000)] == ["fast", "fast", "slow"]
+    assert [choice(q, "local") for q in (0, 4000, 8000)] == ["fast", "fast", "fast"]
+    f = FleetSnapshot((ReplicaState("fast"), slow))
+    d = build_policy("kv_aware").choose(req(64), f)
+    for rid, share in (("fast", 1.5), ("slow", 0.75)):
+        t = d.terms[rid]
+        assert t["cost"] == pytest.approx(t["ttft_ms"] + 3 * share * t["added_ms"], rel=1e-3)
