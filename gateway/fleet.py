@@ -10,7 +10,10 @@ index refuses replicas it was not given).
 A record's parts each have one writer (``gateway/replica_record.py``): identity, agent link and
 engine/remote load are replaced here; the health state machine changes through its own methods,
 called from here; in-flight load is written by ``placement.Flight`` only; audit statistics by
-``AuditStats.record`` only.
+``AuditStats.record`` only. The TTFT model (``ttft``, a ``placement.TtftFeed``) is written only
+by the flights it starts (``dispatch``): each first byte fits the replica's model; ``snapshot``
+carries every replica's fitted model to the policy (``ReplicaState.ttft``). Its samples go to the
+TTFT audit (``ttft_listener``, set by the metrics; ``ReplicaRecord.ttft_audit``).
 
 Invariants
 * Every method is synchronous and never awaits, so a mutation is atomic on the event loop.
@@ -30,9 +33,18 @@ from gateway.replica_identity import ReplicaIdentity
 from gateway.replica_load import NO_REMOTE_LOAD, EngineLoad, RemoteLoad
 from gateway.replica_record import ReplicaRecord
 from router_policies import placement
-from router_policies.placement import Candidate, Flight, IndexView, TouchRule
+from router_policies.placement import Candidate, Dispatch, Flight, IndexView, TouchRule, TtftFeed, TtftSample
 from router_policies.policy import FleetSnapshot
 from router_policies.prefix_index import IndexBoundError, PrefixIndex
+from router_policies.ttft.model import TtftModel
+from router_policies.ttft.params import DEFAULT_PRIOR, NAMED_PRIORS, TtftParams
+
+
+def ttft_prior_of(config: GatewayConfig) -> TtftParams:
+    """The TTFT model's cold-start prior: the one kv_aware's ``prior`` names (the policy and the
+    model then start from the same model), else the default."""
+    name = config.policy.params_for("kv_aware").get("prior")
+    return NAMED_PRIORS.get(name, DEFAULT_PRIOR) if isinstance(name, str) else DEFAULT_PRIOR
 
 __all__ = ["Fleet", "Flight", "RemoteLoad", "ReplicaRecord"]
 
@@ -47,7 +59,20 @@ class Fleet:
         self._health = config.health
         self._block_sizes: dict[str, int] = {m.name: m.block_size for m in config.models}
         self._allow_registration = config.inventory.allow_registration
+        # extra listener of TTFT samples (the metrics); the replica's own audit is always fed
+        self.ttft_listener: Callable[[TtftSample], None] | None = None
+        self.ttft = self._new_ttft(ttft_prior_of(config))
         self.reconfigure(config)
+
+    def _new_ttft(self, prior: TtftParams) -> TtftFeed:
+        return TtftFeed(TtftModel(prior), self._clock, self._ttft_sample)
+
+    def _ttft_sample(self, sample: TtftSample) -> None:
+        rec = self._records.get(sample.replica)
+        if rec is not None:
+            rec.ttft_audit.record(sample.predicted_ms, sample.observed_ms)
+        if self.ttft_listener is not None:
+            self.ttft_listener(sample)
 
     # ------------------------------------------------------------------ the replica set
     def _add(self, identity: ReplicaIdentity) -> ReplicaRecord:
@@ -58,6 +83,7 @@ class Fleet:
     def _remove(self, replica: str) -> None:
         del self._records[replica]
         self._index.remove_replica(replica)
+        self.ttft.model.forget(replica)
 
     def reconfigure(self, config: GatewayConfig) -> list[str]:
         """Apply a (re)loaded config's static replicas; returns the ids removed from the fleet.
@@ -67,6 +93,9 @@ class Fleet:
         self._health = config.health
         self._block_sizes = {m.name: m.block_size for m in config.models}
         self._allow_registration = config.inventory.allow_registration
+        prior = ttft_prior_of(config)
+        if prior != self.ttft.model.prior(""):  # another prior: every fit restarts from it
+            self.ttft = self._new_ttft(prior)
         wanted: dict[str, ReplicaConfig] = {r.id: r for r in config.replicas}
         removed: list[str] = []
         for rid, rec in list(self._records.items()):
@@ -175,9 +204,13 @@ class Fleet:
         exclude: frozenset[str] = frozenset(),
     ) -> FleetSnapshot:
         return placement.snapshot(
-            (Candidate(rec.id, rec.health.healthy, rec.load()) for rec in candidates),
+            (
+                Candidate(rec.id, rec.health.healthy, rec.load(), rec.flights.pending_prefill_pairs)
+                for rec in candidates
+            ),
             IndexView(matched, scores, self._index),
             exclude,
+            self.ttft.params,
         )
 
     def has_agent(self, replica_id: str) -> bool:
@@ -192,6 +225,12 @@ class Fleet:
         """A flight on ``record``: ``tokens`` in flight until ``end``, ``prefill`` (see
         ``placement.uncached_prompt_tokens``) pending until ``first_byte``."""
         return Flight(record.flights, tokens, prefill)
+
+    def dispatch(self, record: ReplicaRecord, dispatch: Dispatch) -> Flight:
+        """The flight of an attempt routed to ``record`` (``Dispatch``: the replica as the
+        decision saw it, the prompt, the predicted cached tokens): load as ``begin`` counts it,
+        and the TTFT model fitted by its first byte (``Flight.first_byte()``, at the clock's now)."""
+        return self.ttft.flight(record.flights, dispatch)
 
     def touch(self, replica: str, keys: Sequence[int], speculative_ttl_s: float) -> None:
         """The speculative index entries of a request routed to ``replica`` with ``keys``, with

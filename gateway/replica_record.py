@@ -11,6 +11,7 @@ part           what                                  its only writer
 ``engine``     the engine's running / waiting / KV   ``Fleet`` (agent load, shared state)
 ``remote``     other instances' in-flight load       ``Fleet.apply_remote_load``
 ``audit``      prediction-audit statistics           ``AuditStats.record``
+``ttft_audit`` TTFT predicted against observed        ``TtftAuditStats.record`` (the TTFT feed)
 =============  ====================================  ==========================================
 
 The flat names other modules read (``rec.healthy``, ``rec.in_flight_requests``, ...) are
@@ -22,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from gateway.replica_audit import AuditStats
+from gateway.replica_audit import AuditStats, TtftAuditStats
 from gateway.replica_health import ReplicaHealth
 from gateway.replica_identity import AgentLink, ReplicaIdentity
 from gateway.replica_load import NO_REMOTE_LOAD, EngineLoad, RemoteLoad, combined_load
@@ -44,7 +45,7 @@ class _Read(Generic[T]):
 
 
 class ReplicaRecord:
-    __slots__ = ("audit", "engine_load", "flights", "health", "identity", "link", "remote")
+    __slots__ = ("audit", "engine_load", "flights", "health", "identity", "link", "remote", "ttft_audit")
 
     def __init__(self, identity: ReplicaIdentity) -> None:
         self.identity = identity
@@ -54,6 +55,7 @@ class ReplicaRecord:
         self.engine_load = EngineLoad()
         self.remote: RemoteLoad = NO_REMOTE_LOAD
         self.audit = AuditStats()
+        self.ttft_audit = TtftAuditStats()
 
     id = _Read[str](lambda r: r.identity.id)
     url = _Read[str](lambda r: r.identity.url)
@@ -108,5 +110,9 @@ class ReplicaRecord:
                 "total": self.audit.total,
                 "exact": self.audit.exact,
                 "exact_fraction": self.audit.exact_fraction,
+            },
+            "ttft_audit": {
+                "total": self.ttft_audit.total,
+                "median_abs_error": self.ttft_audit.median_abs_error(),
             },
         }

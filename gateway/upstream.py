@@ -37,6 +37,7 @@ from gateway.openai_errors import RequestError, sse_error_event
 from gateway.prediction_audit import SseTail, cached_tokens_in_body, cached_tokens_in_sse_tail, record_audit
 from gateway.request_context import DROP_REQUEST, DROP_RESPONSE, Attempt, filter_headers
 from gateway.request_outcome import OutcomeSink
+from router_policies.placement import Dispatch
 
 UPSTREAM_READ_ERRORS = (aiohttp.ClientError, OSError)
 WATCH_INTERVAL_S = 0.2  # how soon an attempt on an ejected replica is failed over
@@ -200,9 +201,8 @@ class Upstream:
         assert ctx.parsed is not None
         out_tokens = ctx.parsed.max_output_tokens
         predicted = a.choice.predicted_tokens
-        flight = Fleet.begin(
-            rec, features.prompt_tokens + out_tokens, max(0, features.prompt_tokens - predicted)
-        )
+        snap = a.choice.snapshot
+        flight = self._fleet.dispatch(rec, Dispatch.of(snap, rec.id, features, predicted, out_tokens))
         up: aiohttp.ClientResponse | None = None
         done = False
         try:

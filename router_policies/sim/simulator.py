@@ -38,7 +38,7 @@ from typing import Any, cast
 import numpy as np
 
 from router_policies.block_keys import chain_keys, root_key
-from router_policies.placement import Flight
+from router_policies.placement import Flight, TtftFeed
 from router_policies.policy import RequestFeatures
 from router_policies.prefix_index import IndexConfig, PrefixIndex
 from router_policies.registry import build_policy
@@ -53,6 +53,7 @@ from router_policies.sim.replica_model import (
 )
 from router_policies.sim.sim_gateway import SimGateway
 from router_policies.sim.traces import Trace
+from router_policies.ttft.params import TtftParams, params_from_step_costs
 
 SIM_MODEL = "sim-model"
 _START = 0
@@ -119,6 +120,7 @@ class RunResult:
     requests: int
     preemptions: int
     sim_end_s: float
+    ttft_audit_median_abs_error: float = float("nan")  # the TTFT model's, over every first token
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -133,6 +135,13 @@ class RunResult:
 
 
 ProgressFn = Callable[[int, int], None]
+
+
+def engine_ttft_prior(engine: EngineConfig) -> TtftParams:
+    """The TTFT model of a replica running ``engine`` (its step costs and settings)."""
+    return params_from_step_costs(
+        engine.costs, engine.max_num_batched_tokens, engine.max_num_seqs, engine.num_blocks * engine.block_size
+    )
 
 
 def simulate(
@@ -152,8 +161,16 @@ def simulate(
     names = [f"r{i}" for i in range(replicas)]
     models = [ReplicaModel(engine) for _ in names]
     index = PrefixIndex(index_config or IndexConfig())
+    ttft_errors: list[float] = []  # the TTFT audit: |relative error| of each first token
+    feed = TtftFeed(listener=lambda sample: ttft_errors.append(abs(sample.relative_error)))
+    for name in names:  # the replica's engine as its cold-start TTFT model
+        feed.model.set_prior(name, engine_ttft_prior(engine))
     gw = SimGateway(
-        names, build_policy(policy, policy_params, seed=seed), index, lambda ri: models[ri].load()
+        names,
+        build_policy(policy, policy_params, seed=seed),
+        index,
+        lambda ri: models[ri].load(),
+        ttft=feed,
     )
     bs = prep.block_size
     key_of = prep.key_of
@@ -197,7 +214,7 @@ def simulate(
             cached_tok[rid] = ft.cached_tokens
             flight = flights[rid]
             assert flight is not None
-            flight.first_byte()
+            flight.first_byte(res.end)
         for rid in res.finished:
             assert isinstance(rid, int)
             done_at[rid] = res.end
@@ -264,6 +281,7 @@ def simulate(
         requests=n,
         preemptions=preemptions,
         sim_end_s=end,
+        ttft_audit_median_abs_error=float(np.median(ttft_errors)) if ttft_errors else float("nan"),
     )
 
 
