@@ -46,6 +46,7 @@ def ttft_prior_of(config: GatewayConfig) -> TtftParams:
     name = config.policy.params_for("kv_aware").get("prior")
     return NAMED_PRIORS.get(name, DEFAULT_PRIOR) if isinstance(name, str) else DEFAULT_PRIOR
 
+
 __all__ = ["Fleet", "Flight", "RemoteLoad", "ReplicaRecord"]
 
 
@@ -78,6 +79,7 @@ class Fleet:
     def _add(self, identity: ReplicaIdentity) -> ReplicaRecord:
         self._index.add_replica(identity.id)  # may raise IndexBoundError: nothing added then
         rec = self._records[identity.id] = ReplicaRecord(identity)
+        self.ttft.adopt(identity.id, self._records)  # a joining replica starts from its peers' fit
         return rec
 
     def _remove(self, replica: str) -> None:

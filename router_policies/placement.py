@@ -198,6 +198,8 @@ def snapshot(
 
 # ---------------------------------------------------------------------- the TTFT model's feed
 MIN_OBSERVED_MS = 1.0  # relative errors are taken against at least this many milliseconds
+# a lone 8,192-token prompt on an idle replica: how fast a replica's model is (as kv_aware rates it)
+_REFERENCE = TtftInputs(0, 0, 0, 8192, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,7 +265,7 @@ class TtftFeed:
         clock: Callable[[], float] | None = None,
         listener: Callable[[TtftSample], None] | None = None,
     ) -> None:
-        self.model = model or TtftModel()
+        self.model = model if model is not None else TtftModel()  # an empty model is falsy (len 0)
         self._clock = clock
         self.listener = listener
 
@@ -272,6 +274,18 @@ class TtftFeed:
 
     def params(self, replica: str) -> TtftParams:
         return self.model.params(replica)
+
+    def adopt(self, replica: str, peers: Iterable[str]) -> None:
+        """A replica joins: it starts from the fitted model of its peers (the one of median
+        speed among those with observations), not from the static prior, so that it neither
+        looks faster nor slower than replicas of the same hardware until its own first tokens
+        say otherwise (its fit then moves away from it). Without fitted peers: the prior."""
+        fitted = [p for p in (self.model.params(r) for r in peers if r != replica) if p.observations]
+        if not fitted:
+            return
+        fitted.sort(key=lambda p: predict(p, _REFERENCE).total_ms)
+        typical = fitted[len(fitted) // 2]
+        self.model.set_prior(replica, dataclasses.replace(typical, observations=0, error_ratio=0.0))
 
     def flight(self, counters: FlightCounters, d: Dispatch, start: float | None = None) -> Flight:
         """The flight of a routed attempt (started at ``start``, default the clock's now)."""

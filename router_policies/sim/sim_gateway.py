@@ -61,7 +61,7 @@ class SimGateway:
         ttft: TtftFeed | None = None,
     ) -> None:
         self.names = list(replicas)
-        self.ttft = ttft or TtftFeed()
+        self.ttft = ttft if ttft is not None else TtftFeed()
         self.index = index
         self._policy = policy
         self._engine_load = engine_load

@@ -140,7 +140,10 @@ ProgressFn = Callable[[int, int], None]
 def engine_ttft_prior(engine: EngineConfig) -> TtftParams:
     """The TTFT model of a replica running ``engine`` (its step costs and settings)."""
     return params_from_step_costs(
-        engine.costs, engine.max_num_batched_tokens, engine.max_num_seqs, engine.num_blocks * engine.block_size
+        engine.costs,
+        engine.max_num_batched_tokens,
+        engine.max_num_seqs,
+        engine.num_blocks * engine.block_size,
     )
 
 

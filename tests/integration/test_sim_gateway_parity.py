@@ -26,8 +26,8 @@ from gateway.features import Featurizer
 from gateway.fleet import Fleet, Flight
 from gateway.inventory_sink import AgentHello, AgentLoad
 from gateway.routing import Router, RoutingState
-from router_policies.placement import Flight as SimFlight
 from router_policies.placement import Dispatch, TouchRule
+from router_policies.placement import Flight as SimFlight
 from router_policies.policy import RequestFeatures
 from router_policies.prefix_index import PrefixIndex
 from router_policies.registry import build_policy
