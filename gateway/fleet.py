@@ -33,7 +33,16 @@ from gateway.replica_identity import ReplicaIdentity
 from gateway.replica_load import NO_REMOTE_LOAD, EngineLoad, RemoteLoad
 from gateway.replica_record import ReplicaRecord
 from router_policies import placement
-from router_policies.placement import Candidate, Dispatch, Flight, IndexView, TouchRule, TtftFeed, TtftSample
+from router_policies.placement import (
+    Candidate,
+    Dispatch,
+    Flight,
+    IndexAtDispatch,
+    IndexView,
+    TouchRule,
+    TtftFeed,
+    TtftSample,
+)
 from router_policies.policy import FleetSnapshot
 from router_policies.prefix_index import IndexBoundError, PrefixIndex
 from router_policies.ttft.model import TtftModel
@@ -232,7 +241,15 @@ class Fleet:
         """The flight of an attempt routed to ``record`` (``Dispatch``: the replica as the
         decision saw it, the prompt, the predicted cached tokens): load as ``begin`` counts it,
         and the TTFT model fitted by its first byte (``Flight.first_byte()``, at the clock's now)."""
-        return self.ttft.flight(record.flights, dispatch)
+        flight = self.ttft.flight(record.flights, dispatch)
+        blocks = dispatch.cached_tokens // dispatch.block_size if dispatch.block_size else 0
+        flight.at_dispatch = IndexAtDispatch.of(self._index, record.id, dispatch.keys, blocks)
+        return flight
+
+    @property
+    def index(self) -> PrefixIndex:
+        """The prefix index (read by the prediction audit)."""
+        return self._index
 
     def touch(self, replica: str, keys: Sequence[int], speculative_ttl_s: float) -> None:
         """The speculative index entries of a request routed to ``replica`` with ``keys``, with

@@ -199,6 +199,13 @@ class GatewayMetrics:
             buckets=_ERROR_BUCKETS,
             registry=registry,
         )
+        self.audit_cause = Counter(
+            "kvgate_prediction_audit_inexact",
+            "Inexact cached-token predictions by cause (concurrent_not_stored, evicted, stale_index, "
+            "not_yet_reported, tokenization).",
+            ["replica", "cause"],
+            registry=registry,
+        )
         self.ttft_error = Histogram(
             "kvgate_ttft_prediction_relative_error",
             "TTFT model: (predicted - observed) / observed time to first byte, per first token.",
@@ -226,6 +233,7 @@ class GatewayMetrics:
         self.audit_error_by = Children(self.audit_error)
         self.features_by = Children(self.features)
         self.ttft_error_by = Children(self.ttft_error)
+        self.audit_cause_by = Children(self.audit_cause)
         fleet.ttft_listener = self._ttft_sample
         registry.register(_StateCollector(index, fleet, cache_stats))
 

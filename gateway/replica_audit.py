@@ -11,18 +11,22 @@ from collections import deque
 
 
 class AuditStats:
-    __slots__ = ("exact", "total")
+    __slots__ = ("causes", "exact", "total")
 
     def __init__(self) -> None:
         self.total = 0
         self.exact = 0
+        self.causes: dict[str, int] = {}  # inexact predictions by cause (a few fixed names)
 
-    def record(self, predicted: int, reported: int) -> str:
-        """Count one audited request; returns its outcome: exact, over or under."""
+    def record(self, predicted: int, reported: int, cause: str | None = None) -> str:
+        """Count one audited request; returns its outcome: exact, over or under. An inexact one
+        is counted under ``cause`` (``unknown`` when none was given)."""
         self.total += 1
         if predicted == reported:
             self.exact += 1
             return "exact"
+        key = cause or "unknown"
+        self.causes[key] = self.causes.get(key, 0) + 1
         return "over" if predicted > reported else "under"
 
     @property

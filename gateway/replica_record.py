@@ -110,6 +110,7 @@ class ReplicaRecord:
                 "total": self.audit.total,
                 "exact": self.audit.exact,
                 "exact_fraction": self.audit.exact_fraction,
+                "inexact_causes": dict(self.audit.causes),
             },
             "ttft_audit": {
                 "total": self.ttft_audit.total,

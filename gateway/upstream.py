@@ -34,10 +34,17 @@ from multidict import CIMultiDict
 from gateway.fleet import Fleet, ReplicaRecord
 from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import RequestError, sse_error_event
-from gateway.prediction_audit import SseTail, cached_tokens_in_body, cached_tokens_in_sse_tail, record_audit
+from gateway.prediction_audit import (
+    AuditCase,
+    SseTail,
+    cached_tokens_in_body,
+    cached_tokens_in_sse_tail,
+    inexact_cause,
+    record_audit,
+)
 from gateway.request_context import DROP_REQUEST, DROP_RESPONSE, Attempt, filter_headers
 from gateway.request_outcome import OutcomeSink
-from router_policies.placement import Dispatch
+from router_policies.placement import Dispatch, Flight
 
 UPSTREAM_READ_ERRORS = (aiohttp.ClientError, OSError)
 WATCH_INTERVAL_S = 0.2  # how soon an attempt on an ejected replica is failed over
@@ -189,9 +196,14 @@ class Upstream:
             raise Retry(reason, f"{rec.id} {why}") from None
         raise RequestError(f"replica {rec.id} {why}", status=504, code="upstream_timeout") from None
 
-    def _audit(self, a: Attempt, reported: int | None) -> None:
+    def _audit(self, a: Attempt, flight: Flight, reported: int | None) -> None:
         if reported is not None:
-            record_audit(self._metrics, a.record, a.choice.predicted_tokens, reported)
+            predicted, cause = a.choice.predicted_tokens, None
+            if predicted != reported and flight.at_dispatch is not None:
+                f = a.features
+                case = AuditCase(f.block_keys, f.block_size, predicted, reported, flight.at_dispatch)
+                cause = a.ctx.log["audit_cause"] = inexact_cause(self._fleet.index, a.record.id, case)
+            record_audit(self._metrics, a.record, predicted, reported, cause)
             a.ctx.log["reported_cached_tokens"] = reported
 
     async def send(self, a: Attempt) -> web.StreamResponse:
@@ -233,13 +245,13 @@ class Upstream:
                 elif up.status != 503:
                     self._fleet.proxy_failure(rec, f"answered {up.status}")
                 if a.audited and up.status == 200 and up.content_type == "application/json":
-                    self._audit(a, cached_tokens_in_body(first))
+                    self._audit(a, flight, cached_tokens_in_body(first))
                 if self.outcomes is not None and up.status == 200:
                     self.outcomes.answered(a, first, False)
                 self._metrics.e2e_by(rec.id).observe(ctx.elapsed())
                 return web.Response(status=up.status, body=first, headers=headers)
             # an SSE stream, or a body too large to hold: passed through as it arrives
-            resp, done = await self._stream(a, up, first, headers, is_sse)
+            resp, done = await self._stream(a, flight, up, first, headers)
             return resp
         finally:
             flight.end()
@@ -250,12 +262,7 @@ class Upstream:
                     up.close()  # unread bytes, or a cancelled request: the replica sees it close
 
     async def _stream(
-        self,
-        a: Attempt,
-        up: aiohttp.ClientResponse,
-        first: bytes,
-        headers: CIMultiDict[str],
-        sse: bool,
+        self, a: Attempt, flight: Flight, up: aiohttp.ClientResponse, first: bytes, headers: CIMultiDict[str]
     ) -> tuple[web.StreamResponse, bool]:
         """Pass the response through as it arrives; True when the upstream was read to its end.
 
@@ -263,6 +270,7 @@ class Upstream:
         connection is closed, so the client sees a truncated response, not a complete one)."""
         ctx, rec, request = a.ctx, a.record, a.ctx.request
         idle_s = ctx.state.config.proxy.stream_idle_timeout_s
+        sse = up.headers.get("content-type", "").startswith("text/event-stream")
         resp = web.StreamResponse(status=up.status, headers=headers)
         await resp.prepare(request)
         tail = SseTail(first)
@@ -296,7 +304,7 @@ class Upstream:
                 complete = True
                 self._fleet.proxy_success(rec)
                 if sse and a.audited and up.status == 200:
-                    self._audit(a, cached_tokens_in_sse_tail(tail.value()))
+                    self._audit(a, flight, cached_tokens_in_sse_tail(tail.value()))
                 if self.outcomes is not None and up.status == 200:
                     self.outcomes.answered(a, tail.value(), sse)
                 await resp.write_eof()

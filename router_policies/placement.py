@@ -83,7 +83,7 @@ class Flight:
     """One routed attempt on one replica; holds the load it added until released. With a
     ``TtftProbe``, its first byte (given a time) is one observation of the replica's TTFT."""
 
-    __slots__ = ("_open", "_prefill_open", "counters", "pairs", "prefill", "probe", "tokens")
+    __slots__ = ("_open", "_prefill_open", "at_dispatch", "counters", "pairs", "prefill", "probe", "tokens")
 
     def __init__(
         self,
@@ -98,6 +98,7 @@ class Flight:
         self.prefill = prefill
         self.pairs = pairs
         self.probe = probe
+        self.at_dispatch: IndexAtDispatch | None = None  # for the prediction audit (gateway)
         self._open = True
         self._prefill_open = True
         counters.requests += 1
@@ -214,13 +215,31 @@ class Dispatch:
     cached_tokens: int
     block_size: int
     output_tokens: int
+    keys: Sequence[int] = ()  # the request's block keys
 
     @staticmethod
     def of(
         snap: FleetSnapshot, replica: str, request: RequestFeatures, cached: int, output_tokens: int
     ) -> Dispatch:
         state = next(r for r in snap.replicas if r.id == replica)
-        return Dispatch(state, request.prompt_tokens, cached, request.block_size, output_tokens)
+        return Dispatch(
+            state, request.prompt_tokens, cached, request.block_size, output_tokens, request.block_keys
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class IndexAtDispatch:
+    """What the index said of a dispatched request's predicted blocks, kept for the prediction
+    audit's causes (``gateway.prediction_audit.inexact_cause``): how many of them led precisely
+    (reported by the engine, not speculative entries), and the replica's removal count then."""
+
+    precise_blocks: int
+    removed: int
+
+    @staticmethod
+    def of(index: PrefixIndex, replica: str, keys: Sequence[int], predicted_blocks: int) -> IndexAtDispatch:
+        run = index.precise_run(replica, keys[:predicted_blocks]) if predicted_blocks else 0
+        return IndexAtDispatch(run, index.removed_count(replica))
 
 
 @dataclass(frozen=True, slots=True)

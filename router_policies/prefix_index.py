@@ -57,6 +57,7 @@ class _Replica:
     non_gpu: dict[int, str] = field(default_factory=dict)
     # key -> last touch time, oldest first, each block before its parent
     approx: OrderedDict[int, float] = field(default_factory=OrderedDict)
+    removed: int = 0  # precise entries ever removed (the prediction audit: removals since a decision)
 
 
 class PrefixIndex:
@@ -162,6 +163,7 @@ class PrefixIndex:
             for k in batch.tolist():
                 non_gpu.pop(k, None)
         rep.precise_count -= removed
+        rep.removed += removed
         self._entries -= removed
         return removed
 
@@ -210,6 +212,25 @@ class PrefixIndex:
     def precise_count(self, replica: str) -> int:
         rep = self._replicas.get(replica)
         return rep.precise_count if rep else 0
+
+    def removed_count(self, replica: str) -> int:
+        """Precise entries ever removed from ``replica`` (monotone while it is in the index)."""
+        rep = self._replicas.get(replica)
+        return rep.removed if rep else 0
+
+    def precise_run(self, replica: str, keys: Sequence[int]) -> int:
+        """How many leading ``keys`` ``replica`` holds precisely (reported by its engine)."""
+        rep = self._replicas.get(replica)
+        if rep is None or len(keys) == 0:
+            return 0
+        has = self._table.has(as_keys(keys), rep.slot).tolist()
+        approx = rep.approx
+        run = 0
+        for k, held in zip(keys, has, strict=True):
+            if not held or (approx and int(k) in approx):
+                break
+            run += 1
+        return run
 
     def held_count(self, replica: str) -> int:
         """How full the index believes ``replica``'s cache is: its precise entries (what the
