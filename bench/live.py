@@ -40,7 +40,15 @@ import uvloop
 import yaml
 
 from bench import live_metrics
-from bench.live_workloads import MOONCAKE, TOKENIZER, LiveWorkload, load, pressure_cache_blocks, render, workload
+from bench.live_workloads import (
+    MOONCAKE,
+    TOKENIZER,
+    LiveWorkload,
+    load,
+    pressure_cache_blocks,
+    render,
+    workload,
+)
 from kvgate_tools.procs import ProcessGroup, Ready, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
