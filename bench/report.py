@@ -95,7 +95,10 @@ def summarize(
 
 def _live_summary(all_rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The live ratios to the best peer (worst over workloads) and the TTFT audit's error."""
-    p99, p50, hit, audit = [], [], [], []
+    p99: list[float] = []
+    p50: list[float] = []
+    hit: list[float] = []
+    audit: list[float] = []
     for wl in sorted({r["workload"] for r in all_rows}):
         rows = [r for r in all_rows if r["workload"] == wl]
         kv = [r for r in rows if r["router"].startswith("kvgate")]
@@ -104,10 +107,10 @@ def _live_summary(all_rows: list[dict[str, Any]]) -> dict[str, Any]:
             audit.append(kv[0]["ttft_audit_median_abs_error"])
         if not kv or not peers:
             continue
-        for out, key in ((p99, "ttft_p99_ms"), (p50, "ttft_p50_ms")):
+        for ratios, key in ((p99, "ttft_p99_ms"), (p50, "ttft_p50_ms")):
             best = min(p[key] for p in peers)
             if best > 0:
-                out.append(kv[0][key] / best)
+                ratios.append(kv[0][key] / best)
         best_hit = max(p["hit_rate"] for p in peers)
         if best_hit > 0:
             hit.append(kv[0]["hit_rate"] / best_hit)
