@@ -3,6 +3,8 @@ from what the index said at dispatch (placement.IndexAtDispatch) and says at the
 
 from __future__ import annotations
 
+import pytest
+
 from gateway.prediction_audit import AuditCase, inexact_cause
 from router_policies.placement import IndexAtDispatch
 from router_policies.prefix_index import PrefixIndex
@@ -32,27 +34,23 @@ def test_the_index_at_dispatch_counts_the_leading_precise_blocks() -> None:
     assert index.removed_count("r") == 1 and index.precise_run("r", KEYS) == 2
 
 
-def test_over_prediction_on_speculative_entries_is_a_concurrent_request_not_stored() -> None:
+@pytest.mark.parametrize(
+    ("precise", "removed_after", "cause"),
+    [
+        (3, [], "concurrent_not_stored"),  # blocks 3, 4 were only a request's speculative entries
+        (5, [3, 4], "evicted"),  # the engine reported removals since the decision
+        (5, [], "stale_index"),  # held precisely, no removal since: the index was wrong
+    ],
+)
+def test_over_prediction_causes(precise: int, removed_after: list[int], cause: str) -> None:
+    """Five blocks predicted, three reported."""
     index = _index()
-    index.store("r", KEYS[:3])
+    index.store("r", KEYS[:precise])
     index.touch_approximate("r", KEYS[:5], 0.0, 10.0)
     at = IndexAtDispatch.of(index, "r", KEYS, 5)
-    assert _cause(index, 5, 3, at) == "concurrent_not_stored"
-
-
-def test_over_prediction_with_removals_since_dispatch_is_an_eviction() -> None:
-    index = _index()
-    index.store("r", KEYS[:5])
-    at = IndexAtDispatch.of(index, "r", KEYS, 5)
-    index.remove("r", KEYS[3:5])  # the engine evicted them after the decision
-    assert _cause(index, 5, 3, at) == "evicted"
-
-
-def test_over_prediction_without_any_removal_is_a_stale_index() -> None:
-    index = _index()
-    index.store("r", KEYS[:5])
-    at = IndexAtDispatch.of(index, "r", KEYS, 5)
-    assert _cause(index, 5, 3, at) == "stale_index"
+    assert at.precise_blocks == precise
+    index.remove("r", [KEYS[i] for i in removed_after])
+    assert _cause(index, 5, 3, at) == cause
 
 
 def test_under_prediction_is_late_events_or_tokenization() -> None:
