@@ -223,13 +223,14 @@ class PrefixIndex:
         rep = self._replicas.get(replica)
         if rep is None or len(keys) == 0:
             return 0
-        has = self._table.has(as_keys(keys), rep.slot).tolist()
+        batch = as_keys(keys)
+        has = self._table.has(batch, rep.slot)
+        run = len(has) if has.all() else int(has.argmin())
         approx = rep.approx
-        run = 0
-        for k, held in zip(keys, has, strict=True):
-            if not held or (approx and int(k) in approx):
-                break
-            run += 1
+        if approx and run:
+            for i, k in enumerate(batch[:run].tolist()):
+                if k in approx:
+                    return i
         return run
 
     def held_count(self, replica: str) -> int:
