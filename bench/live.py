@@ -167,13 +167,20 @@ def _wait_agents(gateway: str, n: int, timeout_s: float = 30.0) -> None:
         time.sleep(0.1)
 
 
-def start_router(procs: ProcessGroup, name: str, fleet: list[tuple[str, str]], tmp: Path) -> tuple[str, str]:
-    """Start router ``name`` in front of ``fleet``; returns (base url, policy actually used)."""
+def start_router(
+    procs: ProcessGroup,
+    name: str,
+    fleet: list[tuple[str, str]],
+    tmp: Path,
+    kvgate_params: dict[str, Any] | None = None,
+) -> tuple[str, str]:
+    """Start router ``name`` in front of ``fleet``; returns (base url, policy actually used).
+    ``kvgate_params``: kv_aware's parameters in kvgate's config."""
     urls = [u for u, _ in fleet]
     if name == "kvgate_kv_aware":
         cfg = {
             "listen": {"http": "127.0.0.1:0", "inventory": "127.0.0.1:0"},
-            "policy": {"name": "kv_aware"},
+            "policy": {"name": "kv_aware", "kv_aware": kvgate_params or {}},
             "models": [{"name": MODEL, "tokenizer": str(TOKENIZER), "block_size": 16}],
             "replicas": [{"id": f"r{i}", "url": u, "models": [MODEL]} for i, u in enumerate(urls)],
             "telemetry": {"access_log": False, "log_level": "WARNING"},
@@ -254,7 +261,7 @@ def one_run(
     audit: dict[str, Any] = {}
     with ProcessGroup(tmp) as procs:
         fleet = start_fleet(procs, args.replicas, args, w)
-        url, policy = start_router(procs, router, fleet, tmp)
+        url, policy = start_router(procs, router, fleet, tmp, args.kvgate_params)
         urls = [u for u, _ in fleet]
         h0, q0, b0 = engine_state(urls)
         results, wall = uvloop.run(replay(url, reqs, args.speedup, args.timeout))
@@ -312,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/live.json")
+    ap.add_argument("--kvgate-params", type=json.loads, default={}, help="kv_aware parameters (JSON object)")
     args = ap.parse_args(argv)
     if args.workloads is None:
         args.workloads = (
