@@ -137,6 +137,20 @@ class RunResult:
 ProgressFn = Callable[[int, int], None]
 
 
+# one engine for every replica, or one per replica (a heterogeneous fleet: profiles.fleet_profiles)
+Engines = EngineConfig | Sequence[EngineConfig]
+
+
+def fleet_engines(engine: Engines, replicas: int) -> list[EngineConfig]:
+    """Replica i's engine."""
+    if isinstance(engine, EngineConfig):
+        return [engine] * replicas
+    engines = list(engine)
+    if len(engines) != replicas:
+        raise ValueError(f"{len(engines)} engines for {replicas} replicas")
+    return engines
+
+
 def engine_ttft_prior(engine: EngineConfig) -> TtftParams:
     """The TTFT model of a replica running ``engine`` (its step costs and settings)."""
     return params_from_step_costs(
@@ -155,19 +169,20 @@ def simulate(
     load: float,
     arrival_s: np.ndarray,
     replicas: int,
-    engine: EngineConfig,
+    engine: Engines,
     index_config: IndexConfig | None = None,
     seed: int = 0,
     progress: ProgressFn | None = None,
 ) -> RunResult:
     """One run of the trace (with arrival times ``arrival_s``) through ``policy``."""
     names = [f"r{i}" for i in range(replicas)]
-    models = [ReplicaModel(engine) for _ in names]
+    engines = fleet_engines(engine, replicas)
+    models = [ReplicaModel(e) for e in engines]
     index = PrefixIndex(index_config or IndexConfig())
     ttft_errors: list[float] = []  # the TTFT audit: |relative error| of each first token
     feed = TtftFeed(listener=lambda sample: ttft_errors.append(abs(sample.relative_error)))
-    for name in names:  # the replica's engine as its cold-start TTFT model
-        feed.model.set_prior(name, engine_ttft_prior(engine))
+    for name, e in zip(names, engines, strict=True):  # the replica's engine: its cold-start TTFT model
+        feed.model.set_prior(name, engine_ttft_prior(e))
     gw = SimGateway(
         names,
         build_policy(policy, policy_params, seed=seed),
@@ -336,7 +351,7 @@ def no_cache_service_s(prep: PreparedTrace, engine: EngineConfig) -> float:
     return float((prefill + decode + overhead).mean())
 
 
-def scaled_arrivals(prep: PreparedTrace, load: float, replicas: int, engine: EngineConfig) -> np.ndarray:
+def scaled_arrivals(prep: PreparedTrace, load: float, replicas: int, engine: Engines) -> np.ndarray:
     """Arrival times rescaled so that the offered rate is ``load`` x the fleet's no-cache capacity
     (replicas / ``no_cache_service_s``): t' = t0 + (t - t0) x natural_rate / target_rate. The order
     and relative spacing of arrivals are kept."""
@@ -345,7 +360,8 @@ def scaled_arrivals(prep: PreparedTrace, load: float, replicas: int, engine: Eng
     if n < 2 or t[-1] <= t[0]:
         return t.copy()
     natural = (n - 1) / float(t[-1] - t[0])
-    target = load * replicas / no_cache_service_s(prep, engine)
+    # the fleet's capacity: the sum of its replicas' (replicas / service time when identical)
+    target = load * sum(1.0 / no_cache_service_s(prep, e) for e in fleet_engines(engine, replicas))
     return np.asarray(t[0] + (t - t[0]) * (natural / target), dtype=np.float64)
 
 
@@ -362,7 +378,7 @@ def run_matrix(
     policies: Sequence[tuple[str, Mapping[str, Any] | None]],
     loads: Sequence[float],
     replicas: int,
-    engine: EngineConfig,
+    engine: Engines,
     seed: int,
     progress: Callable[[str, float, int, int], None] | None = None,
 ) -> list[RunResult]:
