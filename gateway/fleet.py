@@ -81,6 +81,7 @@ class Fleet:
         rec = self._records.get(sample.replica)
         if rec is not None:
             rec.ttft_audit.record(sample.predicted_ms, sample.observed_ms)
+            rec.ttft_model = self.ttft.params(sample.replica)
         if self.ttft_listener is not None:
             self.ttft_listener(sample)
 
@@ -161,6 +162,8 @@ class Fleet:
             block_size=hello.block_size,
             engine=f"{hello.engine} {hello.engine_version}".strip(),
         )
+        # the engine's KV cache, as its agent read it: the TTFT model's KV-demand term
+        self.ttft.set_kv_capacity(hello.replica_id, hello.capacity_blocks * hello.block_size)
         return None
 
     def forget_stale(self, now: float, after_s: float) -> list[str]:

@@ -12,6 +12,7 @@ part           what                                  its only writer
 ``remote``     other instances' in-flight load       ``Fleet.apply_remote_load``
 ``audit``      prediction-audit statistics           ``AuditStats.record``
 ``ttft_audit`` TTFT predicted against observed        ``TtftAuditStats.record`` (the TTFT feed)
+``ttft_model`` the fitted TTFT model, as last exported  ``Fleet`` (the TTFT feed's listener)
 =============  ====================================  ==========================================
 
 The flat names other modules read (``rec.healthy``, ``rec.in_flight_requests``, ...) are
@@ -28,6 +29,7 @@ from gateway.replica_health import ReplicaHealth
 from gateway.replica_identity import AgentLink, ReplicaIdentity
 from gateway.replica_load import NO_REMOTE_LOAD, EngineLoad, RemoteLoad, combined_load
 from router_policies.placement import FlightCounters, ReplicaLoad
+from router_policies.ttft.params import COEFFICIENTS, TtftParams
 
 T = TypeVar("T")
 
@@ -45,7 +47,17 @@ class _Read(Generic[T]):
 
 
 class ReplicaRecord:
-    __slots__ = ("audit", "engine_load", "flights", "health", "identity", "link", "remote", "ttft_audit")
+    __slots__ = (
+        "audit",
+        "engine_load",
+        "flights",
+        "health",
+        "identity",
+        "link",
+        "remote",
+        "ttft_audit",
+        "ttft_model",
+    )
 
     def __init__(self, identity: ReplicaIdentity) -> None:
         self.identity = identity
@@ -56,6 +68,7 @@ class ReplicaRecord:
         self.remote: RemoteLoad = NO_REMOTE_LOAD
         self.audit = AuditStats()
         self.ttft_audit = TtftAuditStats()
+        self.ttft_model: TtftParams | None = None  # None: no first token fitted yet
 
     id = _Read[str](lambda r: r.identity.id)
     url = _Read[str](lambda r: r.identity.url)
@@ -115,5 +128,18 @@ class ReplicaRecord:
             "ttft_audit": {
                 "total": self.ttft_audit.total,
                 "median_abs_error": self.ttft_audit.median_abs_error(),
+                "model": _model_of(self.ttft_model),
             },
         }
+
+
+def _model_of(params: TtftParams | None) -> dict[str, float] | None:
+    if params is None:
+        return None
+    out = {name: round(value, 6) for name, value in zip(COEFFICIENTS, params.coefficients(), strict=True)}
+    out.update(
+        observations=params.observations,
+        error_ratio=round(params.error_ratio, 4),
+        kv_capacity_tokens=params.kv_capacity_tokens,
+    )
+    return out

@@ -294,6 +294,17 @@ class TtftFeed:
     def params(self, replica: str) -> TtftParams:
         return self.model.params(replica)
 
+    def set_kv_capacity(self, replica: str, tokens: int) -> None:
+        """The replica's engine holds ``tokens`` of KV (its agent said so): the model's KV-demand
+        term (``kv_capacity_tokens``) uses it. Its fit so far becomes its prior (a prior's
+        capacity is a guess); nothing changes when the capacity is already that."""
+        current = self.model.params(replica)
+        if tokens <= 0 or current.kv_capacity_tokens == tokens:
+            return
+        self.model.set_prior(
+            replica, dataclasses.replace(current, kv_capacity_tokens=tokens, observations=0, error_ratio=0.0)
+        )
+
     def adopt(self, replica: str, peers: Iterable[str]) -> None:
         """A replica joins: it starts from the fitted model of its peers (the one of median
         speed among those with observations), not from the static prior, so that it neither

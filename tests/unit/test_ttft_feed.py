@@ -9,7 +9,7 @@ from router_policies import placement
 from router_policies.placement import Candidate, Dispatch, FlightCounters, IndexView, ReplicaLoad, TtftFeed
 from router_policies.policy import ReplicaState, RequestFeatures
 from router_policies.prefix_index import PrefixIndex
-from router_policies.ttft.features import attention_pairs
+from router_policies.ttft.features import TtftInputs, attention_pairs
 from router_policies.ttft.params import DEFAULT_PRIOR
 
 
@@ -124,7 +124,9 @@ def test_the_gateway_fleet_feeds_the_model_and_exports_the_ttft_audit() -> None:
     assert rec.ttft_audit.total == 5 and fleet.ttft.params("a").observations == 5
     assert fleet.snapshot([rec], {}, {}).replicas[0].ttft == fleet.ttft.params("a")
     mae = rec.ttft_audit.median_abs_error()
-    assert mae is not None and rec.describe()["ttft_audit"] == {"total": 5, "median_abs_error": mae}
+    described = rec.describe()["ttft_audit"]
+    assert mae is not None and described["total"] == 5 and described["median_abs_error"] == mae
+    assert rec.ttft_model == fleet.ttft.params("a") and described["model"]["observations"] == 5
     text = generate_latest(metrics.registry).decode()
     assert 'kvgate_ttft_prediction_relative_error_count{replica="a"} 5.0' in text
     assert 'kvgate_ttft_prediction_median_abs_error{replica="a"}' in text
@@ -140,3 +142,25 @@ def test_the_fleets_prior_is_the_one_kv_aware_names() -> None:
     assert fleet.ttft.params("a") == DEFAULT_PRIOR
     fleet.reconfigure(parse_config({**tree, "policy": {"kv_aware": {"prior": "small-cpu"}}}))
     assert fleet.ttft.params("a") == SMALL_CPU_PRIOR
+
+
+def test_the_engines_kv_capacity_from_its_agent_enters_the_model() -> None:
+    from gateway.config import parse_config
+    from gateway.fleet import Fleet
+    from gateway.inventory_sink import AgentHello
+
+    cfg = parse_config(
+        {"models": [{"name": "m", "block_size": 16}], "replicas": [{"id": "a", "url": "http://a:1"}]}
+    )
+    fleet = Fleet(cfg, PrefixIndex(cfg.index))
+    assert fleet.ttft.params("a").kv_capacity_tokens == DEFAULT_PRIOR.kv_capacity_tokens
+    hello = AgentHello("a", "http://a:1", ("m",), 16, 400, "vllm", "0", "1")
+    assert fleet.agent_hello(hello) is None
+    assert fleet.ttft.params("a").kv_capacity_tokens == 6400
+    fleet.ttft.model.observe_first_token("a", TtftInputs(0, 0, 0, 100, 0), 50.0)
+    fitted = fleet.ttft.params("a")
+    assert fleet.agent_hello(hello) is None  # the same capacity again: the fit stays
+    assert fleet.ttft.params("a") == fitted
+    fleet.ttft.set_kv_capacity("a", 3200)  # another: the fit so far is the new prior
+    assert fleet.ttft.params("a").coefficients() == fitted.coefficients()
+    assert fleet.ttft.params("a").kv_capacity_tokens == 3200 and fleet.ttft.params("a").observations == 0
