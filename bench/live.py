@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -268,6 +269,12 @@ def one_run(
         h1, q1, b1 = engine_state(urls)
         if router.startswith("kvgate"):
             audit = live_metrics.kvgate_audit(live_metrics.scrape(url))
+            # the fleet as kvgate saw it (fitted TTFT models)
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(url + "/admin/replicas", timeout=5) as r,
+            ):
+                (tmp / "kvgate_replicas.json").write_bytes(r.read())
     ok = [(t, tot) for s, t, tot in results if s == 200 and t > 0]
     ttft = np.array([t for t, _ in ok]) * 1e3 if ok else np.zeros(1)
     engine_ttft = live_metrics.delta(b1, b0)

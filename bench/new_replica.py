@@ -5,7 +5,7 @@ hello) and the share of the next 300 requests it receives is measured (``new_rep
 
 The gateway's own ``Fleet`` + ``Router`` + ``PrefixIndex`` decide; each replica's engine is a
 bounded LRU of blocks whose stores and evictions reach the index as its agent's events would,
-when a request completes (8 in flight: each new request completes the oldest one). First bytes
+when a request's first token comes (8 clients in a closed loop: at most 8 in flight). First bytes
 are timed by a linear engine (a fixed step and a cost per uncached token, serving its own
 requests one after another) three times faster than the TTFT model's default prior, so the warm
 replicas' fitted models differ from the prior: a joining replica starts from its peers' fit
@@ -17,10 +17,11 @@ replicas' fitted models differ from the prior: a joining replica starts from its
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import random
 import sys
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,19 +75,24 @@ class _Bench:
         self.router = Router(self.index, self.fleet)
         self.state = RoutingState(cfg, build_policy(policy, {}, seed=1), Featurizer.from_config(cfg))
         self.engines: dict[str, _Engine] = {}
-        self.flights: deque[tuple[Flight, str, list[int], float]] = deque()
+        # (first token at, seq, flight, replica, keys), earliest first token first
+        self.flights: list[tuple[float, int, Flight, str, list[int]]] = []
+        self._seq = 0
         self.rng = random.Random(7)
         self.head = [self.rng.getrandbits(63) for _ in range(4)]  # a system prompt every session shares
         self.sessions: list[list[int]] = []
 
     def join(self, replica: str) -> None:
-        hello = AgentHello(replica, f"http://{replica}:8000", ("m",), BS, 100, "vllm", "0", "1")
+        hello = AgentHello(replica, f"http://{replica}:8000", ("m",), BS, CACHE_BLOCKS, "vllm", "0", "1")
         assert self.fleet.agent_hello(hello) is None
         self.fleet.agent_state(replica, connected=True, degraded=False)
         self.engines[replica] = _Engine(self.index, replica, OrderedDict())
 
-    def _complete_oldest(self) -> None:
-        flight, replica, keys, first_at = self.flights.popleft()
+    def _complete_first(self) -> None:
+        """The in-flight request whose first token comes first completes (the clock moves on to
+        it if it is later than now: a closed loop of CONCURRENCY clients)."""
+        first_at, _seq, flight, replica, keys = heapq.heappop(self.flights)
+        self.now = max(self.now, first_at)
         self.engines[replica].prefill(keys)
         flight.first_byte(first_at)
         flight.end()
@@ -94,6 +100,8 @@ class _Bench:
     def request(self) -> str:
         """One request (a new session a third of the time, else a session's next turn)."""
         self.now += 0.002
+        while self.flights and self.flights[0][0] <= self.now:
+            self._complete_first()
         if not self.sessions or self.rng.random() < 1 / 3:
             self.sessions.append(list(self.head))
         s = self.rng.randrange(len(self.sessions))
@@ -104,9 +112,10 @@ class _Bench:
         d = Dispatch.of(choice.snapshot, choice.record.id, feats, choice.predicted_tokens, 100)
         rid = choice.record.id
         first_at = self.engines[rid].first_token_at(self.now, feats.prompt_tokens - choice.predicted_tokens)
-        self.flights.append((self.fleet.dispatch(choice.record, d), rid, keys, first_at))
-        if len(self.flights) > CONCURRENCY:
-            self._complete_oldest()
+        self._seq += 1
+        heapq.heappush(self.flights, (first_at, self._seq, self.fleet.dispatch(choice.record, d), rid, keys))
+        if len(self.flights) >= CONCURRENCY:
+            self._complete_first()
         return choice.record.id
 
 

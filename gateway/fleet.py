@@ -81,7 +81,7 @@ class Fleet:
         rec = self._records.get(sample.replica)
         if rec is not None:
             rec.ttft_audit.record(sample.predicted_ms, sample.observed_ms)
-            rec.ttft_model = self.ttft.params(sample.replica)
+            rec.ttft_model = self.ttft.model.params(sample.replica)  # the fit (routed on if it predicts)
         if self.ttft_listener is not None:
             self.ttft_listener(sample)
 

@@ -124,6 +124,8 @@ class _SimSide:
         self.gw = SimGateway(
             REPLICAS, build_policy(policy, {}, seed=3), self.index, lambda i: self.loads[REPLICAS[i]], touch
         )
+        for r in REPLICAS:  # the engines' KV capacity, as the gateway's agents' hellos say (100 blocks)
+            self.gw.ttft.set_kv_capacity(r, 100 * BS)
         self.flights: dict[int, SimFlight] = {}
 
     def route(self, rid: int, feats: RequestFeatures, out: int, t: float) -> tuple[Any, ...]:
