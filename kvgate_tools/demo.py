@@ -186,6 +186,9 @@ def run_policy(policy: str, sessions: list[Session], opts: FleetOptions) -> Poli
     ttfts = [o.ttft_s * 1000 for o in ok if o.ttft_s == o.ttft_s]
     audited = [o for o in ok if o.predicted is not None and o.cached is not None]
     exact = sum(1 for o in audited if o.predicted == o.cached)
+    unexplained = len(audited) - exact - sum(causes.values())
+    if unexplained > 0:  # inexact here, yet not audited by the gateway (its features were not exact)
+        causes["not_audited"] = unexplained
     return PolicyRun(
         policy=policy,
         engine_hit_rate=hits / queries if queries else 0.0,
