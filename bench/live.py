@@ -2,32 +2,33 @@
 of a fresh fleet of simulated engines (``kvgate sim-engine``: vLLM's HTTP API, its /metrics and
 its KV events, over the simulator's replica model in real time).
 
-Workloads (both as traces of chained block ids, ``router_policies.sim.traces``):
-* ``agent``: the seeded agent-session workload (``router_policies.sim.workloads.agent_trace``);
-* ``mooncake``: the first requests of ``shared/traces/mooncake_conversation_trace.jsonl``.
-
-Each block id is rendered as a fixed run of words drawn from the local corpus with the id as the
-seed, so equal block-id prefixes are equal text prefixes and every router (text-based or
-token-based) sees the same prefix structure. Prompts are capped at ``--max-blocks`` blocks and
-outputs at ``--max-tokens``; arrival times are divided by ``--speedup`` and engine step costs
+Workloads (``bench/live_workloads.py``): ``agent``, ``mooncake``, any Mooncake-format trace with
+``--trace FILE`` (alone, it is the only workload), and three where placement matters most:
+``kv_pressure`` (the fleet's KV cache half the working set), ``hetero`` (every other engine 3x
+slower) and ``decode_heavy`` (256-token outputs). Prompts are capped at ``--max-blocks`` blocks
+and outputs at ``--max-tokens``; arrival times are divided by ``--speedup`` and engine step costs
 multiplied by ``--time-scale`` (the same ratio keeps the load of the original trace).
 
 Routers: kvgate kv_aware (with one ``kvgate agent`` per engine streaming its KV events), and from
-``.venv-bench``: sglang-router cache_aware, vllm-router kv_aware (fed the engines' ZMQ KV events
-directly; falls back to cache_aware if it will not start). Per run: engine-counted prefix hit rate
-(sum of ``vllm:prefix_cache_hits_total`` / ``vllm:prefix_cache_queries_total`` over the fleet),
-client TTFT p50/p99 of streamed completions, completed requests per second, errors.
+the peers' virtualenv (``.venv-bench``, or ``$KVGATE_BENCH_VENV``): sglang-router cache_aware,
+vllm-router kv_aware (fed the engines' ZMQ KV events directly; falls back to cache_aware if it
+will not start). One row per (workload, router): engine-counted prefix hit rate (sum of
+``vllm:prefix_cache_hits_total`` / ``vllm:prefix_cache_queries_total`` over the fleet), client
+TTFT p50/p99 of streamed completions, engine TTFT p50/p99 (the engines' own
+``vllm:time_to_first_token_seconds`` histograms, summed over the fleet: placement apart from the
+hop), completed requests per second, errors; for kvgate also its audits (``live_metrics``): the
+TTFT model's median absolute error and the cached-token audit's exact share and causes.
 
-    .venv/bin/python -m bench.live [--requests 300] [--replicas 4] [--out bench/results/live.json]
+    .venv/bin/python -m bench.live [--requests 300] [--replicas 4] [--trace FILE] [--out bench/results/live.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import random
-import re
+import os
 import sys
 import time
 import urllib.request
@@ -39,51 +40,21 @@ import numpy as np
 import uvloop
 import yaml
 
+from bench import live_metrics
+from bench.live_workloads import (
+    MOONCAKE,
+    TOKENIZER,
+    LiveWorkload,
+    load,
+    pressure_cache_blocks,
+    render,
+    workload,
+)
 from kvgate_tools.procs import ProcessGroup, Ready, free_port
-from router_policies.sim.traces import Trace, load_trace
-from router_policies.sim.workloads import AgentSpec, agent_trace
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCH_VENV = ROOT / ".venv-bench"
-TOKENIZER = ROOT / "assets/tokenizers/kvgate-tiny"
-# the project's traces sit in shared/ beside the clone (as in the README's ``kvgate compare`` example)
-MOONCAKE = ROOT.parent / "shared/traces/mooncake_conversation_trace.jsonl"
+BENCH_VENV = Path(os.environ.get("KVGATE_BENCH_VENV", ROOT / ".venv-bench"))
 MODEL = "sim"
-WORDS_PER_BLOCK = {"agent": 12, "mooncake": 40}
-
-
-def load_workload(name: str, requests: int, seed: int, trace: Path) -> Trace:
-    if name == "agent":
-        # small enough to replay in minutes; sessions arrive fast so that tenants overlap
-        spec = AgentSpec(tenants=8, sessions=max(requests // 6, 4), session_rate_per_s=1.0, gap_median_s=3.0)
-        return agent_trace(spec, seed)
-    if not trace.is_file():
-        raise SystemExit(f"live: no trace file {trace} for the mooncake workload (give one with --trace)")
-    return load_trace(trace)
-
-
-def render(
-    trace: Trace, name: str, requests: int, max_blocks: int, max_tokens: int
-) -> list[tuple[float, str, int]]:
-    """(arrival s, prompt text, max_tokens) of the first ``requests`` requests."""
-    words = sorted(
-        set(re.findall(r"[A-Za-z]{3,12}", (ROOT / "assets/corpus/stdlib_docstrings.txt").read_text()))
-    )
-    k = WORDS_PER_BLOCK[name]
-    cache: dict[int, str] = {}
-    out = []
-    for r in trace.requests[:requests]:
-        parts = []
-        for bid in r.hash_ids[:max_blocks]:
-            text = cache.get(bid)
-            if text is None:
-                rng = random.Random(bid * 1_000_003 + 17)
-                text = " ".join(rng.choice(words) for _ in range(k)) + ".\n"
-                cache[bid] = text
-            parts.append(text)
-        out.append((r.timestamp_ms / 1000.0, "".join(parts), max(1, min(r.output_length, max_tokens))))
-    t0 = out[0][0] if out else 0.0
-    return [(t - t0, p, m) for t, p, m in out]
 
 
 async def replay(
@@ -101,6 +72,7 @@ async def replay(
                 "prompt": prompt,
                 "max_tokens": max_tokens,
                 "stream": True,
+                "stream_options": {"include_usage": True},  # kvgate audits its cached-token prediction
                 "ignore_eos": True,
             }
             t0 = time.perf_counter()
@@ -119,22 +91,28 @@ async def replay(
         return results, time.perf_counter() - start
 
 
+_HITS, _QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
+
+
 def engine_hits(http_urls: list[str]) -> tuple[float, float]:
-    hits = queries = 0.0
-    for url in http_urls:
-        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
-            text = r.read().decode()
-        for line in text.splitlines():
-            if line.startswith("vllm:prefix_cache_hits_total"):
-                hits += float(line.rsplit(" ", 1)[1])
-            elif line.startswith("vllm:prefix_cache_queries_total"):
-                queries += float(line.rsplit(" ", 1)[1])
-    return hits, queries
+    got = live_metrics.sums((live_metrics.scrape(u) for u in http_urls), (_HITS, _QUERIES))
+    return got[_HITS], got[_QUERIES]
 
 
-def start_fleet(procs: ProcessGroup, n: int, args: argparse.Namespace) -> list[tuple[str, str]]:
-    """(http url, events endpoint) per engine."""
+def engine_state(http_urls: list[str]) -> tuple[float, float, dict[float, float]]:
+    """The fleet's prefix-cache hits and queries (tokens) and TTFT histogram, summed."""
+    texts = [live_metrics.scrape(u) for u in http_urls]
+    got = live_metrics.sums(texts, (_HITS, _QUERIES))
+    return got[_HITS], got[_QUERIES], live_metrics.buckets(texts)
+
+
+def start_fleet(
+    procs: ProcessGroup, n: int, args: argparse.Namespace, w: LiveWorkload | None = None
+) -> list[tuple[str, str]]:
+    """(http url, events endpoint) per engine (``w``: its speeds and cache size)."""
     procs_ = []
+    slowdowns = w.slowdowns if w is not None else (1.0,)
+    cache_blocks = getattr(args, "run_cache_blocks", None) or args.cache_blocks
     for i in range(n):
         procs_.append(
             procs.spawn(
@@ -153,9 +131,9 @@ def start_fleet(procs: ProcessGroup, n: int, args: argparse.Namespace) -> list[t
                     "--tokenizer",
                     str(TOKENIZER),
                     "--time-scale",
-                    str(args.time_scale),
+                    str(args.time_scale * slowdowns[i % len(slowdowns)]),
                     "--cache-blocks",
-                    str(args.cache_blocks),
+                    str(cache_blocks),
                     "--seed",
                     str(i),
                     "--block-size",
@@ -190,13 +168,20 @@ def _wait_agents(gateway: str, n: int, timeout_s: float = 30.0) -> None:
         time.sleep(0.1)
 
 
-def start_router(procs: ProcessGroup, name: str, fleet: list[tuple[str, str]], tmp: Path) -> tuple[str, str]:
-    """Start router ``name`` in front of ``fleet``; returns (base url, policy actually used)."""
+def start_router(
+    procs: ProcessGroup,
+    name: str,
+    fleet: list[tuple[str, str]],
+    tmp: Path,
+    kvgate_params: dict[str, Any] | None = None,
+) -> tuple[str, str]:
+    """Start router ``name`` in front of ``fleet``; returns (base url, policy actually used).
+    ``kvgate_params``: kv_aware's parameters in kvgate's config."""
     urls = [u for u, _ in fleet]
     if name == "kvgate_kv_aware":
         cfg = {
             "listen": {"http": "127.0.0.1:0", "inventory": "127.0.0.1:0"},
-            "policy": {"name": "kv_aware"},
+            "policy": {"name": "kv_aware", "kv_aware": kvgate_params or {}},
             "models": [{"name": MODEL, "tokenizer": str(TOKENIZER), "block_size": 16}],
             "replicas": [{"id": f"r{i}", "url": u, "models": [MODEL]} for i, u in enumerate(urls)],
             "telemetry": {"access_log": False, "log_level": "WARNING"},
@@ -266,20 +251,35 @@ def start_router(procs: ProcessGroup, name: str, fleet: list[tuple[str, str]], t
     raise ValueError(f"unknown router {name!r}")
 
 
+def _ms(seconds: float | None) -> float | None:
+    return round(seconds * 1e3, 3) if seconds is not None else None
+
+
 def one_run(
-    workload: str, router: str, reqs: list[tuple[float, str, int]], args: argparse.Namespace
+    w: LiveWorkload, router: str, reqs: list[tuple[float, str, int]], args: argparse.Namespace
 ) -> dict[str, Any]:
-    tmp = args.out.parent / "tmp" / "live" / f"{workload}-{router}"
+    tmp = args.out.parent / "tmp" / "live" / f"{w.name.replace(':', '_')}-{router}"
+    audit: dict[str, Any] = {}
     with ProcessGroup(tmp) as procs:
-        fleet = start_fleet(procs, args.replicas, args)
-        url, policy = start_router(procs, router, fleet, tmp)
-        h0, q0 = engine_hits([u for u, _ in fleet])
+        fleet = start_fleet(procs, args.replicas, args, w)
+        url, policy = start_router(procs, router, fleet, tmp, args.kvgate_params)
+        urls = [u for u, _ in fleet]
+        h0, q0, b0 = engine_state(urls)
         results, wall = uvloop.run(replay(url, reqs, args.speedup, args.timeout))
-        h1, q1 = engine_hits([u for u, _ in fleet])
+        h1, q1, b1 = engine_state(urls)
+        if router.startswith("kvgate"):
+            audit = live_metrics.kvgate_audit(live_metrics.scrape(url))
+            # the fleet as kvgate saw it (fitted TTFT models)
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(url + "/admin/replicas", timeout=5) as r,
+            ):
+                (tmp / "kvgate_replicas.json").write_bytes(r.read())
     ok = [(t, tot) for s, t, tot in results if s == 200 and t > 0]
     ttft = np.array([t for t, _ in ok]) * 1e3 if ok else np.zeros(1)
+    engine_ttft = live_metrics.delta(b1, b0)
     return {
-        "workload": workload,
+        "workload": w.name,
         "router": router,
         "policy": policy,
         "requests": len(results),
@@ -289,16 +289,26 @@ def one_run(
         "throughput_rps": len(ok) / wall if wall else 0.0,
         "ttft_p50_ms": float(np.percentile(ttft, 50)),
         "ttft_p99_ms": float(np.percentile(ttft, 99)),
+        "engine_ttft_p50_ms": _ms(live_metrics.quantile(engine_ttft, 0.5)),
+        "engine_ttft_p99_ms": _ms(live_metrics.quantile(engine_ttft, 0.99)),
         "hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0,
         "queried_tokens": q1 - q0,
+        "cache_blocks_per_engine": getattr(args, "run_cache_blocks", None) or args.cache_blocks,
+        "working_set_blocks": getattr(args, "run_working_set", None),
+        **audit,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=300, help="requests replayed per workload")
-    ap.add_argument("--workloads", nargs="+", default=["agent", "mooncake"])
-    ap.add_argument("--trace", type=Path, default=MOONCAKE, help="trace of the mooncake workload")
+    ap.add_argument(
+        "--workloads",
+        nargs="+",
+        help="agent, mooncake, kv_pressure, hetero, decode_heavy, trace (default: the first five; "
+        "only trace when --trace is given)",
+    )
+    ap.add_argument("--trace", type=Path, help="a Mooncake-format trace to replay (the trace workload)")
     ap.add_argument(
         "--routers", nargs="+", default=["kvgate_kv_aware", "sglang_cache_aware", "vllm_router_best"]
     )
@@ -316,24 +326,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/live.json")
+    ap.add_argument("--kvgate-params", type=json.loads, default={}, help="kv_aware parameters (JSON object)")
     args = ap.parse_args(argv)
+    if args.workloads is None:
+        args.workloads = (
+            ["trace"] if args.trace else ["agent", "mooncake", "kv_pressure", "hetero", "decode_heavy"]
+        )
     routers = [r for r in args.routers if r.startswith("kvgate") or (BENCH_VENV / "bin/python").exists()]
     rows = []
     for wl in args.workloads:
-        reqs = render(
-            load_workload(wl, args.requests, args.seed, args.trace),
-            wl,
-            args.requests,
-            args.max_blocks,
-            args.max_tokens,
-        )
+        w = workload(wl, args.trace or MOONCAKE)
+        reqs = render(load(w, args.requests, args.seed), w, args.requests, args.max_blocks, args.max_tokens)
+        # KV pressure: the fleet's caches together hold 1 / pressure of the working set
+        pressure = pressure_cache_blocks(reqs, w, args.replicas)
+        args.run_cache_blocks, args.run_working_set = pressure if pressure else (None, None)
         for router in routers:
-            row = one_run(wl, router, reqs, args)
+            row = one_run(w, router, reqs, args)
             rows.append(row)
+            engine_p99 = row["engine_ttft_p99_ms"]
             print(
-                f"{wl:9} {router:20} ({row['policy']:11}) hit {row['hit_rate']:.3f} ttft p50 "
-                f"{row['ttft_p50_ms']:8.1f} p99 {row['ttft_p99_ms']:8.1f} ms  {row['throughput_rps']:6.2f} req/s "
-                f"errors {row['errors']}",
+                f"{w.name:12} {router:20} ({row['policy']:11}) hit {row['hit_rate']:.3f} ttft p50 "
+                f"{row['ttft_p50_ms']:8.1f} p99 {row['ttft_p99_ms']:8.1f} ms (engine p99 "
+                f"{engine_p99 if engine_p99 is not None else float('nan'):8.1f})  "
+                f"{row['throughput_rps']:6.2f} req/s errors {row['errors']}",
                 flush=True,
             )
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,12 @@ Headline figures and how they are taken (conservative where a choice exists):
   highest resident bytes per indexed entry at that count;
 * ``live_ttft_p99_vs_best_peer``: kvgate's TTFT p99 over the lowest peer TTFT p99, the worst
   (highest) ratio over the workloads; ``live_hit_rate_vs_best_peer``: kvgate's engine-counted hit
-  rate over the highest peer's, the worst (lowest) ratio over the workloads.
+  rate over the highest peer's, the worst (lowest) ratio over the workloads;
+  ``live_ttft_p50_vs_best_peer``: the same as the p99 ratio for the p50 (worst over workloads);
+* ``ttft_audit_median_abs_error``: kvgate's TTFT model, median absolute relative error of its
+  predictions against observed first bytes (bench/live_metrics.py), the worst over the workloads;
+* ``new_replica_share``: the share of the next 300 requests a fourth replica joining three warm
+  ones receives (``bench/new_replica.py``).
 A figure whose inputs are missing is ``null``.
 
     .venv/bin/python -m bench.report [--results bench/results]
@@ -38,6 +43,9 @@ SUMMARY_KEYS = (
     "bytes_per_block",
     "live_ttft_p99_vs_best_peer",
     "live_hit_rate_vs_best_peer",
+    "live_ttft_p50_vs_best_peer",
+    "ttft_audit_median_abs_error",
+    "new_replica_share",
 )
 ROUTERS = ("kvgate", "sglang_cache_aware", "sglang_round_robin", "vllm_router_cache_aware")
 
@@ -56,7 +64,10 @@ def _overhead_point(
 
 
 def summarize(
-    index: dict[str, Any] | None, ov: dict[str, Any] | None, live: dict[str, Any] | None
+    index: dict[str, Any] | None,
+    ov: dict[str, Any] | None,
+    live: dict[str, Any] | None,
+    new_replica: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     s: dict[str, Any] = dict.fromkeys(SUMMARY_KEYS)
     if ov:
@@ -76,24 +87,43 @@ def summarize(
         s["match_2048_us_at_10m"] = round(max(r["match_us_median"]["2048"] for r in at), 1)
         s["bytes_per_block"] = round(max(r["bytes_per_entry"] for r in at), 1)
     if live:
-        ttft_ratios, hit_ratios = [], []
-        for wl in sorted({r["workload"] for r in live["rows"]}):
-            rows = [r for r in live["rows"] if r["workload"] == wl]
-            kv = [r for r in rows if r["router"].startswith("kvgate")]
-            peers = [r for r in rows if not r["router"].startswith("kvgate") and r["ok"]]
-            if not kv or not peers:
-                continue
-            best_ttft = min(p["ttft_p99_ms"] for p in peers)
-            best_hit = max(p["hit_rate"] for p in peers)
-            if best_ttft > 0:
-                ttft_ratios.append(kv[0]["ttft_p99_ms"] / best_ttft)
-            if best_hit > 0:
-                hit_ratios.append(kv[0]["hit_rate"] / best_hit)
-        if ttft_ratios:
-            s["live_ttft_p99_vs_best_peer"] = round(max(ttft_ratios), 3)
-        if hit_ratios:
-            s["live_hit_rate_vs_best_peer"] = round(min(hit_ratios), 3)
+        s.update(_live_summary(live["rows"]))
+    if new_replica:
+        s["new_replica_share"] = new_replica.get("new_replica_share")
     return s
+
+
+def _live_summary(all_rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The live ratios to the best peer (worst over workloads) and the TTFT audit's error."""
+    p99: list[float] = []
+    p50: list[float] = []
+    hit: list[float] = []
+    audit: list[float] = []
+    for wl in sorted({r["workload"] for r in all_rows}):
+        rows = [r for r in all_rows if r["workload"] == wl]
+        kv = [r for r in rows if r["router"].startswith("kvgate")]
+        peers = [r for r in rows if not r["router"].startswith("kvgate") and r["ok"]]
+        if kv and kv[0].get("ttft_audit_median_abs_error") is not None:
+            audit.append(kv[0]["ttft_audit_median_abs_error"])
+        if not kv or not peers:
+            continue
+        for ratios, key in ((p99, "ttft_p99_ms"), (p50, "ttft_p50_ms")):
+            best = min(p[key] for p in peers)
+            if best > 0:
+                ratios.append(kv[0][key] / best)
+        best_hit = max(p["hit_rate"] for p in peers)
+        if best_hit > 0:
+            hit.append(kv[0]["hit_rate"] / best_hit)
+    out: dict[str, Any] = {}
+    if p99:
+        out["live_ttft_p99_vs_best_peer"] = round(max(p99), 3)
+    if p50:
+        out["live_ttft_p50_vs_best_peer"] = round(max(p50), 3)
+    if hit:
+        out["live_hit_rate_vs_best_peer"] = round(min(hit), 3)
+    if audit:
+        out["ttft_audit_median_abs_error"] = round(max(audit), 3)
+    return out
 
 
 def _deferred(r: dict[str, Any]) -> str:
@@ -162,13 +192,17 @@ def table(
         out += [
             "## Live fleet (simulated engines)",
             "",
-            "| workload | router | policy | hit rate | TTFT p50 ms | TTFT p99 ms | req/s | errors |",
-            "|---|---|---|---|---|---|---|---|",
+            "| workload | router | policy | hit rate | TTFT p50 ms | TTFT p99 ms | engine TTFT p99 ms "
+            "| req/s | errors | TTFT audit median abs error |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in live["rows"]:
+            engine = r.get("engine_ttft_p99_ms")
+            audit = r.get("ttft_audit_median_abs_error")
             out.append(
                 f"| {r['workload']} | {r['router']} | {r['policy']} | {r['hit_rate']:.3f} | {r['ttft_p50_ms']:.1f} "
-                f"| {r['ttft_p99_ms']:.1f} | {r['throughput_rps']:.2f} | {r['errors']} |"
+                f"| {r['ttft_p99_ms']:.1f} | {'-' if engine is None else f'{engine:.1f}'} "
+                f"| {r['throughput_rps']:.2f} | {r['errors']} | {'-' if audit is None else f'{audit:.3f}'} |"
             )
         out.append("")
     return "\n".join(out)
@@ -267,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     res = args.results
     index, ov, live = _load(res / "index.json"), _load(res / "overhead.json"), _load(res / "live.json")
-    summary = summarize(index, ov, live)
+    summary = summarize(index, ov, live, _load(res / "new_replica.json"))
     (res / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (res / "table.md").write_text(table(index, ov, live, summary) + "\n")
     written = [] if args.no_plots else plots(res, index, ov, live)

@@ -4,7 +4,8 @@
 
 Full: index at 1M and 10M blocks over 8 and 64 replicas; overhead at 2 KB / 8 KB, concurrency 1,
 32 and 128, streaming and not, 2,000 requests per point; live fleet of 4 engines, 300 requests of
-each workload. Quick: the same parts at small sizes (8 KB prompts only, 200 requests per point,
+each workload (bench/live_workloads.py); the new-replica share (bench/new_replica.py). Quick: the
+same parts at small sizes (8 KB prompts only, 200 requests per point,
 16 live requests of the agent workload only on 2 engines — process start-up dominates there;
 about two minutes on 2 busy cores).
 """
@@ -16,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import index_bench, live, overhead, report
+from bench import index_bench, live, new_replica, overhead, report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--results", type=Path, default=ROOT / "bench/results")
     ap.add_argument("--no-peers", action="store_true", help="kvgate only (no .venv-bench routers)")
-    ap.add_argument("--parts", nargs="+", default=["index", "overhead", "live"])
+    ap.add_argument("--parts", nargs="+", default=["index", "overhead", "live", "new_replica"])
     args = ap.parse_args(argv)
     res = args.results
     res.mkdir(parents=True, exist_ok=True)
@@ -54,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
             + (["--requests", "16", "--replicas", "2", "--speedup", "8", "--workloads", "agent"] if q else [])
             + (["--routers", "kvgate_kv_aware"] if args.no_peers else [])
         )
+    if "new_replica" in args.parts:
+        new_replica.main(["--out", str(res / "new_replica.json")])
     report.main(["--results", str(res)])
     print(f"run_all: {time.monotonic() - t0:.0f} s", flush=True)
     return 0

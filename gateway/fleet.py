@@ -10,7 +10,10 @@ index refuses replicas it was not given).
 A record's parts each have one writer (``gateway/replica_record.py``): identity, agent link and
 engine/remote load are replaced here; the health state machine changes through its own methods,
 called from here; in-flight load is written by ``placement.Flight`` only; audit statistics by
-``AuditStats.record`` only.
+``AuditStats.record`` only. The TTFT model (``ttft``, a ``placement.TtftFeed``) is written only
+by the flights it starts (``dispatch``): each first byte fits the replica's model; ``snapshot``
+carries every replica's fitted model to the policy (``ReplicaState.ttft``). Its samples go to the
+TTFT audit (``ttft_listener``, set by the metrics; ``ReplicaRecord.ttft_audit``).
 
 Invariants
 * Every method is synchronous and never awaits, so a mutation is atomic on the event loop.
@@ -30,9 +33,28 @@ from gateway.replica_identity import ReplicaIdentity
 from gateway.replica_load import NO_REMOTE_LOAD, EngineLoad, RemoteLoad
 from gateway.replica_record import ReplicaRecord
 from router_policies import placement
-from router_policies.placement import Candidate, Flight, IndexView, TouchRule
+from router_policies.placement import (
+    Candidate,
+    Dispatch,
+    Flight,
+    IndexAtDispatch,
+    IndexView,
+    TouchRule,
+    TtftFeed,
+    TtftSample,
+)
 from router_policies.policy import FleetSnapshot
 from router_policies.prefix_index import IndexBoundError, PrefixIndex
+from router_policies.ttft.model import TtftModel
+from router_policies.ttft.params import DEFAULT_PRIOR, NAMED_PRIORS, TtftParams
+
+
+def ttft_prior_of(config: GatewayConfig) -> TtftParams:
+    """The TTFT model's cold-start prior: the one kv_aware's ``prior`` names (the policy and the
+    model then start from the same model), else the default."""
+    name = config.policy.params_for("kv_aware").get("prior")
+    return NAMED_PRIORS.get(name, DEFAULT_PRIOR) if isinstance(name, str) else DEFAULT_PRIOR
+
 
 __all__ = ["Fleet", "Flight", "RemoteLoad", "ReplicaRecord"]
 
@@ -51,17 +73,33 @@ class Fleet:
         # where held-prefix hints for a recovering agent go (the inventory server's held_prefix,
         # set by the app; docs/agent.md, "Recovery without replay")
         self.held_prefix_sink: Callable[[str, Sequence[int], Sequence[int]], bool] | None = None
+        # extra listener of TTFT samples (the metrics); the replica's own audit is always fed
+        self.ttft_listener: Callable[[TtftSample], None] | None = None
+        self.ttft = self._new_ttft(ttft_prior_of(config))
         self.reconfigure(config)
+
+    def _new_ttft(self, prior: TtftParams) -> TtftFeed:
+        return TtftFeed(TtftModel(prior), self._clock, self._ttft_sample)
+
+    def _ttft_sample(self, sample: TtftSample) -> None:
+        rec = self._records.get(sample.replica)
+        if rec is not None:
+            rec.ttft_audit.record(sample.predicted_ms, sample.observed_ms)
+            rec.ttft_model = self.ttft.model.params(sample.replica)  # the fit (routed on if it predicts)
+        if self.ttft_listener is not None:
+            self.ttft_listener(sample)
 
     # ------------------------------------------------------------------ the replica set
     def _add(self, identity: ReplicaIdentity) -> ReplicaRecord:
         self._index.add_replica(identity.id)  # may raise IndexBoundError: nothing added then
         rec = self._records[identity.id] = ReplicaRecord(identity)
+        self.ttft.adopt(identity.id, self._records)  # a joining replica starts from its peers' fit
         return rec
 
     def _remove(self, replica: str) -> None:
         del self._records[replica]
         self._index.remove_replica(replica)
+        self.ttft.model.forget(replica)
 
     def reconfigure(self, config: GatewayConfig) -> list[str]:
         """Apply a (re)loaded config's static replicas; returns the ids removed from the fleet.
@@ -72,6 +110,9 @@ class Fleet:
         self._block_sizes = {m.name: m.block_size for m in config.models}
         self._lora_fallback = {m.name: m.lora_fallback for m in config.models}
         self._allow_registration = config.inventory.allow_registration
+        prior = ttft_prior_of(config)
+        if prior != self.ttft.model.prior(""):  # another prior: every fit restarts from it
+            self.ttft = self._new_ttft(prior)
         wanted: dict[str, ReplicaConfig] = {r.id: r for r in config.replicas}
         removed: list[str] = []
         for rid, rec in list(self._records.items()):
@@ -126,6 +167,8 @@ class Fleet:
             block_size=hello.block_size,
             engine=f"{hello.engine} {hello.engine_version}".strip(),
         )
+        # the engine's KV cache, as its agent read it: the TTFT model's KV-demand term
+        self.ttft.set_kv_capacity(hello.replica_id, hello.capacity_blocks * hello.block_size)
         return None
 
     def forget_stale(self, now: float, after_s: float) -> list[str]:
@@ -192,9 +235,13 @@ class Fleet:
         exclude: frozenset[str] = frozenset(),
     ) -> FleetSnapshot:
         return placement.snapshot(
-            (Candidate(rec.id, rec.health.healthy, rec.load()) for rec in candidates),
+            (
+                Candidate(rec.id, rec.health.healthy, rec.load(), rec.flights.pending_prefill_pairs)
+                for rec in candidates
+            ),
             IndexView(matched, scores, self._index),
             exclude,
+            self.ttft.params,
         )
 
     def has_agent(self, replica_id: str) -> bool:
@@ -209,6 +256,20 @@ class Fleet:
         """A flight on ``record``: ``tokens`` in flight until ``end``, ``prefill`` (see
         ``placement.uncached_prompt_tokens``) pending until ``first_byte``."""
         return Flight(record.flights, tokens, prefill)
+
+    def dispatch(self, record: ReplicaRecord, dispatch: Dispatch) -> Flight:
+        """The flight of an attempt routed to ``record`` (``Dispatch``: the replica as the
+        decision saw it, the prompt, the predicted cached tokens): load as ``begin`` counts it,
+        and the TTFT model fitted by its first byte (``Flight.first_byte()``, at the clock's now)."""
+        flight = self.ttft.flight(record.flights, dispatch)
+        blocks = dispatch.cached_tokens // dispatch.block_size if dispatch.block_size else 0
+        flight.at_dispatch = IndexAtDispatch.of(self._index, record.id, dispatch.keys, blocks)
+        return flight
+
+    @property
+    def index(self) -> PrefixIndex:
+        """The prefix index (read by the prediction audit)."""
+        return self._index
 
     def touch(self, replica: str, keys: Sequence[int], speculative_ttl_s: float) -> None:
         """The speculative index entries of a request routed to ``replica`` with ``keys``, with

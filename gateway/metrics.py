@@ -15,12 +15,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gateway.fleet import Fleet
+from router_policies.placement import TtftSample
 from router_policies.prefix_index import PrefixIndex
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 _TOKEN_BUCKETS = (0, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 _ERROR_BUCKETS = (-4096, -1024, -256, -64, -16, -1, 0, 1, 16, 64, 256, 1024, 4096)
+# relative TTFT error (predicted - observed) / observed: -1 is a prediction of 0 ms
+_RELATIVE_BUCKETS = (-0.9, -0.5, -0.3, -0.2, -0.1, -0.05, 0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 
 
 class Children:
@@ -110,7 +113,15 @@ class _StateCollector(Collector):
             "Share of audited requests whose predicted cached tokens equal the engine's report.",
             labels=["replica"],
         )
+        ttft_mae = GaugeMetricFamily(
+            "kvgate_ttft_prediction_median_abs_error",
+            "Median absolute relative error of the TTFT model's predictions (last 1,024 first tokens).",
+            labels=["replica"],
+        )
         for rec in self._fleet.records():
+            mae = rec.ttft_audit.median_abs_error()
+            if mae is not None:
+                ttft_mae.add_metric([rec.id], mae)
             healthy.add_metric([rec.id], 1.0 if rec.health.healthy else 0.0)
             inflight.add_metric([rec.id], rec.flights.requests)
             pending.add_metric([rec.id], rec.flights.pending_prefill_tokens)
@@ -121,6 +132,7 @@ class _StateCollector(Collector):
         yield inflight
         yield pending
         yield exact
+        yield ttft_mae
 
 
 class GatewayMetrics:
@@ -187,6 +199,20 @@ class GatewayMetrics:
             buckets=_ERROR_BUCKETS,
             registry=registry,
         )
+        self.audit_cause = Counter(
+            "kvgate_prediction_audit_inexact",
+            "Inexact cached-token predictions by cause (concurrent_not_stored, evicted, stale_index, "
+            "not_yet_reported, tokenization).",
+            ["replica", "cause"],
+            registry=registry,
+        )
+        self.ttft_error = Histogram(
+            "kvgate_ttft_prediction_relative_error",
+            "TTFT model: (predicted - observed) / observed time to first byte, per first token.",
+            ["replica"],
+            buckets=_RELATIVE_BUCKETS,
+            registry=registry,
+        )
         self.features = Counter(
             "kvgate_features",
             "Requests featurized, by how the tokens were obtained (local, remote, token_ids, chars) and "
@@ -206,4 +232,10 @@ class GatewayMetrics:
         self.audit_by = Children(self.audit)
         self.audit_error_by = Children(self.audit_error)
         self.features_by = Children(self.features)
+        self.ttft_error_by = Children(self.ttft_error)
+        self.audit_cause_by = Children(self.audit_cause)
+        fleet.ttft_listener = self._ttft_sample
         registry.register(_StateCollector(index, fleet, cache_stats))
+
+    def _ttft_sample(self, sample: TtftSample) -> None:
+        self.ttft_error_by(sample.replica).observe(sample.relative_error)

@@ -5,11 +5,29 @@ The response bytes are only read, never changed: a non-streaming body is parsed 
 received in full; for a stream, a bounded tail of the bytes is kept and the last ``data:`` event
 carrying ``usage`` (sent when the client asked for ``stream_options.include_usage``) is parsed at
 the end.
+
+Every inexact prediction is explained by one cause (``inexact_cause``), from what the index said
+at dispatch (``placement.IndexAtDispatch``) and says at the audit. With P the predicted and R the
+reported cached blocks:
+
+* over-predicted (P > R), block R, the first the engine did not have:
+  - ``concurrent_not_stored``: it was only a speculative entry at dispatch (a request routed
+    there before had not had its blocks stored and reported by the engine yet);
+  - ``evicted``: it was reported by the engine, and the engine has reported removals on the
+    replica since the dispatch (blocks evicted between the decision and the prefill);
+  - ``stale_index``: it was reported by the engine and no removal was reported since: the index
+    held an entry the engine no longer had (a removal lost or not sent);
+* under-predicted (P < R): the engine had blocks the index did not credit:
+  - ``not_yet_reported``: the index holds the blocks up to R precisely now (stored by a
+    concurrent request, their events still on the way at the decision);
+  - ``tokenization``: it still does not: the engine's tokens are not the gateway's (another chat
+    template or tokenizer), so its blocks never carry the request's keys.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import orjson
@@ -17,6 +35,8 @@ import orjson
 from gateway.features.segment_encoder import TokenArray
 from gateway.metrics import GatewayMetrics
 from gateway.replica_record import ReplicaRecord
+from router_policies.placement import IndexAtDispatch
+from router_policies.prefix_index import PrefixIndex
 
 T = TypeVar("T")
 
@@ -86,11 +106,44 @@ def cached_tokens_in_sse_tail(tail: bytes) -> int | None:
     return last_in_sse_tail(tail, cached_tokens_of)
 
 
-def record_audit(metrics: GatewayMetrics, record: ReplicaRecord, predicted: int, reported: int) -> None:
-    """Count one audited request in the replica's statistics (their only writer) and metrics."""
-    outcome = record.audit.record(predicted, reported)
+INEXACT_CAUSES = ("concurrent_not_stored", "evicted", "stale_index", "not_yet_reported", "tokenization")
+
+
+@dataclass(frozen=True, slots=True)
+class AuditCase:
+    """One audited attempt: its request's block keys and block size, the cached tokens
+    predicted and reported, and what the index said at dispatch."""
+
+    keys: Sequence[int]
+    block_size: int
+    predicted: int
+    reported: int
+    at_dispatch: IndexAtDispatch
+
+
+def inexact_cause(index: PrefixIndex, replica: str, case: AuditCase) -> str:
+    """The cause of an inexact prediction (module docstring); ``predicted != reported``."""
+    bs = max(1, case.block_size)
+    at = case.at_dispatch
+    if case.predicted > case.reported:
+        first_missing = case.reported // bs
+        if at.precise_blocks <= first_missing:
+            return "concurrent_not_stored"
+        return "evicted" if index.removed_count(replica) > at.removed else "stale_index"
+    had = min(len(case.keys), -(-case.reported // bs))
+    return "not_yet_reported" if index.precise_run(replica, case.keys[:had]) >= had else "tokenization"
+
+
+def record_audit(
+    metrics: GatewayMetrics, record: ReplicaRecord, predicted: int, reported: int, cause: str | None = None
+) -> None:
+    """Count one audited request in the replica's statistics (their only writer) and metrics;
+    ``cause``: why an inexact prediction was inexact (``inexact_cause``)."""
+    outcome = record.audit.record(predicted, reported, cause)
     metrics.audit_by(record.id, outcome).inc()
     metrics.audit_error_by(record.id).observe(predicted - reported)
+    if outcome != "exact":
+        metrics.audit_cause_by(record.id, cause or "unknown").inc()
 
 
 def held_prefix_hint(

@@ -1,26 +1,66 @@
 """A replica's prediction-audit statistics (docs/architecture.md, "Prediction audit"):
 how often the cached tokens the gateway predicted equal what the engine reported.
 ``AuditStats.record`` is their only writer (called by ``gateway.prediction_audit.record_audit``).
+``TtftAuditStats``: the same for the TTFT model's predictions in milliseconds.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
+
 
 class AuditStats:
-    __slots__ = ("exact", "total")
+    __slots__ = ("causes", "exact", "total")
 
     def __init__(self) -> None:
         self.total = 0
         self.exact = 0
+        self.causes: dict[str, int] = {}  # inexact predictions by cause (a few fixed names)
 
-    def record(self, predicted: int, reported: int) -> str:
-        """Count one audited request; returns its outcome: exact, over or under."""
+    def record(self, predicted: int, reported: int, cause: str | None = None) -> str:
+        """Count one audited request; returns its outcome: exact, over or under. An inexact one
+        is counted under ``cause`` (``unknown`` when none was given)."""
         self.total += 1
         if predicted == reported:
             self.exact += 1
             return "exact"
+        key = cause or "unknown"
+        self.causes[key] = self.causes.get(key, 0) + 1
         return "over" if predicted > reported else "under"
 
     @property
     def exact_fraction(self) -> float | None:
         return self.exact / self.total if self.total else None
+
+
+TTFT_WINDOW = 1024  # recent samples a replica's TTFT error quantiles are taken over (bounded)
+
+
+class TtftAuditStats:
+    """A replica's TTFT audit: the TTFT model's prediction at dispatch against the observed time
+    to first byte. Only ``record`` writes it (the fleet's TTFT feed, at each first byte). Keeps
+    the last ``TTFT_WINDOW`` relative errors ((predicted - observed) / observed, at least 1 ms
+    observed) for their quantiles."""
+
+    __slots__ = ("_errors", "total")
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._errors: deque[float] = deque(maxlen=TTFT_WINDOW)
+
+    def record(self, predicted_ms: float, observed_ms: float) -> float:
+        """Count one first token; returns its relative error."""
+        err = (predicted_ms - observed_ms) / max(observed_ms, 1.0)
+        self.total += 1
+        self._errors.append(err)
+        return err
+
+    def median_abs_error(self) -> float | None:
+        """Median absolute relative error over the window (None before any sample)."""
+        if not self._errors:
+            return None
+        return float(statistics.median(abs(e) for e in self._errors))
+
+    def errors(self) -> list[float]:
+        return list(self._errors)

@@ -11,6 +11,8 @@ part           what                                  its only writer
 ``engine``     the engine's running / waiting / KV   ``Fleet`` (agent load, shared state)
 ``remote``     other instances' in-flight load       ``Fleet.apply_remote_load``
 ``audit``      prediction-audit statistics           ``AuditStats.record``
+``ttft_audit`` TTFT predicted against observed        ``TtftAuditStats.record`` (the TTFT feed)
+``ttft_model`` the fitted TTFT model, as last exported  ``Fleet`` (the TTFT feed's listener)
 =============  ====================================  ==========================================
 
 The flat names other modules read (``rec.healthy``, ``rec.in_flight_requests``, ...) are
@@ -22,11 +24,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from gateway.replica_audit import AuditStats
+from gateway.replica_audit import AuditStats, TtftAuditStats
 from gateway.replica_health import ReplicaHealth
 from gateway.replica_identity import AgentLink, ReplicaIdentity
 from gateway.replica_load import NO_REMOTE_LOAD, EngineLoad, RemoteLoad, combined_load
 from router_policies.placement import FlightCounters, ReplicaLoad
+from router_policies.ttft.params import COEFFICIENTS, TtftParams
 
 T = TypeVar("T")
 
@@ -44,7 +47,17 @@ class _Read(Generic[T]):
 
 
 class ReplicaRecord:
-    __slots__ = ("audit", "engine_load", "flights", "health", "identity", "link", "remote")
+    __slots__ = (
+        "audit",
+        "engine_load",
+        "flights",
+        "health",
+        "identity",
+        "link",
+        "remote",
+        "ttft_audit",
+        "ttft_model",
+    )
 
     def __init__(self, identity: ReplicaIdentity) -> None:
         self.identity = identity
@@ -54,6 +67,8 @@ class ReplicaRecord:
         self.engine_load = EngineLoad()
         self.remote: RemoteLoad = NO_REMOTE_LOAD
         self.audit = AuditStats()
+        self.ttft_audit = TtftAuditStats()
+        self.ttft_model: TtftParams | None = None  # None: no first token fitted yet
 
     id = _Read[str](lambda r: r.identity.id)
     url = _Read[str](lambda r: r.identity.url)
@@ -110,5 +125,23 @@ class ReplicaRecord:
                 "total": self.audit.total,
                 "exact": self.audit.exact,
                 "exact_fraction": self.audit.exact_fraction,
+                "inexact_causes": dict(self.audit.causes),
+            },
+            "ttft_audit": {
+                "total": self.ttft_audit.total,
+                "median_abs_error": self.ttft_audit.median_abs_error(),
+                "model": _model_of(self.ttft_model),
             },
         }
+
+
+def _model_of(params: TtftParams | None) -> dict[str, float] | None:
+    if params is None:
+        return None
+    out = {name: round(value, 6) for name, value in zip(COEFFICIENTS, params.coefficients(), strict=True)}
+    out.update(
+        observations=params.observations,
+        error_ratio=round(params.error_ratio, 4),
+        kv_capacity_tokens=params.kv_capacity_tokens,
+    )
+    return out

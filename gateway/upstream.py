@@ -35,14 +35,17 @@ from gateway.fleet import Fleet, ReplicaRecord
 from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import RequestError, sse_error_event
 from gateway.prediction_audit import (
+    AuditCase,
     SseTail,
     cached_tokens_in_body,
     cached_tokens_in_sse_tail,
     held_prefix_hint,
+    inexact_cause,
     record_audit,
 )
 from gateway.request_context import DROP_REQUEST, DROP_RESPONSE, Attempt, filter_headers
 from gateway.request_outcome import OutcomeSink
+from router_policies.placement import Dispatch, Flight
 
 UPSTREAM_READ_ERRORS = (aiohttp.ClientError, OSError)
 WATCH_INTERVAL_S = 0.2  # how soon an attempt on an ejected replica is failed over
@@ -194,10 +197,14 @@ class Upstream:
             raise Retry(reason, f"{rec.id} {why}") from None
         raise RequestError(f"replica {rec.id} {why}", status=504, code="upstream_timeout") from None
 
-    def _audit(self, a: Attempt, reported: int | None) -> None:
+    def _audit(self, a: Attempt, flight: Flight, reported: int | None) -> None:
         if reported is not None:
-            record_audit(self._metrics, a.record, a.choice.predicted_tokens, reported)
-            sink, f = self._fleet.held_prefix_sink, a.features
+            predicted, cause, f = a.choice.predicted_tokens, None, a.features
+            if predicted != reported and flight.at_dispatch is not None:
+                case = AuditCase(f.block_keys, f.block_size, predicted, reported, flight.at_dispatch)
+                cause = a.ctx.log["audit_cause"] = inexact_cause(self._fleet.index, a.record.id, case)
+            record_audit(self._metrics, a.record, predicted, reported, cause)
+            sink = self._fleet.held_prefix_sink
             hint = held_prefix_hint(f.block_keys, a.info.token_ids, f.block_size, reported) if sink else None
             if sink is not None and hint is not None:
                 sink(a.record.id, *hint)
@@ -210,9 +217,8 @@ class Upstream:
         assert ctx.parsed is not None
         out_tokens = ctx.parsed.max_output_tokens
         predicted = a.choice.predicted_tokens
-        flight = Fleet.begin(
-            rec, features.prompt_tokens + out_tokens, max(0, features.prompt_tokens - predicted)
-        )
+        snap = a.choice.snapshot
+        flight = self._fleet.dispatch(rec, Dispatch.of(snap, rec.id, features, predicted, out_tokens))
         up: aiohttp.ClientResponse | None = None
         done = False
         try:
@@ -246,13 +252,13 @@ class Upstream:
                 elif up.status != 503:
                     self._fleet.proxy_failure(rec, f"answered {up.status}")
                 if a.audited and up.status == 200 and up.content_type == "application/json":
-                    self._audit(a, cached_tokens_in_body(first))
+                    self._audit(a, flight, cached_tokens_in_body(first))
                 if self.outcomes is not None and up.status == 200:
                     self.outcomes.answered(a, first, False)
                 self._metrics.e2e_by(rec.id).observe(ctx.elapsed())
                 return web.Response(status=up.status, body=first, headers=headers)
             # an SSE stream, or a body too large to hold: passed through as it arrives
-            resp, done = await self._stream(a, up, first, headers, is_sse)
+            resp, done = await self._stream(a, flight, up, first, headers)
             return resp
         finally:
             flight.end()
@@ -263,12 +269,7 @@ class Upstream:
                     up.close()  # unread bytes, or a cancelled request: the replica sees it close
 
     async def _stream(
-        self,
-        a: Attempt,
-        up: aiohttp.ClientResponse,
-        first: bytes,
-        headers: CIMultiDict[str],
-        sse: bool,
+        self, a: Attempt, flight: Flight, up: aiohttp.ClientResponse, first: bytes, headers: CIMultiDict[str]
     ) -> tuple[web.StreamResponse, bool]:
         """Pass the response through as it arrives; True when the upstream was read to its end.
 
@@ -276,6 +277,7 @@ class Upstream:
         connection is closed, so the client sees a truncated response, not a complete one)."""
         ctx, rec, request = a.ctx, a.record, a.ctx.request
         idle_s = ctx.state.config.proxy.stream_idle_timeout_s
+        sse = up.headers.get("content-type", "").startswith("text/event-stream")
         resp = web.StreamResponse(status=up.status, headers=headers)
         await resp.prepare(request)
         tail = SseTail(first)
@@ -309,7 +311,7 @@ class Upstream:
                 complete = True
                 self._fleet.proxy_success(rec)
                 if sse and a.audited and up.status == 200:
-                    self._audit(a, cached_tokens_in_sse_tail(tail.value()))
+                    self._audit(a, flight, cached_tokens_in_sse_tail(tail.value()))
                 if self.outcomes is not None and up.status == 200:
                     self.outcomes.answered(a, tail.value(), sse)
                 await resp.write_eof()

@@ -72,3 +72,8 @@ def pop_expired(approx: Approx, deadline: float) -> list[int]:
         del approx[k]
         gone.append(k)
     return gone
+
+
+def first_of(approx: Approx, keys: list[int]) -> int:
+    """The position of the first of ``keys`` that is an approximate entry (``len(keys)``: none)."""
+    return next((i for i, k in enumerate(keys) if k in approx), len(keys))

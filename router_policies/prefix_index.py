@@ -10,12 +10,10 @@ Two kinds of entries per replica:
   ``approximate_ttl_s`` after their last touch and obey ``approximate_blocks_per_replica``,
   evicting leaf first, least recently used first.
 
-Storage: one ``BlockTable`` (``block_table.py``: numpy arrays of uint64 keys and replica bit
-masks, open addressing, numba-compiled kernels) holds, per block key, the mask of replica slots
-holding it precisely or approximately. About 17-40 bytes per distinct key at up to 64 replicas,
-instead of ~150 for Python dicts; a batch of keys is applied by one compiled loop. Per replica,
-Python keeps only what is small or rare: the precise count, the media of non-GPU precise entries,
-and the approximate entries' LRU order.
+Storage: one ``BlockTable`` (``block_table.py``, numba-compiled) holds, per block key, the mask
+of replica slots holding it (17-40 bytes per key). Per replica, Python keeps only the precise
+count, the media of non-GPU precise entries and the approximate entries' LRU order
+(``approx_lru.py``).
 
 Invariants
 * A replica's bit is set on ``key`` iff the replica holds ``key`` precisely or approximately; the
@@ -28,13 +26,11 @@ Invariants
   gone). Touch times are monotone along the order, so TTL expiry also pops from the front.
 * Mutations never await and never raise half-way: bounds are checked before anything changes.
 
-Hybrid replicas (``set_hybrid``: a vLLM hybrid-attention engine, several KV-cache groups) match
-differently: the engine's hit is the *deepest* request block every group can serve, which is not
-closed under prefixes, and the agent reports exactly those blocks; so such a replica's match is
-its deepest held key within the prompt's bound (``match(keys, max_blocks)``), not a leading run.
-What such an engine keeps reusable after a request depends on its windows and on how far decoding
-went, which the gateway cannot know, so a hybrid replica's approximate entries only bridge the
-time until its agent's next report: any precise store or removal drops them all.
+Hybrid replicas (``set_hybrid``; docs/gateway.md, "Hybrid models") are matched by their deepest
+held key within the prompt's bound (``match(keys, max_blocks)``), not a leading run: the engine's
+hit is the deepest block every KV-cache group can serve. What stays reusable depends on windows
+the gateway cannot see, so their approximate entries only bridge until the agent's next report
+(any precise store or removal drops them all).
 
 Times are passed in by the caller (seconds, any monotone clock), so that the simulator can run
 the index on virtual time.
@@ -66,6 +62,7 @@ class _Replica:
     # key -> last touch time, oldest first, each block before its parent
     approx: OrderedDict[int, float] = field(default_factory=OrderedDict)
     hybrid: bool = False  # matched by its deepest held key (see the module docstring)
+    removed: int = 0  # precise entries ever removed (the prediction audit: removals since a decision)
 
 
 class PrefixIndex:
@@ -190,6 +187,7 @@ class PrefixIndex:
             for k in batch.tolist():
                 non_gpu.pop(k, None)
         rep.precise_count -= removed
+        rep.removed += removed
         self._entries -= removed
         return removed
 
@@ -238,6 +236,22 @@ class PrefixIndex:
     def precise_count(self, replica: str) -> int:
         rep = self._replicas.get(replica)
         return rep.precise_count if rep else 0
+
+    def removed_count(self, replica: str) -> int:
+        """Precise entries ever removed from ``replica`` (monotone while it is in the index)."""
+        rep = self._replicas.get(replica)
+        return rep.removed if rep else 0
+
+    def precise_run(self, replica: str, keys: Sequence[int]) -> int:
+        """How many leading ``keys`` ``replica`` holds precisely (reported by its engine)."""
+        rep = self._replicas.get(replica)
+        if rep is None or len(keys) == 0:
+            return 0
+        batch = as_keys(keys)
+        has = self._table.has(batch, rep.slot)
+        run = len(has) if has.all() else int(has.argmin())
+        # a set bit on a key in ``approx`` is an approximate entry, not a reported one
+        return approx_lru.first_of(rep.approx, batch[:run].tolist()) if rep.approx else run
 
     def held_count(self, replica: str) -> int:
         """How full the index believes ``replica``'s cache is: its precise entries (what the

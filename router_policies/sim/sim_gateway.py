@@ -5,7 +5,10 @@ replicas whose agents report their blocks, on virtual time.
 Per request, in the gateway's order: index match, ``FleetSnapshot`` (``placement.snapshot``),
 ``policy.choose`` then ``policy.commit``, the speculative entry (``placement.speculative_touch``
 with the lifetime of a replica with an agent, ``TouchRule``), the predicted cached tokens and a
-``Flight`` whose pending prefill follows ``predicted_cached_tokens``' rule. Expired speculative
+``Flight`` whose pending prefill follows ``predicted_cached_tokens``' rule, started by the TTFT
+model's feed (``placement.TtftFeed``, as the gateway's ``Fleet`` does): the caller passes the
+virtual time of the first token to ``Flight.first_byte``, which fits the replica's model, and
+the snapshot carries every replica's fitted model. Expired speculative
 entries are swept every ``placement.EXPIRE_INTERVAL_S`` of virtual time, as the gateway's
 housekeeping loop does. ``tests/integration/test_sim_gateway_parity.py`` checks this path and the
 gateway's ``Router`` + ``Fleet`` make the same decisions and leave the same index.
@@ -22,12 +25,14 @@ from dataclasses import dataclass
 from router_policies import placement
 from router_policies.placement import (
     Candidate,
+    Dispatch,
     ExpirySweep,
     Flight,
     FlightCounters,
     IndexView,
     ReplicaLoad,
     TouchRule,
+    TtftFeed,
 )
 from router_policies.policy import Decision, FleetSnapshot, Policy, RequestFeatures
 from router_policies.prefix_index import PrefixIndex
@@ -53,8 +58,10 @@ class SimGateway:
         index: PrefixIndex,
         engine_load: EngineLoadFn,
         touch: TouchRule | None = None,
+        ttft: TtftFeed | None = None,
     ) -> None:
         self.names = list(replicas)
+        self.ttft = ttft if ttft is not None else TtftFeed()
         self.index = index
         self._policy = policy
         self._engine_load = engine_load
@@ -88,7 +95,7 @@ class SimGateway:
             running, waiting, kv_usage = self._engine_load(i)
             f = self._flights[i]
             load = ReplicaLoad(f.requests, f.tokens, f.pending_prefill_tokens, running, waiting, kv_usage)
-            out.append(Candidate(name, True, load))
+            out.append(Candidate(name, True, load, f.pending_prefill_pairs))
         return out
 
     def route(
@@ -102,7 +109,8 @@ class SimGateway:
         if keys is None:
             keys = features.block_keys
         m = index.match(keys)
-        snap = placement.snapshot(self._candidates(), IndexView(m.blocks, m.scores, index))
+        view = IndexView(m.blocks, m.scores, index)
+        snap = placement.snapshot(self._candidates(), view, ttft=self.ttft.params)
         decision = self._policy.choose(features, snap)
         self._policy.commit(decision)
         name = decision.replica
@@ -111,7 +119,6 @@ class SimGateway:
         prompt = features.prompt_tokens
         predicted = placement.predicted_cached_tokens(m.blocks.get(name, 0), prompt, features.block_size)
         ri = self._slot[name]
-        flight = Flight(
-            self._flights[ri], prompt + output_tokens, placement.uncached_prompt_tokens(prompt, predicted)
-        )
+        dispatch = Dispatch.of(snap, name, features, predicted, output_tokens)
+        flight = self.ttft.flight(self._flights[ri], dispatch, now)
         return Routed(decision, ri, snap, predicted, flight)

@@ -38,7 +38,7 @@ from typing import Any, cast
 import numpy as np
 
 from router_policies.block_keys import chain_keys, root_key
-from router_policies.placement import Flight
+from router_policies.placement import Flight, TtftFeed
 from router_policies.policy import RequestFeatures
 from router_policies.prefix_index import IndexConfig, PrefixIndex
 from router_policies.registry import build_policy
@@ -53,6 +53,7 @@ from router_policies.sim.replica_model import (
 )
 from router_policies.sim.sim_gateway import SimGateway
 from router_policies.sim.traces import Trace
+from router_policies.ttft.params import TtftParams, params_from_step_costs
 
 SIM_MODEL = "sim-model"
 _START = 0
@@ -119,6 +120,7 @@ class RunResult:
     requests: int
     preemptions: int
     sim_end_s: float
+    ttft_audit_median_abs_error: float = float("nan")  # the TTFT model's, over every first token
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -134,6 +136,8 @@ class RunResult:
 
 ProgressFn = Callable[[int, int], None]
 PolicySpec = tuple[str, Mapping[str, Any] | None]  # a registered policy's name and its parameters
+# one engine for every replica, or one per replica (a heterogeneous fleet: profiles.fleet_profiles)
+Engines = EngineConfig | Sequence[EngineConfig]
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,9 +146,29 @@ class SimFleet:
     ``engine``, the index's bounds, and the seed each run's policy is built with."""
 
     replicas: int
-    engine: EngineConfig
+    engine: Engines
     seed: int = 0
     index_config: IndexConfig | None = None
+
+
+def fleet_engines(engine: Engines, replicas: int) -> list[EngineConfig]:
+    """Replica i's engine."""
+    if isinstance(engine, EngineConfig):
+        return [engine] * replicas
+    engines = list(engine)
+    if len(engines) != replicas:
+        raise ValueError(f"{len(engines)} engines for {replicas} replicas")
+    return engines
+
+
+def engine_ttft_prior(engine: EngineConfig) -> TtftParams:
+    """The TTFT model of a replica running ``engine`` (its step costs and settings)."""
+    return params_from_step_costs(
+        engine.costs,
+        engine.max_num_batched_tokens,
+        engine.max_num_seqs,
+        engine.num_blocks * engine.block_size,
+    )
 
 
 def simulate(
@@ -159,10 +183,19 @@ def simulate(
     policy, policy_params = policy_spec
     replicas = fleet.replicas
     names = [f"r{i}" for i in range(replicas)]
-    models = [ReplicaModel(fleet.engine) for _ in names]
+    engines = fleet_engines(fleet.engine, replicas)
+    models = [ReplicaModel(e) for e in engines]
     index = PrefixIndex(fleet.index_config or IndexConfig())
+    ttft_errors: list[float] = []  # the TTFT audit: |relative error| of each first token
+    feed = TtftFeed(listener=lambda sample: ttft_errors.append(abs(sample.relative_error)))
+    for name, e in zip(names, engines, strict=True):  # the replica's engine: its cold-start TTFT model
+        feed.model.set_prior(name, engine_ttft_prior(e))
     gw = SimGateway(
-        names, build_policy(policy, policy_params, seed=fleet.seed), index, lambda ri: models[ri].load()
+        names,
+        build_policy(policy, policy_params, seed=fleet.seed),
+        index,
+        lambda ri: models[ri].load(),
+        ttft=feed,
     )
     bs = prep.block_size
     key_of = prep.key_of
@@ -206,7 +239,7 @@ def simulate(
             cached_tok[rid] = ft.cached_tokens
             flight = flights[rid]
             assert flight is not None
-            flight.first_byte()
+            flight.first_byte(res.end)
         for rid in res.finished:
             assert isinstance(rid, int)
             done_at[rid] = res.end
@@ -273,6 +306,7 @@ def simulate(
         requests=n,
         preemptions=preemptions,
         sim_end_s=end,
+        ttft_audit_median_abs_error=float(np.median(ttft_errors)) if ttft_errors else float("nan"),
     )
 
 
@@ -324,7 +358,7 @@ def no_cache_service_s(prep: PreparedTrace, engine: EngineConfig) -> float:
     return float((prefill + decode + overhead).mean())
 
 
-def scaled_arrivals(prep: PreparedTrace, load: float, replicas: int, engine: EngineConfig) -> np.ndarray:
+def scaled_arrivals(prep: PreparedTrace, load: float, replicas: int, engine: Engines) -> np.ndarray:
     """Arrival times rescaled so that the offered rate is ``load`` x the fleet's no-cache capacity
     (replicas / ``no_cache_service_s``): t' = t0 + (t - t0) x natural_rate / target_rate. The order
     and relative spacing of arrivals are kept."""
@@ -333,7 +367,8 @@ def scaled_arrivals(prep: PreparedTrace, load: float, replicas: int, engine: Eng
     if n < 2 or t[-1] <= t[0]:
         return t.copy()
     natural = (n - 1) / float(t[-1] - t[0])
-    target = load * replicas / no_cache_service_s(prep, engine)
+    # the fleet's capacity: the sum of its replicas' (replicas / service time when identical)
+    target = load * sum(1.0 / no_cache_service_s(prep, e) for e in fleet_engines(engine, replicas))
     return np.asarray(t[0] + (t - t[0]) * (natural / target), dtype=np.float64)
 
 

@@ -26,8 +26,8 @@ from gateway.features import Featurizer
 from gateway.fleet import Fleet, Flight
 from gateway.inventory_sink import AgentHello, AgentLoad
 from gateway.routing import Router, RoutingState
+from router_policies.placement import Dispatch, TouchRule
 from router_policies.placement import Flight as SimFlight
-from router_policies.placement import TouchRule
 from router_policies.policy import RequestFeatures
 from router_policies.prefix_index import PrefixIndex
 from router_policies.registry import build_policy
@@ -110,7 +110,10 @@ class _GatewaySide:
         choice = self.router.choose(self.state, feats, self.router.match(feats))
         # as the proxy's attempt does
         prefill = max(0, feats.prompt_tokens - choice.predicted_tokens)
-        self.flights[rid] = Fleet.begin(choice.record, feats.prompt_tokens + out, prefill)
+        snap, replica = choice.snapshot, choice.record.id
+        dispatch = Dispatch.of(snap, replica, feats, choice.predicted_tokens, out)
+        self.flights[rid] = self.fleet.dispatch(choice.record, dispatch)
+        assert self.flights[rid].prefill == prefill
         return choice.decision, choice.snapshot, choice.predicted_tokens
 
 
@@ -121,6 +124,8 @@ class _SimSide:
         self.gw = SimGateway(
             REPLICAS, build_policy(policy, {}, seed=3), self.index, lambda i: self.loads[REPLICAS[i]], touch
         )
+        for r in REPLICAS:  # the engines' KV capacity, as the gateway's agents' hellos say (100 blocks)
+            self.gw.ttft.set_kv_capacity(r, 100 * BS)
         self.flights: dict[int, SimFlight] = {}
 
     def route(self, rid: int, feats: RequestFeatures, out: int, t: float) -> tuple[Any, ...]:
@@ -175,8 +180,8 @@ def _first_difference(policy: str, seed: int, touch: TouchRule | None = None) ->
             gw.index.remove(replica, keys)
             sim.gw.removed(replica, keys, ev.t)
         elif ev.kind == "first_byte":
-            gw.flights[ev.args[0]].first_byte()
-            sim.flights[ev.args[0]].first_byte()
+            gw.flights[ev.args[0]].first_byte()  # the fleet's clock: ev.t
+            sim.flights[ev.args[0]].first_byte(ev.t)
         else:
             gw.flights.pop(ev.args[0]).end()
             sim.flights.pop(ev.args[0]).end()

@@ -1,0 +1,73 @@
+"""The live bench's readings (bench/live_metrics.py) and its summary figures (bench/report.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from bench import live_metrics, report
+
+ENGINE = """# HELP vllm:time_to_first_token_seconds x
+vllm:time_to_first_token_seconds_bucket{le="0.01",model_name="sim"} 10.0
+vllm:time_to_first_token_seconds_bucket{le="0.02",model_name="sim"} 90.0
+vllm:time_to_first_token_seconds_bucket{le="0.05",model_name="sim"} 99.0
+vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="sim"} 100.0
+vllm:prefix_cache_hits_total{model_name="sim"} 30.0
+vllm:prefix_cache_queries_total{model_name="sim"} 100.0
+"""
+
+
+def test_a_histograms_quantile_is_linear_within_its_bucket() -> None:
+    b = live_metrics.buckets([ENGINE, ENGINE])  # two engines: summed
+    assert b[0.02] == 180.0
+    assert live_metrics.quantile(b, 0.5) == pytest.approx(0.01 + 0.01 * (100 - 20) / 160)
+    assert live_metrics.quantile(b, 0.99) == pytest.approx(0.05)  # the 198th of 200: within 0.05
+    assert live_metrics.quantile(b, 1.0) == 0.05  # in +Inf: the last finite bound
+    assert live_metrics.quantile(live_metrics.delta(b, b), 0.5) is None
+    assert live_metrics.sums([ENGINE], ["vllm:prefix_cache_hits_total"]) == {
+        "vllm:prefix_cache_hits_total": 30.0
+    }
+
+
+def test_kvgates_audits_are_read_from_its_metrics() -> None:
+    text = """kvgate_ttft_prediction_median_abs_error{replica="a"} 0.1
+kvgate_ttft_prediction_median_abs_error{replica="b"} 0.4
+kvgate_ttft_prediction_relative_error_count{replica="a"} 30.0
+kvgate_ttft_prediction_relative_error_count{replica="b"} 10.0
+kvgate_prediction_audit_total{replica="a",outcome="exact"} 9.0
+kvgate_prediction_audit_total{replica="a",outcome="over"} 1.0
+kvgate_prediction_audit_inexact_total{replica="a",cause="evicted"} 1.0
+"""
+    got = live_metrics.kvgate_audit(text)
+    assert got["ttft_audit_median_abs_error"] == pytest.approx((0.1 * 30 + 0.4 * 10) / 40)
+    assert got["cached_audit_exact_fraction"] == 0.9 and got["inexact_causes"] == {"evicted": 1}
+
+
+def _row(
+    wl: str, router: str, p50: float, p99: float, hit: float, audit: float | None = None
+) -> dict[str, Any]:
+    return {
+        "workload": wl,
+        "router": router,
+        "ok": 10,
+        "ttft_p50_ms": p50,
+        "ttft_p99_ms": p99,
+        "hit_rate": hit,
+        "ttft_audit_median_abs_error": audit,
+    }
+
+
+def test_the_live_summary_takes_the_worst_workload_against_the_best_peer() -> None:
+    rows = [
+        _row("a", "kvgate_kv_aware", 10, 80, 0.5, 0.1),
+        _row("a", "p1", 20, 100, 0.4),
+        _row("a", "p2", 12, 200, 0.45),
+        _row("b", "kvgate_kv_aware", 30, 90, 0.3, 0.25),
+        _row("b", "p1", 20, 60, 0.6),
+    ]
+    s = report.summarize(None, None, {"rows": rows}, {"new_replica_share": 0.3})
+    assert tuple(s) == report.SUMMARY_KEYS
+    assert s["live_ttft_p99_vs_best_peer"] == 1.5 and s["live_ttft_p50_vs_best_peer"] == 1.5
+    assert s["live_hit_rate_vs_best_peer"] == 0.5 and s["ttft_audit_median_abs_error"] == 0.25
+    assert s["new_replica_share"] == 0.3

@@ -1,0 +1,168 @@
+"""The TTFT model's feed (router_policies.placement.TtftFeed): inputs recorded when a flight
+starts, the fit at its first byte, the audit sample, the fitted model on the next snapshot."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import pytest
+
+from router_policies import placement
+from router_policies.placement import Candidate, Dispatch, FlightCounters, IndexView, ReplicaLoad, TtftFeed
+from router_policies.policy import ReplicaState, RequestFeatures
+from router_policies.prefix_index import PrefixIndex
+from router_policies.ttft.features import TtftInputs, attention_pairs
+from router_policies.ttft.params import DEFAULT_PRIOR
+
+
+def _dispatch(state: ReplicaState, prompt: int = 1000, cached: int = 400) -> Dispatch:
+    return Dispatch(state, prompt, cached, 16, 50)
+
+
+def test_a_flight_counts_its_prefill_and_its_pairs_until_the_first_byte() -> None:
+    c = FlightCounters()
+    feed = TtftFeed()
+    f = feed.flight(c, _dispatch(ReplicaState("r")), start=0.0)
+    assert (c.requests, c.tokens, c.pending_prefill_tokens) == (1, 1050, 600)
+    assert c.pending_prefill_pairs == attention_pairs(600, 400)
+    f.first_byte(0.1)
+    assert c.pending_prefill_tokens == 0 and c.pending_prefill_pairs == 0.0
+    f.end()
+    assert (c.requests, c.tokens) == (0, 0)
+
+
+def test_the_first_byte_fits_the_replica_and_the_audit_hears_the_prediction() -> None:
+    samples: list[placement.TtftSample] = []
+    feed = TtftFeed(listener=samples.append)
+    state = ReplicaState("r", pending_prefill_tokens=2000)
+    for i in range(40):  # the replica is 3x slower than the prior says
+        f = feed.flight(FlightCounters(), _dispatch(state), start=float(i))
+        predicted = f.probe.predicted_ms if f.probe else 0.0
+        truth = 3.0 * _prior_ms(state)
+        sample = f.first_byte(i + truth / 1000)
+        assert sample is not None and sample.predicted_ms == pytest.approx(predicted)
+        assert f.first_byte(i + 1.0) is None  # once
+    assert len(samples) == 40 and feed.params("r").observations == 40
+    assert abs(samples[0].relative_error) > 0.5 and abs(samples[-1].relative_error) < 0.1
+    assert feed.params("other") == DEFAULT_PRIOR
+
+
+def _prior_ms(state: ReplicaState) -> float:
+    probe = TtftFeed().flight(FlightCounters(), _dispatch(state), start=0.0).probe
+    assert probe is not None
+    return probe.predicted_ms
+
+
+def test_a_flight_ended_without_a_first_byte_is_no_observation() -> None:
+    feed = TtftFeed(clock=lambda: 5.0)
+    f = feed.flight(FlightCounters(), _dispatch(ReplicaState("r")))
+    f.end()
+    assert feed.params("r").observations == 0
+
+
+def test_the_snapshot_carries_the_fitted_model_and_the_pending_pairs() -> None:
+    index = PrefixIndex()
+    index.add_replica("r")
+    feed = TtftFeed()
+    f = feed.flight(FlightCounters(), _dispatch(ReplicaState("r")), start=0.0)
+    f.first_byte(0.5)
+    cand = Candidate("r", True, ReplicaLoad(pending_prefill_tokens=10), 123.0)
+    snap = placement.snapshot([cand], IndexView({}, {}, index), ttft=feed.params)
+    (r,) = snap.replicas
+    assert r.ttft == feed.params("r") and r.ttft.observations == 1 and r.pending_prefill_pairs == 123.0
+    assert placement.snapshot([cand], IndexView({}, {}, index)).replicas[0].ttft is None
+
+
+def test_a_joining_replica_starts_from_its_peers_fit() -> None:
+    feed = TtftFeed()
+    for r, slow in (("a", 2.0), ("b", 3.0), ("c", 4.0)):
+        for i in range(30):
+            f = feed.flight(FlightCounters(), _dispatch(ReplicaState(r)), start=float(i))
+            f.first_byte(i + slow * _prior_ms(ReplicaState(r)) / 1000)
+    feed.adopt("d", ["a", "b", "c", "d"])
+    assert feed.params("d").coefficients() == feed.params("b").coefficients()  # the median speed
+    assert feed.params("d").observations == 0
+    feed.adopt("e", [])  # no fitted peer: the prior
+    assert feed.params("e") == DEFAULT_PRIOR
+
+
+def test_the_dispatch_is_the_chosen_replica_as_the_decision_saw_it() -> None:
+    index = PrefixIndex()
+    for r in ("a", "b"):
+        index.add_replica(r)
+    cands = [Candidate("a", True, ReplicaLoad(in_flight_requests=3)), Candidate("b", True, ReplicaLoad())]
+    snap = placement.snapshot(cands, IndexView({}, {}, index))
+    d = Dispatch.of(snap, "a", RequestFeatures("m", [], 100, 16), 32, 7)
+    assert d.state.in_flight_requests == 3 and (d.prompt_tokens, d.cached_tokens, d.block_size) == (
+        100,
+        32,
+        16,
+    )
+
+
+def test_the_gateway_fleet_feeds_the_model_and_exports_the_ttft_audit() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from gateway.config import parse_config
+    from gateway.fleet import Fleet
+    from gateway.metrics import GatewayMetrics
+
+    now = [0.0]
+    cfg = parse_config(
+        {"models": [{"name": "m", "block_size": 16}], "replicas": [{"id": "a", "url": "http://a:1"}]}
+    )
+    index = PrefixIndex(cfg.index)
+    fleet = Fleet(cfg, index, clock=lambda: now[0])
+    fleet.check_result("a", True)
+    metrics = GatewayMetrics(CollectorRegistry(), index, fleet, dict)
+    rec = fleet.get("a")
+    assert rec is not None
+    snap = fleet.snapshot([rec], {}, {})
+    for _ in range(5):
+        f = fleet.dispatch(rec, Dispatch.of(snap, "a", RequestFeatures("m", [], 2000, 16), 0, 10))
+        now[0] += 0.2
+        f.first_byte()  # at the fleet's clock
+        f.end()
+    assert rec.ttft_audit.total == 5 and fleet.ttft.params("a").observations == 5
+    assert fleet.snapshot([rec], {}, {}).replicas[0].ttft == fleet.ttft.params("a")
+    mae = rec.ttft_audit.median_abs_error()
+    described = cast(dict[str, Any], rec.describe()["ttft_audit"])
+    assert mae is not None and described["total"] == 5 and described["median_abs_error"] == mae
+    assert rec.ttft_model == fleet.ttft.params("a") and described["model"]["observations"] == 5
+    text = generate_latest(metrics.registry).decode()
+    assert 'kvgate_ttft_prediction_relative_error_count{replica="a"} 5.0' in text
+    assert 'kvgate_ttft_prediction_median_abs_error{replica="a"}' in text
+
+
+def test_the_fleets_prior_is_the_one_kv_aware_names() -> None:
+    from gateway.config import parse_config
+    from gateway.fleet import Fleet
+    from router_policies.ttft.params import SMALL_CPU_PRIOR
+
+    tree = {"models": [{"name": "m", "block_size": 16}], "replicas": [{"id": "a", "url": "http://a:1"}]}
+    fleet = Fleet(parse_config(tree), PrefixIndex())
+    assert fleet.ttft.params("a") == DEFAULT_PRIOR
+    fleet.reconfigure(parse_config({**tree, "policy": {"kv_aware": {"prior": "small-cpu"}}}))
+    assert fleet.ttft.params("a") == SMALL_CPU_PRIOR
+
+
+def test_the_engines_kv_capacity_from_its_agent_enters_the_model() -> None:
+    from gateway.config import parse_config
+    from gateway.fleet import Fleet
+    from gateway.inventory_sink import AgentHello
+
+    cfg = parse_config(
+        {"models": [{"name": "m", "block_size": 16}], "replicas": [{"id": "a", "url": "http://a:1"}]}
+    )
+    fleet = Fleet(cfg, PrefixIndex(cfg.index))
+    assert fleet.ttft.params("a").kv_capacity_tokens == DEFAULT_PRIOR.kv_capacity_tokens
+    hello = AgentHello("a", "http://a:1", ("m",), 16, 400, "vllm", "0", "1")
+    assert fleet.agent_hello(hello) is None
+    assert fleet.ttft.params("a").kv_capacity_tokens == 6400
+    fleet.ttft.model.observe_first_token("a", TtftInputs(0, 0, 0, 100, 0), 50.0)
+    fitted = fleet.ttft.params("a")
+    assert fleet.agent_hello(hello) is None  # the same capacity again: the fit stays
+    assert fleet.ttft.params("a") == fitted
+    fleet.ttft.set_kv_capacity("a", 3200)  # another: the fit so far is the new prior
+    assert fleet.ttft.params("a").coefficients() == fitted.coefficients()
+    assert fleet.ttft.params("a").kv_capacity_tokens == 3200 and fleet.ttft.params("a").observations == 0
