@@ -14,16 +14,29 @@ import signal
 import threading
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import zmq
 
-from kvgate_tools.faults.common import Result, Tally, replica_healthy, wait_exact, wait_until
-from kvgate_tools.faults.fleet_faults import FIRST_BYTE_TIMEOUT_S, FleetCtx, clean
+from kvgate_tools.faults.common import (
+    Result,
+    Tally,
+    chat_body,
+    engine_keys,
+    index_keys,
+    replica_healthy,
+    wait_exact,
+    wait_until,
+)
+from kvgate_tools.faults.fleet_faults import CLIENT_BOUND_S, FIRST_BYTE_TIMEOUT_S, FleetCtx, clean, prompt
 from kvgate_tools.procs import free_port
 
-RETRY_SERVICE_S = 2.0  # the retried attempt's own answer, on top of the first-byte timeout
+RETRY_SERVICE_S = 2.0
+Sickness = tuple[
+    Callable[[], object], Callable[[], object]
+]  # (make sick, heal)  # the retried attempt's own answer, on top of the first-byte timeout
 
 
 def post_faults(url: str, body: dict[str, Any]) -> Any:
@@ -130,18 +143,44 @@ def events_corrupted(ctx: FleetCtx) -> Result:
             time.sleep(3.0)
         rec = wait_exact(f, [i], 10.0)
         corrupted = relay.corrupted
+        short = len(engine_keys(f, i) or []) - len(index_keys(f, e.replica_id) or [])
         f.stop_process(f.agent_proc(i))
     f.start_agent(i)
     f.wait_agents_connected(30.0)
     ok = clean(load.tally) and rec is not None and rec <= 2.0 and corrupted > 0
-    return Result("events_corrupted", load.tally, rec, s.peak_rss_mb, ok, f"{corrupted} payloads garbled")
+    return Result(
+        "events_corrupted",
+        load.tally,
+        rec,
+        s.peak_rss_mb,
+        ok,
+        f"{corrupted} payloads garbled; index short of engine by {short} keys",
+    )
 
 
-def sick_engine(ctx: FleetCtx, name: str, make_sick: Callable[[], None], heal: Callable[[], None]) -> Result:
-    """Load while r1 is sick for 6 s: ejected (seen unhealthy), restored after ``heal`` (healthy
-    again within 10 s), every request answered within the first-byte bound."""
+def busiest(ctx: FleetCtx, probes: int = 24) -> int:
+    """The replica serving most of the load's prompts now (kv_aware keeps each prompt family on
+    the replica holding it, so a sick replica must be one that gets traffic)."""
+    served: Counter[str] = Counter()
+    for i in range(probes):
+        req = urllib.request.Request(
+            ctx.fleet.gateway_url + "/v1/chat/completions",
+            json.dumps(chat_body(prompt(i), stream=False)).encode(),
+            {"content-type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=CLIENT_BOUND_S) as resp:
+            served[resp.headers.get("x-kvgate-replica", "")] += 1
+    ids = [e.replica_id for e in ctx.fleet.engines]
+    return ids.index(max(ids, key=lambda r: served[r]))
+
+
+def sick_engine(ctx: FleetCtx, name: str, sick: Callable[[int], Sickness]) -> Result:
+    """Load while the busiest replica is sick for 6 s: ejected (seen unhealthy), restored after it
+    heals (healthy again within 10 s), every request answered within the first-byte bound."""
     f = ctx.fleet
-    rid = f.engines[1].replica_id
+    i = busiest(ctx)
+    rid = f.engines[i].replica_id
+    make_sick, heal = sick(i)
     ejected = False
     with ctx.sampler() as s, ctx.load() as load:
         time.sleep(1.0)
@@ -163,29 +202,26 @@ def sick_engine(ctx: FleetCtx, name: str, make_sick: Callable[[], None], heal: C
 
 
 def engine_hung(ctx: FleetCtx) -> Result:
-    pid = ctx.fleet.engine_proc(1).pid
-    return sick_engine(
-        ctx,
-        "engine_hung_sigstop",
-        lambda: ctx.kill(pid, signal.SIGSTOP),
-        lambda: ctx.kill(pid, signal.SIGCONT),
-    )
+    def sick(i: int) -> Sickness:
+        pid = ctx.fleet.engine_proc(i).pid
+        return lambda: ctx.kill(pid, signal.SIGSTOP), lambda: ctx.kill(pid, signal.SIGCONT)
+
+    return sick_engine(ctx, "engine_hung_sigstop", sick)
 
 
-def _set_request_faults(ctx: FleetCtx, body: dict[str, Any]) -> Callable[[], None]:
-    url = ctx.fleet.engines[1].url
-    return lambda: post_faults(url, body)
+def request_faults(ctx: FleetCtx, on: dict[str, Any], off: dict[str, Any]) -> Callable[[int], Sickness]:
+    def sick(i: int) -> Sickness:
+        url = ctx.fleet.engines[i].url
+        return lambda: post_faults(url, on), lambda: post_faults(url, off)
+
+    return sick
 
 
 def engine_slow(ctx: FleetCtx) -> Result:
-    slow = {"slow": 1000, "slow_ms": int(FIRST_BYTE_TIMEOUT_S * 1000 + 2000)}
-    return sick_engine(
-        ctx, "engine_slow", _set_request_faults(ctx, slow), _set_request_faults(ctx, {"slow": 0})
-    )
+    slow = {"slow": 100_000, "slow_ms": int(FIRST_BYTE_TIMEOUT_S * 1000 + 2000)}
+    return sick_engine(ctx, "engine_slow", request_faults(ctx, slow, {"slow": 0}))
 
 
 def engine_5xx(ctx: FleetCtx) -> Result:
-    err = {"error": 1000, "error_status": 500}
-    return sick_engine(
-        ctx, "engine_5xx", _set_request_faults(ctx, err), _set_request_faults(ctx, {"error": 0})
-    )
+    err = {"error": 100_000, "error_status": 500}
+    return sick_engine(ctx, "engine_5xx", request_faults(ctx, err, {"error": 0}))

@@ -160,8 +160,8 @@ def slow_clients(tmp: Path, per_kind: int = 30) -> Result:
             bound = max(HEADER_TIMEOUT_S, BODY_TIMEOUT_S, IDLE_TIMEOUT_S) + 2.0
             answers = drip_until_closed(socks, bound, fleet.gateway_url, bad)
         for (kind, c, _), resp in zip(socks, answers, strict=True):
-            k = "clear_error" if resp == b"" else kind_of_raw(resp)
-            k = "broken" if resp is None else k  # still open past the bound
+            # None: still open past the bound; b"": closed without an answer (idle), as it should
+            k = "broken" if resp is None else "clear_error" if resp == b"" else kind_of_raw(resp)
             tally.add(k)
             if k == "broken":
                 bad.append(f"{kind}: {'not closed' if resp is None else resp[:80]!r}")

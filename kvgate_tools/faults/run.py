@@ -17,6 +17,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from kvgate_tools.faults import engine_faults, fleet_faults, http_faults, inventory_faults, redis_faults, soak
@@ -59,7 +60,7 @@ def run_fleet(tmp: Path, wanted: Callable[[str], bool], results: list[Result]) -
     with LocalFleet(fleet_faults.fleet_options(tmp / "fleet")) as fleet:
         ctx = FleetCtx(fleet)
         for scenario in chosen:
-            results.append(run_one(scenario.__name__, lambda s=scenario: s(ctx)))
+            results.append(run_one(scenario.__name__, partial(scenario, ctx)))
 
 
 def run_one(name: str, fn: Callable[[], Result]) -> Result:
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         run_fleet(tmp, wanted, results)
         for scenario in STANDALONE:
             if wanted(scenario.__name__):
-                results.append(run_one(scenario.__name__, lambda s=scenario: s(tmp / s.__name__)))
+                results.append(run_one(scenario.__name__, partial(scenario, tmp / scenario.__name__)))
         if wanted("soak"):
             results.append(run_one("soak", lambda: soak.soak(tmp / "soak", args.soak_s)))
     took = time.monotonic() - start
