@@ -21,8 +21,8 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Self
 
 from kvgate_tools.local_fleet import LocalFleet, http_json
 
@@ -201,28 +201,38 @@ def fd_count(pid: int) -> int:
         return 0
 
 
-class Sampler:
-    """RSS and open fds of one process every ``interval_s``, on a thread (peak, series)."""
+class Background:
+    """A thread running ``_run`` from ``with`` until its end; ``_run`` returns once ``_stop`` is set."""
 
-    def __init__(self, pid: int, interval_s: float = 0.25) -> None:
-        self.pid = pid
-        self.interval_s = interval_s
-        self.samples: list[tuple[float, float, int]] = []  # (monotonic s, rss MB, fds)
+    def __init__(self) -> None:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append((time.monotonic(), rss_mb(self.pid), fd_count(self.pid)))
-            self._stop.wait(self.interval_s)
+        raise NotImplementedError
 
-    def __enter__(self) -> Sampler:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+
+
+class Sampler(Background):
+    """RSS and open fds of one process every ``interval_s``, on a thread (peak, series)."""
+
+    def __init__(self, pid: int, interval_s: float = 0.25) -> None:
+        super().__init__()
+        self.pid = pid
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, float, int]] = []  # (monotonic s, rss MB, fds)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.monotonic(), rss_mb(self.pid), fd_count(self.pid)))
+            self._stop.wait(self.interval_s)
 
     @property
     def peak_rss_mb(self) -> float:
@@ -264,12 +274,7 @@ def wait_exact(
     fleet: LocalFleet, replicas: list[int], timeout_s: float, gateways: list[str] | None = None
 ) -> float | None:
     """Seconds until ``exact`` holds (None: not within ``timeout_s``)."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        if exact(fleet, replicas, gateways):
-            return time.monotonic() - start
-        time.sleep(0.1)
-    return None
+    return wait_until(lambda: exact(fleet, replicas, gateways), timeout_s)
 
 
 def replica_healthy(fleet: LocalFleet, replica: str) -> bool | None:
@@ -292,7 +297,3 @@ def wait_until(pred: Callable[[], bool], timeout_s: float, step_s: float = 0.1) 
 
 def rows(results: list[Result]) -> list[dict[str, Any]]:
     return [r.row() for r in results]
-
-
-def as_dict(x: Any) -> dict[str, Any]:
-    return asdict(x)

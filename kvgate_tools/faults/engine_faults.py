@@ -9,28 +9,28 @@ replica is ejected and restored.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import threading
 import time
 import urllib.request
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import zmq
 
 from kvgate_tools.faults.common import (
+    Background,
     Result,
     Tally,
-    chat_body,
     engine_keys,
     index_keys,
     replica_healthy,
     wait_exact,
     wait_until,
 )
-from kvgate_tools.faults.fleet_faults import CLIENT_BOUND_S, FIRST_BYTE_TIMEOUT_S, FleetCtx, clean, prompt
+from kvgate_tools.faults.fleet_faults import FIRST_BYTE_TIMEOUT_S, FleetCtx, busiest, clean
 from kvgate_tools.procs import free_port
 
 RETRY_SERVICE_S = 2.0
@@ -47,17 +47,30 @@ def post_faults(url: str, body: dict[str, Any]) -> Any:
         return json.loads(resp.read())
 
 
+def faults_pending(url: str) -> int:
+    with urllib.request.urlopen(url + "/debug/faults", timeout=5) as resp:
+        doc = json.loads(resp.read())
+    return int(doc["drop"]) + int(doc["duplicate"]) + int(doc["reorder"])
+
+
 def event_fault(ctx: FleetCtx, name: str, faults: dict[str, Any]) -> Result:
-    """``faults`` on every engine's next batches under load; exact again <= 2 s after the load."""
+    """``faults`` on every engine's next batches under load (the gateway's, and some straight to
+    each engine, since kv_aware may route it nothing) until every engine has applied them, then 1 s
+    more (a batch held back for reordering goes out after the next one); exact again <= 2 s."""
     f = ctx.fleet
-    with ctx.sampler() as s, ctx.load() as load:
+    with ctx.sampler() as s, ctx.load() as load, contextlib.ExitStack() as direct:
+        for e in f.engines:
+            direct.enter_context(ctx.load(base_url=e.url, workers=1))
         time.sleep(1.0)
         for e in f.engines:
             post_faults(e.url, faults)
-        time.sleep(3.0)
+        applied = wait_until(lambda: all(faults_pending(e.url) == 0 for e in f.engines), 20.0)
+        time.sleep(1.0)
     rec = wait_exact(f, ctx.all_replicas(), 10.0)
-    ok = clean(load.tally) and rec is not None and rec <= 2.0
-    return Result(name, load.tally, rec, s.peak_rss_mb, ok)
+    ok = clean(load.tally) and applied is not None and rec is not None and rec <= 2.0
+    return Result(
+        name, load.tally, rec, s.peak_rss_mb, ok, f"faults applied on every engine: {applied is not None}"
+    )
 
 
 def events_dropped(ctx: FleetCtx) -> Result:
@@ -72,18 +85,17 @@ def events_reordered(ctx: FleetCtx) -> Result:
     return event_fault(ctx, "events_reordered", {"reorder": 3})
 
 
-class CorruptingRelay:
+class CorruptingRelay(Background):
     """SUB to an engine's PUB, PUB to its agent: every frame passes, except that the payloads of
     the next ``corrupt`` batches are replaced by bytes that are not msgpack (seq kept)."""
 
     def __init__(self, upstream: str) -> None:
+        super().__init__()
         self.port = free_port()
         self.upstream = upstream
         self.corrupt = 0
         self.corrupted = 0
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
     @property
     def url(self) -> str:
@@ -117,14 +129,6 @@ class CorruptingRelay:
             pub.close(0)
             zctx.term()
 
-    def __enter__(self) -> CorruptingRelay:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
 
 def events_corrupted(ctx: FleetCtx) -> Result:
     """r2's agent is moved behind a relay that garbles 3 payloads under load; then it is moved back."""
@@ -156,22 +160,6 @@ def events_corrupted(ctx: FleetCtx) -> Result:
         ok,
         f"{corrupted} payloads garbled; index short of engine by {short} keys",
     )
-
-
-def busiest(ctx: FleetCtx, probes: int = 24) -> int:
-    """The replica serving most of the load's prompts now (kv_aware keeps each prompt family on
-    the replica holding it, so a sick replica must be one that gets traffic)."""
-    served: Counter[str] = Counter()
-    for i in range(probes):
-        req = urllib.request.Request(
-            ctx.fleet.gateway_url + "/v1/chat/completions",
-            json.dumps(chat_body(prompt(i), stream=False)).encode(),
-            {"content-type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=CLIENT_BOUND_S) as resp:
-            served[resp.headers.get("x-kvgate-replica", "")] += 1
-    ids = [e.replica_id for e in ctx.fleet.engines]
-    return ids.index(max(ids, key=lambda r: served[r]))
 
 
 def sick_engine(ctx: FleetCtx, name: str, sick: Callable[[int], Sickness]) -> Result:

@@ -9,13 +9,17 @@ so a restarted agent's replay cannot reach back to its engine's start.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
+import urllib.request
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvgate_tools.faults.common import (
+    JSON_HEADERS,
     Call,
     Load,
     Result,
@@ -67,7 +71,7 @@ class FleetCtx:
     fleet: LocalFleet
     workers: int = 4
 
-    def load(self, max_tokens: int = 8, base_url: str | None = None) -> Load:
+    def load(self, max_tokens: int = 8, base_url: str | None = None, workers: int | None = None) -> Load:
         """Chat traffic through the gateway (or straight to one engine), every other request streamed."""
         url = base_url or self.fleet.gateway_url
 
@@ -75,7 +79,7 @@ class FleetCtx:
             body = chat_body(prompt(i), stream=i % 2 == 0, max_tokens=max_tokens)
             return Call(url, body, timeout_s=CLIENT_BOUND_S)
 
-        return Load(make, self.workers)
+        return Load(make, workers or self.workers)
 
     def sampler(self) -> Sampler:
         return Sampler(self.fleet.gateway_proc().pid)
@@ -87,6 +91,22 @@ class FleetCtx:
         return list(range(len(self.fleet.engines)))
 
 
+def busiest(ctx: FleetCtx, probes: int = 24) -> int:
+    """The replica serving most of the load's prompts now (kv_aware keeps each prompt family on
+    the replica holding it, so a faulty replica must be one that gets traffic)."""
+    served: Counter[str] = Counter()
+    for i in range(probes):
+        req = urllib.request.Request(
+            ctx.fleet.gateway_url + "/v1/chat/completions",
+            json.dumps(chat_body(prompt(i), stream=False)).encode(),
+            JSON_HEADERS,
+        )
+        with urllib.request.urlopen(req, timeout=CLIENT_BOUND_S) as resp:
+            served[resp.headers.get("x-kvgate-replica", "")] += 1
+    ids = [e.replica_id for e in ctx.fleet.engines]
+    return ids.index(max(ids, key=lambda r: served[r]))
+
+
 def clean(t: Tally) -> bool:
     return t.counts["lost"] == 0 and t.counts["broken"] == 0 and t.sent > 0
 
@@ -95,7 +115,9 @@ def agent_restart(ctx: FleetCtx, i: int) -> tuple[Tally, float | None, Sampler]:
     """SIGKILL replica ``i``'s agent under load, restart it 1 s later, keep the load 1 s more; the
     seconds from the restart until the index equals the engine (at rest)."""
     f = ctx.fleet
-    with ctx.sampler() as s, ctx.load() as load:
+    # the gateway's load, and traffic straight to engine i so that its cache moves meanwhile
+    # (kv_aware may route none of the gateway's prompts there); only the gateway's load is reported
+    with ctx.sampler() as s, ctx.load() as load, ctx.load(base_url=f.engines[i].url, workers=1):
         time.sleep(3.0)
         proc = f.agent_proc(i)
         ctx.kill(proc.pid)
@@ -146,17 +168,21 @@ def engine_kill_midstream(ctx: FleetCtx) -> Result:
     """SIGKILL r0's engine while streams run on it, restart it on the same ports; streams end with a
     clear error, whole answers are retried; exact again <= 2 s after its /health answers."""
     f = ctx.fleet
-    with ctx.sampler() as s, ctx.load(max_tokens=48) as load:
+    i = busiest(ctx)
+    with ctx.sampler() as s, ctx.load(max_tokens=128) as load:
         time.sleep(3.0)
-        proc = f.engine_proc(0)
+        proc = f.engine_proc(i)
         ctx.kill(proc.pid)
         proc.wait()
         time.sleep(1.5)
-        f.start_engine(0)
-        up = wait_until(lambda: http_ok(f.engines[0].url + "/health"), 60.0, 0.05)
+        f.start_engine(i)
+        up = wait_until(lambda: http_ok(f.engines[i].url + "/health"), 60.0, 0.05)
         healthy_at = time.monotonic()
-    rec = wait_exact(f, [0], 10.0)
+    rec = wait_exact(f, [i], 10.0)
     reconverge = None if rec is None or up is None else time.monotonic() - healthy_at
     ok = clean(load.tally) and reconverge is not None and reconverge <= 2.0
-    notes = "reconverge_s counted from the restarted engine's /health (load stopped then)"
+    notes = (
+        f"{f.engines[i].replica_id} killed; {load.tally.counts['clear_error']} streams cut with an error event; "
+        "reconverge_s counted from the restarted engine's /health (load stopped then)"
+    )
     return Result("engine_killed_midstream_restarted", load.tally, reconverge, s.peak_rss_mb, ok, notes)

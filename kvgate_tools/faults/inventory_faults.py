@@ -23,7 +23,6 @@ import yaml
 
 from kvgate_tools.faults.common import Result, Sampler, Tally
 from kvgate_tools.procs import ProcessGroup, Ready, free_port
-from proto.kvgate.v1 import inventory_pb2 as pb
 from tests.integration.test_inventory_abuse import A0_URL, CASES, TOKENS, Rig, bearer, hello, run_stream
 from tests.integration.test_inventory_server import snap
 
@@ -54,18 +53,12 @@ def config(tmp: Path, http_port: int, inv_port: int) -> dict[str, Any]:
 
 
 class Client:
-    """What ``run_stream`` uses of the test's ``Rig``: a stream call on a channel."""
+    """What ``run_stream`` uses of the test's ``Rig``: its ``call`` (a stream on ``channel``)."""
+
+    call = Rig.call
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
         self.channel = channel
-
-    def call(self, token: str | None) -> grpc.aio.StreamStreamCall:
-        sync = self.channel.stream_stream(
-            "/kvgate.v1.Inventory/Sync",
-            request_serializer=lambda m: m if isinstance(m, bytes) else m.SerializeToString(),
-            response_deserializer=pb.GatewayMessage.FromString,
-        )
-        return sync(metadata=(("authorization", token),) if token is not None else None)
 
 
 class Admin:

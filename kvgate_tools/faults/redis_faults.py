@@ -18,21 +18,9 @@ from kvgate_tools.faults.fleet_faults import CLIENT_BOUND_S, clean, prompt
 from kvgate_tools.local_fleet import FleetOptions, LocalFleet
 from kvgate_tools.procs import ProcessGroup, Ready, free_port
 from kvgate_tools.redis_server import RedisServer
+from tests.integration.test_shared_state import shared_config  # the shared-state tests' settings
 
 REDIS_DOWN_S = 3.0
-
-
-def shared_config(redis: RedisServer) -> dict[str, object]:
-    return {
-        "shared_state": {
-            "redis_url": redis.url,
-            "key_prefix": "kvgfaults",
-            "load_interval_s": 0.2,
-            "load_ttl_s": 1.5,
-            "reconnect_max_s": 0.5,
-        },
-        "telemetry": {"access_log": False},
-    }
 
 
 def start_b(fleet: LocalFleet, group: ProcessGroup, tmp: Path) -> str:
