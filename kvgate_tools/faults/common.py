@@ -285,6 +285,13 @@ def replica_healthy(fleet: LocalFleet, replica: str) -> bool | None:
     return None
 
 
+def metric_sum(fleet: LocalFleet, name: str) -> float:
+    """The sum of a gateway metric's samples over all its labels."""
+    with urllib.request.urlopen(fleet.gateway_url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(name + "{"))
+
+
 def wait_until(pred: Callable[[], bool], timeout_s: float, step_s: float = 0.1) -> float | None:
     """Seconds until ``pred()`` holds (None: not within ``timeout_s``)."""
     start = time.monotonic()

@@ -26,6 +26,7 @@ from kvgate_tools.faults.common import (
     Tally,
     engine_keys,
     index_keys,
+    metric_sum,
     replica_healthy,
     wait_exact,
     wait_until,
@@ -170,6 +171,7 @@ def sick_engine(ctx: FleetCtx, name: str, sick: Callable[[int], Sickness]) -> Re
     rid = f.engines[i].replica_id
     make_sick, heal = sick(i)
     ejected = False
+    retries = metric_sum(f, "kvgate_retries_total")
     with ctx.sampler() as s, ctx.load() as load:
         time.sleep(1.0)
         make_sick()
@@ -183,8 +185,10 @@ def sick_engine(ctx: FleetCtx, name: str, sick: Callable[[int], Sickness]) -> Re
     t: Tally = load.tally
     bound = FIRST_BYTE_TIMEOUT_S + RETRY_SERVICE_S
     ok = clean(t) and ejected and restored is not None and t.max_latency_s <= bound
+    retried = metric_sum(f, "kvgate_retries_total") - retries
     notes = (
-        f"ejected={ejected} restored_after_s={restored} max_latency_s={t.max_latency_s:.2f} (bound {bound})"
+        f"{rid} sick; ejected={ejected}; healthy again after {restored if restored is None else round(restored, 2)} s; "
+        f"{retried:.0f} attempts retried elsewhere; max latency {t.max_latency_s:.2f} s (bound {bound})"
     )
     return Result(name, t, restored, s.peak_rss_mb, ok, notes)
 

@@ -4,6 +4,7 @@ peak_rss_mb, pass}]}``, plus ``max_latency_s`` and ``notes`` per row, and the ru
 exits 1 when any scenario fails (docs/faults.md).
 
     python -m kvgate_tools.faults.run [--out out/faults.json] [--soak-s 600] [--only NAME ...]
+    python -m kvgate_tools.faults.run --table out/faults.json   # the Markdown table of docs/faults.md
 
 A scenario that raises is recorded as failed with the error in its notes; the others still run.
 """
@@ -19,6 +20,7 @@ import traceback
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from kvgate_tools.faults import engine_faults, fleet_faults, http_faults, inventory_faults, redis_faults, soak
 from kvgate_tools.faults.common import Result, Tally
@@ -74,12 +76,37 @@ def run_one(name: str, fn: Callable[[], Result]) -> Result:
     return r
 
 
+def markdown(doc: dict[str, Any]) -> str:
+    """out/faults.json as the table of docs/faults.md."""
+    cols = [
+        "name",
+        "sent",
+        "ok",
+        "clear_error",
+        "broken",
+        "lost",
+        "reconverge_s",
+        "peak_rss_mb",
+        "pass",
+        "notes",
+    ]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in doc["scenarios"]:
+        cells = ["" if r[c] is None else str(r[c]).replace("|", "/") for c in cols]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + f"\n\nWhole run: {doc['duration_s']:.0f} s.\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("out/faults.json"))
     ap.add_argument("--soak-s", type=float, default=600.0, help="soak duration in seconds (default 600)")
+    ap.add_argument("--table", type=Path, help="print this faults.json as a Markdown table and exit")
     ap.add_argument("--only", nargs="*", default=None, help="run only scenarios whose function name is given")
     args = ap.parse_args(argv)
+    if args.table is not None:
+        print(markdown(json.loads(args.table.read_text())), end="")
+        return 0
 
     def wanted(name: str) -> bool:
         return args.only is None or name in args.only
