@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 import urllib.request
 from collections import Counter
@@ -87,6 +88,12 @@ class FleetCtx:
     def kill(self, pid: int, sig: int = signal.SIGKILL) -> None:
         os.killpg(pid, sig)
 
+    def crash(self, proc: subprocess.Popen[bytes], down_s: float) -> None:
+        """SIGKILL ``proc``'s group, reap it, and leave it down for ``down_s``."""
+        self.kill(proc.pid)
+        proc.wait()
+        time.sleep(down_s)
+
     def all_replicas(self) -> list[int]:
         return list(range(len(self.fleet.engines)))
 
@@ -119,10 +126,7 @@ def agent_restart(ctx: FleetCtx, i: int) -> tuple[Tally, float | None, Sampler]:
     # (kv_aware may route none of the gateway's prompts there); only the gateway's load is reported
     with ctx.sampler() as s, ctx.load() as load, ctx.load(base_url=f.engines[i].url, workers=1):
         time.sleep(3.0)
-        proc = f.agent_proc(i)
-        ctx.kill(proc.pid)
-        proc.wait()
-        time.sleep(1.0)
+        ctx.crash(f.agent_proc(i), 1.0)
         f.start_agent(i)
         restarted = time.monotonic()
         time.sleep(1.0)
@@ -165,16 +169,13 @@ def agent_restart_no_replay(ctx: FleetCtx) -> Result:
 
 
 def engine_kill_midstream(ctx: FleetCtx) -> Result:
-    """SIGKILL r0's engine while streams run on it, restart it on the same ports; streams end with a
+    """SIGKILL the busiest engine while streams run on it, restart it on the same ports; streams end with a
     clear error, whole answers are retried; exact again <= 2 s after its /health answers."""
     f = ctx.fleet
     i = busiest(ctx)
     with ctx.sampler() as s, ctx.load(max_tokens=128) as load:
         time.sleep(3.0)
-        proc = f.engine_proc(i)
-        ctx.kill(proc.pid)
-        proc.wait()
-        time.sleep(1.5)
+        ctx.crash(f.engine_proc(i), 1.5)
         f.start_engine(i)
         up = wait_until(lambda: http_ok(f.engines[i].url + "/health"), 60.0, 0.05)
         healthy_at = time.monotonic()

@@ -72,5 +72,5 @@ def redis_restart_two_gateways(tmp: Path) -> Result:
     finally:
         redis.stop()
     ok = clean(tally) and reconverge is not None and reconverge <= 5.0
-    notes = f"warm exact after {warm}s; Redis down {REDIS_DOWN_S} s under load; reconverge from its restart (1 s of load)"
+    notes = f"both exact before the fault: {warm is not None}; Redis down {REDIS_DOWN_S} s under load; reconverge from its restart (1 s of load)"
     return Result("redis_restart_two_gateways", tally, reconverge, s.peak_rss_mb, ok, notes)

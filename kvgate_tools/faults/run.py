@@ -41,13 +41,12 @@ FLEET_SCENARIOS: list[FleetScenario] = [
     fleet_faults.agent_restart_no_replay,  # last: it may leave r1's index short of its engine
 ]
 Standalone = Callable[[Path], Result]
-STANDALONE: list[Standalone] = [
+HTTP_SCENARIOS: list[Standalone] = [
     http_faults.malformed_http,
     http_faults.slow_clients,
     http_faults.bad_configs,
-    inventory_faults.abusive_streams,
-    redis_faults.redis_restart_two_gateways,
 ]
+STANDALONE = [*HTTP_SCENARIOS, inventory_faults.abusive_streams, redis_faults.redis_restart_two_gateways]
 
 
 def failed(name: str, exc: BaseException) -> Result:
