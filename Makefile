@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-fast lint demo whatif-demo proto proto-check bench bench-quick clean
+.PHONY: venv test test-fast lint demo whatif-demo proto proto-check bench bench-quick clean faults
 
 # The `dev` extra holds the `sim` and `plots` extras (simulated engines, charts: what the tests and
 # the demo run) and a redis-server for the shared-state tests (pyproject.toml, README "Set-up").
@@ -33,6 +33,12 @@ demo: $(STAMP)
 # The operator loop (docs/operators.md): live fleet recording its traffic, what-if, report -> out/whatif.json
 whatif-demo: $(STAMP)
 	$(BIN)/python -m kvgate_tools.whatif_demo --out out
+
+# Issue 13's fault and abuse table on real processes -> out/faults.json, exit 1 if any scenario
+# fails (docs/faults.md); SOAK_S sets the soak's length (~5 min of scenarios plus the soak).
+SOAK_S ?= 600
+faults: $(STAMP)
+	$(BIN)/python -m kvgate_tools.faults.run --out out/faults.json --soak-s $(SOAK_S)
 
 proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py

@@ -77,6 +77,7 @@ class FleetOptions:
     agent_token: str = "demo-agent-token"
     admin_token: str = "demo-admin-token"
     extra_config: dict[str, Any] = field(default_factory=dict)
+    engine_args: dict[str, list[str]] = field(default_factory=dict)  # replica id -> extra sim-engine flags
     log_dir: Path | None = None
     python: str = sys.executable
 
@@ -158,19 +159,21 @@ class LocalFleet:
             args += ["--profile", o.profile]
         if o.time_scale is not None:
             args += ["--time-scale", str(o.time_scale)]
+        args += o.engine_args.get(e.replica_id, [])
         proc = self._spawn(f"engine-{e.replica_id}", args)
         if i < len(self._engines):
             self._engines[i] = proc
         else:
             self._engines.append(proc)
 
-    def start_agent(self, i: int) -> None:
+    def start_agent(self, i: int, events_url: str | None = None) -> None:
+        """Start replica ``i``'s agent; ``events_url`` replaces the engine's event endpoint (a relay)."""
         e = self.engines[i]
         args = [
             "agent",
             "--replica-id", e.replica_id,
             "--engine-url", e.url,
-            "--events", f"tcp://127.0.0.1:{e.events_port}",
+            "--events", events_url or f"tcp://127.0.0.1:{e.events_port}",
             "--replay", f"tcp://127.0.0.1:{e.replay_port}",
             "--gateway", f"127.0.0.1:{self.inventory_port}",
             "--token-env", "KVGATE_AGENT_TOKEN",
@@ -218,6 +221,16 @@ class LocalFleet:
         data = http_json(f"{self.gateway_url}/admin/replicas", headers=self.admin_headers)
         reps = data.get("replicas", data) if isinstance(data, dict) else data
         return list(reps)
+
+    def engine_proc(self, i: int) -> subprocess.Popen[bytes]:
+        return self._engines[i]
+
+    def agent_proc(self, i: int) -> subprocess.Popen[bytes]:
+        return self._agents[i]
+
+    def gateway_proc(self) -> subprocess.Popen[bytes]:
+        assert self._gateway is not None
+        return self._gateway
 
     def stop_process(self, proc: subprocess.Popen[bytes] | None, grace_s: float = 5.0) -> None:
         if proc is not None:
