@@ -247,9 +247,10 @@ class EventSubscriber:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("frame seq=%d expected=%s ts=%s", seq, self.expected, batch.ts if batch else None)
         if batch is None:
-            # undecodable: counted; its seq still counts as received so that it is not replayed
-            if self.expected is not None and seq == self.expected:
-                self.expected = seq + 1
+            # undecodable (counted): not received. The next batch shows the gap, and the engine's
+            # replay buffer supplies the batch whole, or the inventory is marked incomplete: a
+            # batch we could not read may have removed blocks, so skipping it would leave the
+            # index claiming blocks the engine no longer holds.
             return
         expected = self.expected
         if expected is None:
