@@ -145,6 +145,12 @@ class HealthConfig(_Strict):
     timeout_s: float = Field(1.0, gt=0, description="Health check timeout.")
     unhealthy_after: int = Field(2, ge=1, description="Consecutive failures that eject a replica.")
     healthy_after: int = Field(1, ge=1, description="Consecutive successes that restore it.")
+    ejection_s: float = Field(
+        5.0,
+        ge=0,
+        description="A replica ejected because its requests failed in a row (unhealthy_after of them, "
+        "e.g. first-byte timeouts while its /health still answers) stays out at least this long.",
+    )
     forget_after_s: float = Field(
         300.0,
         gt=0,

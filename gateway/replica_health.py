@@ -5,9 +5,16 @@ replica that fails ``health.unhealthy_after`` times in a row is ejected, and com
 ``health.healthy_after`` consecutive successful checks. A connect error ejects at once: nothing
 listens at that address. The first check result of an unknown replica decides at once.
 
+Requests failing in a row (``health.unhealthy_after`` of them, e.g. first-byte timeouts of a slow
+or stuck engine whose ``/health`` still answers) eject it too, as Envoy's outlier detection does:
+they are counted apart from the checks (``request_fail_streak``, reset only by a request that
+succeeds), and such an ejection lasts at least ``health.ejection_s`` whatever the checks say, so
+that a replica answering its checks but not its requests is held out instead of taking traffic
+back after every good check (found by ``make faults``, ``engine_slow``).
+
 Invariants: the methods below are the only writers of a ``ReplicaHealth``; ``unhealthy_since`` is
 set iff the replica is checked and unhealthy; at most one of ``ok_streak`` and ``fail_streak`` is
-non-zero.
+non-zero; ``ejected_until`` is only ever in the future of an unhealthy replica's ejection.
 """
 
 from __future__ import annotations
@@ -18,11 +25,13 @@ from gateway.config import HealthConfig
 class ReplicaHealth:
     __slots__ = (
         "checked",
+        "ejected_until",
         "fail_streak",
         "failures",
         "healthy",
         "last_error",
         "ok_streak",
+        "request_fail_streak",
         "unhealthy_since",
     )
 
@@ -34,6 +43,8 @@ class ReplicaHealth:
         self.fail_streak = 0
         self.last_error = ""
         self.failures = 0  # proxied attempts that failed (a statistic)
+        self.request_fail_streak = 0  # proxied attempts failed in a row (checks do not reset it)
+        self.ejected_until = 0.0  # checks cannot restore the replica before this (monotonic) time
 
     def unknown(self) -> None:
         """A new address is a new process: unknown until checked."""
@@ -57,10 +68,21 @@ class ReplicaHealth:
 
     def proxy_success(self) -> None:
         self.fail_streak = 0
+        self.request_fail_streak = 0
 
     def proxy_failure(self, error: str, connect: bool, config: HealthConfig, now: float) -> None:
         self.failures += 1
         if not connect:
+            self.request_fail_streak += 1
+            if self.request_fail_streak >= config.unhealthy_after:
+                self.request_fail_streak = 0
+                self.ejected_until = now + config.ejection_s
+                if self.healthy:
+                    self.unhealthy_since = now
+                self.healthy = False
+                self.ok_streak = 0
+                self.last_error = error
+                return
             self._result(False, error, config, now)
             return
         # nothing listens there: eject now rather than after unhealthy_after more requests
@@ -76,7 +98,8 @@ class ReplicaHealth:
         if ok:
             self.ok_streak += 1
             self.fail_streak = 0
-            if not self.healthy and self.ok_streak >= config.healthy_after:
+            held_out = now < self.ejected_until  # ejected for its requests: checks wait
+            if not self.healthy and self.ok_streak >= config.healthy_after and not held_out:
                 self.healthy = True
                 self.unhealthy_since = None
                 self.last_error = ""

@@ -47,7 +47,8 @@ def test_static_replicas_start_unknown_and_the_first_check_decides() -> None:
 
 
 def test_ejection_and_recovery_follow_the_thresholds() -> None:
-    fleet = Fleet(_config(), PrefixIndex())
+    now = [100.0]
+    fleet = Fleet(_config(), PrefixIndex(), clock=lambda: now[0])
     fleet.check_result("a", True)
     a = fleet.get("a")
     assert a is not None
@@ -60,6 +61,9 @@ def test_ejection_and_recovery_follow_the_thresholds() -> None:
     assert not a.healthy and a.last_error == "502"
     fleet.check_result("a", True)
     assert not a.healthy  # one success of two
+    fleet.check_result("a", True)
+    assert not a.healthy  # two, but ejected by its requests: held out for health.ejection_s (5 s)
+    now[0] += 5.0
     fleet.check_result("a", True)
     assert a.healthy and a.failures == 3
 
