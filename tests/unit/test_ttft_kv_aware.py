@@ -10,6 +10,7 @@ from router_policies.registry import build_policy
 from router_policies.ttft.params import DEFAULT_PRIOR, NAMED_PRIORS, TtftParams
 
 BS = 64
+MS: dict[str, object] = {"rule": "ms"}  # the ms rule (opt-in: kv_aware.py says why)
 
 
 def req(blocks: int, prompt: int | None = None) -> RequestFeatures:
@@ -23,7 +24,7 @@ def scaled(k: float) -> TtftParams:
 
 def test_the_faster_replica_wins_when_nothing_else_differs() -> None:
     f = FleetSnapshot((ReplicaState("slow", ttft=scaled(3.0)), ReplicaState("fast", ttft=scaled(1.0))))
-    d = build_policy("kv_aware").choose(req(32), f)
+    d = build_policy("kv_aware", MS).choose(req(32), f)
     assert d.replica == "fast"
     assert d.terms["slow"]["ttft_ms"] == pytest.approx(3 * d.terms["fast"]["ttft_ms"], rel=1e-3)
 
@@ -32,7 +33,7 @@ def test_a_faster_replica_can_beat_a_short_match_on_a_slow_one() -> None:
     f = FleetSnapshot(
         (ReplicaState("slow", ttft=scaled(4.0), matched_blocks=8), ReplicaState("fast", ttft=scaled(1.0)))
     )
-    assert build_policy("kv_aware").choose(req(64), f).replica == "fast"
+    assert build_policy("kv_aware", MS).choose(req(64), f).replica == "fast"
     # the token rule cannot see speed: the match decides
     assert build_policy("kv_aware", {"rule": "tokens"}).choose(req(64), f).replica == "slow"
 
@@ -40,7 +41,7 @@ def test_a_faster_replica_can_beat_a_short_match_on_a_slow_one() -> None:
 def test_decode_load_counts() -> None:
     busy = ReplicaState("busy", engine_running=200, in_flight_requests=200, in_flight_tokens=380_000)
     light = ReplicaState("light", engine_running=20, in_flight_requests=20, in_flight_tokens=40_000)
-    d = build_policy("kv_aware", {"balance_abs": 1000}).choose(req(64), FleetSnapshot((busy, light)))
+    d = build_policy("kv_aware", {**MS, "balance_abs": 1000}).choose(req(64), FleetSnapshot((busy, light)))
     assert d.replica == "light"
     t = d.terms["busy"]
     # one step carrying 200 decodes reading 380k KV tokens: 8 + 8.1 + 21.2 ms, plus 4,096 prefill tokens
@@ -50,7 +51,7 @@ def test_decode_load_counts() -> None:
 def test_terms_add_up_and_scores_are_costs() -> None:
     a = ReplicaState("a", pending_prefill_tokens=20_000, in_flight_requests=3, matched_blocks=40)
     b = ReplicaState("b", matched_on_media=(("DISK", 30),), matched_blocks=30)
-    d = build_policy("kv_aware").choose(req(64), FleetSnapshot((a, b)))
+    d = build_policy("kv_aware", MS).choose(req(64), FleetSnapshot((a, b)))
     for rid, t in d.terms.items():
         assert t["ttft_ms"] == pytest.approx(
             t["wait_ms"] + t["prefill_ms"] + t["read_ms"] + t["fetch_ms"], abs=0.01
@@ -66,14 +67,14 @@ def test_terms_add_up_and_scores_are_costs() -> None:
 def test_kv_on_a_slow_medium_costs_its_fetch() -> None:
     gpu = ReplicaState("gpu", matched_blocks=60)
     disk = ReplicaState("disk", matched_blocks=60, matched_on_media=(("DISK", 60),))
-    d = build_policy("kv_aware").choose(req(64), FleetSnapshot((disk, gpu)))
+    d = build_policy("kv_aware", MS).choose(req(64), FleetSnapshot((disk, gpu)))
     assert d.replica == "gpu"
     assert d.terms["disk"]["fetch_ms"] == pytest.approx(1.0 + 60 * 64 * 131_072 / 5e6, abs=0.001)
 
 
 def test_choose_is_pure_and_commit_rotates_ties() -> None:
     f = FleetSnapshot((ReplicaState("a"), ReplicaState("b"), ReplicaState("c")))
-    p = build_policy("kv_aware")
+    p = build_policy("kv_aware", MS)
     assert [p.choose(req(4), f).replica for _ in range(3)] == ["a", "a", "a"]
     out = []
     for _ in range(4):
@@ -87,7 +88,7 @@ def test_cold_start_uses_the_configured_prior() -> None:
     r = ReplicaState("a", pending_prefill_tokens=1000)
     for prior, params in (({"prior": "small-cpu"}, NAMED_PRIORS["small-cpu"]), ({}, DEFAULT_PRIOR)):
         f = FleetSnapshot((r, ReplicaState("b", pending_prefill_tokens=1000, ttft=params)))
-        d = build_policy("kv_aware", prior).choose(req(8), f)
+        d = build_policy("kv_aware", {**MS, **prior}).choose(req(8), f)
         assert d.terms["a"] == d.terms["b"]  # no fit yet: the prior is that model
 
 
@@ -101,12 +102,12 @@ def test_the_delay_added_behind_is_weighed_at_fleet_speed() -> None:
 
     def choice(queue: int, behind: str) -> str:
         f = FleetSnapshot((ReplicaState("fast", pending_prefill_tokens=queue), slow))
-        return build_policy("kv_aware", {"behind": behind}).choose(req(64), f).replica
+        return build_policy("kv_aware", {**MS, "behind": behind}).choose(req(64), f).replica
 
     assert [choice(q, "fleet") for q in (0, 4000, 8000)] == ["fast", "fast", "slow"]
     assert [choice(q, "local") for q in (0, 4000, 8000)] == ["fast", "fast", "fast"]
     f = FleetSnapshot((ReplicaState("fast"), slow))
-    d = build_policy("kv_aware").choose(req(64), f)
+    d = build_policy("kv_aware", MS).choose(req(64), f)
     for rid, share in (("fast", 1.5), ("slow", 0.75)):
         t = d.terms[rid]
         assert t["cost"] == pytest.approx(t["ttft_ms"] + 3 * share * t["added_ms"], rel=1e-3)
