@@ -222,7 +222,7 @@ def print_table(runs: list[PolicyRun], out: Any = sys.stdout) -> None:
         )
     print(
         "TTFT err: median |predicted - observed| / observed time to first byte of the gateway's TTFT "
-        "model (every policy's gateway fits it; only kv_aware routes on it)",
+        "model (every policy's gateway fits it; only kv_aware with rule: ms routes on it)",
         file=out,
     )
 
