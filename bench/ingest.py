@@ -32,8 +32,9 @@ from typing import Any
 import msgpack
 from prometheus_client import CollectorRegistry
 
-from gateway.inventory_server import InventoryServer, _Stream
+from gateway.inventory_server import InventoryServer
 from gateway.inventory_sink import AgentEngine, AgentHello, AgentLoad
+from gateway.inventory_stream import StreamState
 from proto.kvgate.v1 import inventory_pb2 as pb
 from replica_agent.engine_events import decode_payload
 from replica_agent.inventory import AgentInventory
@@ -194,7 +195,7 @@ def stage_gateway(messages: list[bytes]) -> Callable[[], None]:
             server = InventoryServer(
                 index, _Fleet(), token=None, registry=CollectorRegistry(), ack_every=1_000_000
             )
-            stream = _Stream(peer="bench", task=None)
+            stream = StreamState(peer="bench", task=None)
             hello = pb.AgentMessage(seq=1, hello=pb.Hello(replica_id="r0", block_size=16, protocol_version=1))
             server._handle(stream, hello.SerializeToString())
             stream.synced = True

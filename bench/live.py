@@ -94,11 +94,6 @@ async def replay(
 _HITS, _QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 
 
-def engine_hits(http_urls: list[str]) -> tuple[float, float]:
-    got = live_metrics.sums((live_metrics.scrape(u) for u in http_urls), (_HITS, _QUERIES))
-    return got[_HITS], got[_QUERIES]
-
-
 def engine_state(http_urls: list[str]) -> tuple[float, float, dict[float, float]]:
     """The fleet's prefix-cache hits and queries (tokens) and TTFT histogram, summed."""
     texts = [live_metrics.scrape(u) for u in http_urls]

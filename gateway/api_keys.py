@@ -17,7 +17,6 @@ Invariants
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from gateway.agent_credentials import token_digest
 from gateway.config import ApiKeysConfig
 from gateway.openai_errors import RequestError, error_response_of
 from gateway.rate_limit import TokenBuckets
@@ -73,7 +73,7 @@ class ApiKeys:
             raise ApiKeysError(
                 f"auth.api_keys: no key found in {config.env or ''} {config.file or ''}".strip()
             )
-        digests = {hashlib.sha256(k.encode()).digest() for k in keys}
+        digests = {token_digest(k) for k in keys}
         if len(digests) > config.max_keys:
             raise ApiKeysError(f"auth.api_keys: {len(digests)} keys, more than max_keys={config.max_keys}")
         return cls({d: key_id(d) for d in digests})
@@ -83,7 +83,7 @@ class ApiKeys:
         key itself: its timing can reveal at most how a digest begins, which an attacker cannot
         turn into a key (a dict of digests rather than a scan with ``hmac.compare_digest`` over
         every key, whose cost would grow with ``max_keys`` on every request)."""
-        return self.ids.get(hashlib.sha256(presented.encode()).digest())
+        return self.ids.get(token_digest(presented))
 
 
 class ApiAuthMetrics:

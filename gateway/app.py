@@ -10,9 +10,9 @@ index expiry), then the HTTP listener.
 
 Shutdown order (``stop``), the reverse: ``/ready`` answers 503 first (``server.drain_delay_s``,
 so load balancers stop sending while requests are still served), then the HTTP listener closes
-(no new requests; in-flight ones get ``server.shutdown_grace_s`` to finish), then the health loop, the index expiry loop, the inventory server (agents
-reconnect elsewhere or later), the shared state (after the inventory server, whose hooks feed
-it), the featurizers (worker threads, remote-tokenize session), the upstream client session, and
+(no new requests; in-flight ones get ``server.shutdown_grace_s`` to finish), then the health
+loop, the index expiry loop, the inventory server (agents reconnect elsewhere or later), the
+operator view, the shared state (after the inventory server, whose hooks feed it), the featurizers (worker threads, remote-tokenize session), the upstream client session, and
 tracing last so the final spans are flushed. Every background task is created here and cancelled
 and awaited here.
 
@@ -25,7 +25,6 @@ bounds, inventory, shared state, OTLP endpoint, auth variable names) are reporte
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -41,6 +40,7 @@ from gateway.access_log import AccessLog, configure_logging
 from gateway.admin import Admin
 from gateway.agent_credentials import stream_access_of
 from gateway.api_keys import api_auth_middlewares
+from gateway.asyncio_tasks import cancel_and_wait
 from gateway.config import GatewayConfig, load_config
 from gateway.features import Featurizer
 from gateway.features.budgets import MemoryCollector
@@ -56,20 +56,20 @@ from gateway.proxy import Proxy
 from gateway.routing import Router, RoutingState
 from gateway.shared_state import SharedState
 from gateway.shared_state_context import SharedContext
-from gateway.shared_state_follower import FleetRemoteReplicas, Follower
+from gateway.shared_state_follower import Follower
 from gateway.shared_state_load import LoadExchange
 from gateway.shared_state_publisher import Publisher
 from gateway.status_page import StatusPage
 from gateway.tls import http_ssl_context
 from gateway.tracing import Tracing
 from router_policies.errors import UserInputError
+from router_policies.placement import EXPIRE_INTERVAL_S
 from router_policies.prefix_index import PrefixIndex
 from router_policies.registry import build_policy
 
 log = logging.getLogger("kvgate.app")
 
 _RESTART_ONLY = ("listen", "server", "index", "inventory", "shared_state", "auth")
-EXPIRE_INTERVAL_S = 1.0
 RETIRE_GRACE_S = 5.0
 
 
@@ -118,7 +118,7 @@ def wire_shared_state(
     publisher observes the inventory server, the follower writes the replicas owned elsewhere
     (and stops the moment an agent for one connects here), the load exchange feeds the fleet."""
     ctx = SharedContext.create(config.shared_state, registry, instance_id)
-    follower = Follower(ctx, index, FleetRemoteReplicas(fleet), inventory)
+    follower = Follower(ctx, index, fleet, inventory)
     publisher = Publisher(ctx, inventory, index.config.max_replicas, on_owned=follower.stop_following)
     inventory.observer = publisher
     return SharedState(ctx, publisher, follower, LoadExchange(ctx, fleet, inventory))
@@ -351,18 +351,14 @@ class GatewayApp:
             await self._health.stop()
             self._health = None
         if self._expire_task is not None:
-            self._expire_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._expire_task
+            await cancel_and_wait(self._expire_task)
             self._expire_task = None
         await self.inventory.stop()
         await self.operator.stop()
         if self.shared_state is not None:
             await self.shared_state.stop()
         for task in list(self._retiring):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         await self._state.featurizer.close()
         if self._session is not None:
             await self._session.close()

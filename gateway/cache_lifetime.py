@@ -127,9 +127,6 @@ class CacheLifetime:
     def replicas(self) -> list[str]:
         return sorted(self._stored)
 
-    def forget_replica(self, replica: str) -> None:
-        self._held -= len(self._stored.pop(replica, ()))
-
     def report(self) -> dict[str, Any]:
         now = self._clock()
         per_replica = {}

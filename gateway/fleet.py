@@ -84,7 +84,7 @@ class Fleet:
     def _ttft_sample(self, sample: TtftSample) -> None:
         rec = self._records.get(sample.replica)
         if rec is not None:
-            rec.ttft_audit.record(sample.predicted_ms, sample.observed_ms)
+            rec.ttft_audit.record(sample.relative_error)
             rec.ttft_model = self.ttft.model.params(sample.replica)  # the fit (routed on if it predicts)
         if self.ttft_listener is not None:
             self.ttft_listener(sample)
@@ -133,6 +133,12 @@ class Fleet:
                 found.identity, url=rc.url, models=frozenset(rc.models), static=True
             )
         return removed
+
+    def register_remote(self, hello: AgentHello) -> str | None:
+        """A replica whose agent streams to another gateway instance, learnt from the shared state:
+        registered with the same checks and record as an agent's Hello here (one path into the
+        replica set); None, or why it is refused."""
+        return self.agent_hello(hello)
 
     def agent_hello(self, hello: AgentHello) -> str | None:
         """Accept an agent, registering its replica when the config does not list it; returns

@@ -25,7 +25,6 @@ Invariants
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -37,15 +36,16 @@ import grpc.aio
 from prometheus_client import CollectorRegistry
 
 from gateway.agent_credentials import AgentCredentials, Identity, RegistrationRules, StreamAccess
+from gateway.asyncio_tasks import cancel_and_wait
 from gateway.inventory_metrics import InventoryMetrics
 from gateway.inventory_refusals import Refusal
-from gateway.inventory_sink import AgentHello, AgentLoad, FleetSink
+from gateway.inventory_sink import FleetSink
 from gateway.inventory_stream import InventoryObserver, StreamRules, Streams, StreamState
 from proto.contract import METHOD, SERVICE
 from proto.kvgate.v1 import inventory_pb2 as pb
 from router_policies.prefix_index import PrefixIndex
 
-__all__ = ["AgentHello", "AgentLoad", "FleetSink", "InventoryObserver", "InventoryServer", "StreamAccess"]
+__all__ = ["InventoryServer"]
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,6 @@ log = logging.getLogger(__name__)
 WRITER_DRAIN_S = 5.0
 
 _Context: TypeAlias = "grpc.aio.ServicerContext[bytes, pb.GatewayMessage]"
-_Stream = StreamState  # the name bench/ingest.py imports
 
 
 def _read_files(*paths: str) -> tuple[bytes, ...]:
@@ -274,9 +273,7 @@ class InventoryServer:
         except Exception as exc:  # the write failed: the client is gone, nothing more to send
             log.debug("inventory stream from %s: last write failed: %s", stream.peer, exc)
         if not writer.done():
-            writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await writer
+            await cancel_and_wait(writer)
 
 
 def _next_message(stream: StreamState) -> pb.GatewayMessage | None:

@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gateway.fleet import Fleet
+from gateway.replica_audit import TTFT_WINDOW
 from router_policies.placement import TtftSample
 from router_policies.prefix_index import PrefixIndex
 
@@ -115,7 +116,7 @@ class _StateCollector(Collector):
         )
         ttft_mae = GaugeMetricFamily(
             "kvgate_ttft_prediction_median_abs_error",
-            "Median absolute relative error of the TTFT model's predictions (last 1,024 first tokens).",
+            f"Median absolute relative error of the TTFT model's predictions (last {TTFT_WINDOW} first tokens).",
             labels=["replica"],
         )
         for rec in self._fleet.records():

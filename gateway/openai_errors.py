@@ -70,9 +70,6 @@ class RequestError(Exception):
         return f"{type(self).__name__}({self.message!r}, param={self.param!r}, status={self.status})"
 
 
-RequestRejected = RequestError  # the name the proxy's callers used before there was one type
-
-
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> bytes:
     return orjson.dumps(RequestError(message, status=status, param=param, code=code).to_dict())
 

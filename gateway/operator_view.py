@@ -16,7 +16,6 @@ a client cannot choose the file). Metrics are read from the parts at scrape time
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
@@ -30,6 +29,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gateway.asyncio_tasks import cancel_and_wait
 from gateway.cache_lifetime import CacheLifetime
 from gateway.features.deferred import DeferredJob
 from gateway.inventory_ops import Op
@@ -38,7 +38,7 @@ from gateway.inventory_stream import InventoryObserver
 from gateway.openai_errors import error_response
 from gateway.operator_config import OperatorConfig
 from gateway.request_context import Attempt
-from gateway.request_outcome import Outcome, outcome_of
+from gateway.request_outcome import Outcome, Usage, outcome_of
 from gateway.savings import SavingsLedger
 from gateway.session_turns import SessionTurns
 from gateway.trace_recorder import TraceRecorder
@@ -98,11 +98,11 @@ class OperatorView:
             registry.register(_OperatorCollector(self))
 
     # ------------------------------------------------------------------ hooks
-    def answered(self, a: Attempt, body: bytes, sse: bool) -> None:
+    def answered(self, a: Attempt, use: Usage | None) -> None:
         """The ``OutcomeSink`` hook: one request answered with 200. Runs before the response's
         end is written, so nothing it raises may reach the request: a failure (a full disk under
         the trace) is logged and counted, and the answer goes out whole."""
-        self._guarded(self._answered, a, body, sse)
+        self._guarded(self._answered, a, use)
 
     def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
         try:
@@ -111,8 +111,8 @@ class OperatorView:
             self.failures += 1
             log.exception("operator view: recording an answered request failed")
 
-    def _answered(self, a: Attempt, body: bytes, sse: bool) -> None:
-        o = outcome_of(a, body, sse, self.cfg.tenant_header)
+    def _answered(self, a: Attempt, use: Usage | None) -> None:
+        o = outcome_of(a, use, self.cfg.tenant_header)
         self.ledger.record(o)
         self.decisions.append(_decision(a, o))
         job = a.info.deferred
@@ -169,11 +169,8 @@ class OperatorView:
             self._guarded(self.recorder.flush)
 
     async def stop(self) -> None:
-        if self._flusher is not None:
-            self._flusher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._flusher
-            self._flusher = None
+        flusher, self._flusher = self._flusher, None
+        await cancel_and_wait(flusher)
         self.recorder.stop()
 
     # ------------------------------------------------------------------ HTTP

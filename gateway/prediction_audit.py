@@ -65,26 +65,6 @@ class SseTail:
         return bytes(self._buf)
 
 
-def cached_tokens_of(doc: Any) -> int | None:
-    if not isinstance(doc, dict):
-        return None
-    usage = doc.get("usage")
-    if not isinstance(usage, dict):
-        return None
-    details = usage.get("prompt_tokens_details")
-    if not isinstance(details, dict):
-        return None
-    cached = details.get("cached_tokens")
-    return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
-
-
-def cached_tokens_in_body(body: bytes) -> int | None:
-    try:
-        return cached_tokens_of(orjson.loads(body))
-    except orjson.JSONDecodeError:
-        return None
-
-
 def last_in_sse_tail(tail: bytes, read: Callable[[Any], T | None]) -> T | None:
     """``read`` of the last event carrying ``usage`` in the tail of an SSE stream that gives a value."""
     for event in reversed(tail.replace(b"\r\n", b"\n").split(b"\n\n")):
@@ -99,14 +79,6 @@ def last_in_sse_tail(tail: bytes, read: Callable[[Any], T | None]) -> T | None:
                 if found is not None:
                     return found
     return None
-
-
-def cached_tokens_in_sse_tail(tail: bytes) -> int | None:
-    """The cached tokens of the last event carrying usage in the tail of an SSE stream."""
-    return last_in_sse_tail(tail, cached_tokens_of)
-
-
-INEXACT_CAUSES = ("concurrent_not_stored", "evicted", "stale_index", "not_yet_reported", "tokenization")
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,7 +43,7 @@ from gateway.tracing import Tracing
 from gateway.upstream import Retry, Upstream
 from router_policies.policy import NoReplicaError, RequestFeatures
 
-__all__ = ["BodyTooLarge", "Proxy", "filter_headers", "read_body"]
+__all__ = ["BodyTooLarge", "Proxy", "read_body"]
 
 
 class BodyTooLarge(RequestError):

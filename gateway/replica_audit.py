@@ -40,8 +40,7 @@ TTFT_WINDOW = 1024  # recent samples a replica's TTFT error quantiles are taken 
 class TtftAuditStats:
     """A replica's TTFT audit: the TTFT model's prediction at dispatch against the observed time
     to first byte. Only ``record`` writes it (the fleet's TTFT feed, at each first byte). Keeps
-    the last ``TTFT_WINDOW`` relative errors ((predicted - observed) / observed, at least 1 ms
-    observed) for their quantiles."""
+    the last ``TTFT_WINDOW`` relative errors (``TtftSample.relative_error``) for their median."""
 
     __slots__ = ("_errors", "total")
 
@@ -49,18 +48,13 @@ class TtftAuditStats:
         self.total = 0
         self._errors: deque[float] = deque(maxlen=TTFT_WINDOW)
 
-    def record(self, predicted_ms: float, observed_ms: float) -> float:
-        """Count one first token; returns its relative error."""
-        err = (predicted_ms - observed_ms) / max(observed_ms, 1.0)
+    def record(self, relative_error: float) -> None:
+        """Count one first token (its ``TtftSample.relative_error``)."""
         self.total += 1
-        self._errors.append(err)
-        return err
+        self._errors.append(relative_error)
 
     def median_abs_error(self) -> float | None:
         """Median absolute relative error over the window (None before any sample)."""
         if not self._errors:
             return None
         return float(statistics.median(abs(e) for e in self._errors))
-
-    def errors(self) -> list[float]:
-        return list(self._errors)

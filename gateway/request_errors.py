@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from gateway.openai_errors import RequestError
 
-__all__ = ["InvalidRequestError", "RequestError", "UnknownModelError"]
+__all__ = ["InvalidRequestError", "UnknownModelError"]
 
 
 class InvalidRequestError(RequestError):

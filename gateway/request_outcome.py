@@ -23,8 +23,9 @@ MAX_LABEL_CHARS = 64
 
 
 class OutcomeSink(Protocol):
-    def answered(self, a: Attempt, body: bytes, sse: bool) -> None:
-        """``a`` was answered with 200; ``body`` is the whole body, or an SSE stream's tail."""
+    def answered(self, a: Attempt, use: Usage | None) -> None:
+        """``a`` was answered with 200; ``use``: the answer's usage block (parsed once, by the
+        upstream, for the prediction audit and this sink alike), None when it carried none."""
         ...
 
     def deferred(self, a: Attempt) -> None:
@@ -35,9 +36,15 @@ class OutcomeSink(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
+    """An answer's usage block; a field the engine left out is None."""
+
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    reported_cached: int | None  # usage.prompt_tokens_details.cached_tokens; None: the engine gave none
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.reported_cached or 0
 
 
 def _int(v: Any) -> int | None:
@@ -45,16 +52,14 @@ def _int(v: Any) -> int | None:
 
 
 def usage_of(doc: Any) -> Usage | None:
-    """The usage block of a completion document (cached tokens 0 when the engine gave none)."""
+    """The usage block of a completion document (None: no usage block, or none of its counts)."""
     usage = doc.get("usage") if isinstance(doc, dict) else None
     if not isinstance(usage, dict):
         return None
-    prompt, completion = _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens"))
-    if prompt is None or completion is None:
-        return None
     details = usage.get("prompt_tokens_details")
     cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else None
-    return Usage(prompt, completion, cached or 0)
+    use = Usage(_int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")), cached)
+    return None if use == Usage(None, None, None) else use
 
 
 def usage_in(body: bytes, sse: bool) -> Usage | None:
@@ -94,10 +99,13 @@ def tenant_label(raw: str | None) -> str:
     return raw.strip()[:MAX_LABEL_CHARS] or DEFAULT_TENANT
 
 
-def outcome_of(a: Attempt, body: bytes, sse: bool, tenant_header: str) -> Outcome:
+def _or(value: int | None, fallback: int) -> int:
+    return fallback if value is None else value
+
+
+def outcome_of(a: Attempt, use: Usage | None, tenant_header: str) -> Outcome:
     ctx, features = a.ctx, a.features
     assert ctx.parsed is not None
-    use = usage_in(body, sse)
     ttft_ms = ctx.log.get("ttft_ms")
     now = time.monotonic()
     return Outcome(
@@ -107,9 +115,9 @@ def outcome_of(a: Attempt, body: bytes, sse: bool, tenant_header: str) -> Outcom
         tenant=tenant_label(ctx.request.headers.get(tenant_header)),
         session_id=ctx.parsed.session_id,
         replica=a.record.id,
-        prompt_tokens=use.prompt_tokens if use is not None else features.prompt_tokens,
+        prompt_tokens=_or(use.prompt_tokens if use else None, features.prompt_tokens),
         gateway_prompt_tokens=features.prompt_tokens,
-        completion_tokens=use.completion_tokens if use is not None else ctx.parsed.max_output_tokens,
+        completion_tokens=_or(use.completion_tokens if use else None, ctx.parsed.max_output_tokens),
         cached_tokens=use.cached_tokens if use is not None else None,
         predicted_tokens=a.choice.predicted_tokens,
         ttft_s=ttft_ms / 1000 if isinstance(ttft_ms, int | float) else None,

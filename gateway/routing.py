@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from gateway.config import GatewayConfig
 from gateway.features import Featurizer
 from gateway.fleet import Fleet, ReplicaRecord
-from router_policies.placement import TOUCH_REFRESH_S, predicted_cached_tokens
+from router_policies.placement import predicted_cached_tokens
 from router_policies.policy import Decision, FleetSnapshot, Policy, RequestFeatures
 from router_policies.prefix_index import MatchResult, PrefixIndex
 
-__all__ = ["TOUCH_REFRESH_S", "Choice", "Router", "RoutingState", "predicted_cached_tokens"]
+__all__ = ["Choice", "Router", "RoutingState"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,13 +119,11 @@ class Router:
         features: RequestFeatures,
         match: MatchResult,
         exclude: frozenset[str] = frozenset(),
-        explain: bool = False,
     ) -> Choice:
-        """``decide`` then, unless ``explain``, ``commit`` (the pre-split call, kept for callers
-        that route without retries)."""
+        """``decide`` then ``commit`` in one call (used by tests and the simulator parity check,
+        which route without retries)."""
         choice = self.decide(state, features, match, exclude)
-        if not explain:
-            self.commit(state, features, choice)
+        self.commit(state, features, choice)
         return choice
 
     def touch(self, state: RoutingState, replica: str, keys: Sequence[int]) -> None:

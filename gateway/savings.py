@@ -106,9 +106,6 @@ class SavingsLedger:
                 speed = self._speeds[o.replica] = PrefillSpeed()
             speed.add(o.prompt_tokens - o.cached_tokens, o.ttft_s)
 
-    def forget_replica(self, replica: str) -> None:
-        self._speeds.pop(replica, None)
-
     def prefill_s_per_token(self) -> dict[str, float | None]:
         return {rid: s.seconds_per_token() for rid, s in sorted(self._speeds.items())}
 
@@ -121,7 +118,7 @@ class SavingsLedger:
             row["prompt_tokens"] += t.prompt_tokens
             row["cached_tokens"] += t.cached_tokens
         for row in out.values():
-            row["hit_rate"] = row["cached_tokens"] / row["prompt_tokens"] if row["prompt_tokens"] else 0.0
+            row["hit_rate"] = _hit_rate(row["cached_tokens"], row["prompt_tokens"])
         return out
 
     def rows(self) -> list[dict[str, Any]]:
@@ -143,9 +140,7 @@ class SavingsLedger:
                 row["saved_engine_s"] += t.cached_tokens * spt
         for row in out.values():
             row["saved_gpu_s"] = row["saved_engine_s"] * gpus
-            row["hit_rate"] = (
-                row["saved_prefill_tokens"] / row["prompt_tokens"] if row["prompt_tokens"] else 0.0
-            )
+            row["hit_rate"] = _hit_rate(row["saved_prefill_tokens"], row["prompt_tokens"])
             self._price(row)
         return list(out.values())
 
@@ -167,9 +162,13 @@ class SavingsLedger:
         tot["saved_usd"] = sum(r["saved_usd"] for r in priced)
         tot["cost_usd"] = sum(r["cost_usd"] for r in priced)
         tot["unpriced_models"] = sorted({r["model"] for r in rows if r["saved_usd"] is None})
-        tot["hit_rate"] = tot["saved_prefill_tokens"] / tot["prompt_tokens"] if tot["prompt_tokens"] else 0.0
+        tot["hit_rate"] = _hit_rate(tot["saved_prefill_tokens"], tot["prompt_tokens"])
         tot["requests_without_usage"] = self.unreported
         return tot
+
+
+def _hit_rate(cached: int, prompt: int) -> float:
+    return cached / prompt if prompt else 0.0
 
 
 def _empty_row(tenant: str, model: str) -> dict[str, Any]:

@@ -38,7 +38,6 @@ __all__ = [
     "Header",
     "Keys",
     "LoadFigures",
-    "Op",
     "SnapshotBoundError",
     "decode_header",
     "decode_hello",

@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
-from gateway.fleet import Fleet
 from gateway.inventory_ops import IndexReplica, apply_ops
 from gateway.inventory_sink import AgentHello
 from gateway.shared_state_codec import (
@@ -57,21 +56,6 @@ class RemoteReplicas(Protocol):
         ...
 
     def set_shared_inventory(self, replica_id: str, shared: bool) -> None: ...
-
-
-class FleetRemoteReplicas:
-    """``RemoteReplicas`` over today's ``Fleet``, which has no ``register_remote`` yet: it takes
-    the registration through ``agent_hello`` (same checks, same record). Once
-    ``Fleet.register_remote(hello: AgentHello) -> str | None`` exists, the app passes the fleet."""
-
-    def __init__(self, fleet: Fleet) -> None:
-        self.fleet = fleet
-
-    def register_remote(self, hello: AgentHello) -> str | None:
-        return self.fleet.agent_hello(hello)
-
-    def set_shared_inventory(self, replica_id: str, shared: bool) -> None:
-        self.fleet.set_shared_inventory(replica_id, shared)
 
 
 @dataclass(slots=True)

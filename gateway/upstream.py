@@ -37,14 +37,12 @@ from gateway.openai_errors import RequestError, sse_error_event
 from gateway.prediction_audit import (
     AuditCase,
     SseTail,
-    cached_tokens_in_body,
-    cached_tokens_in_sse_tail,
     held_prefix_hint,
     inexact_cause,
     record_audit,
 )
 from gateway.request_context import DROP_REQUEST, DROP_RESPONSE, Attempt, filter_headers
-from gateway.request_outcome import OutcomeSink
+from gateway.request_outcome import OutcomeSink, usage_in
 from router_policies.placement import Dispatch, Flight
 
 UPSTREAM_READ_ERRORS = (aiohttp.ClientError, OSError)
@@ -251,14 +249,16 @@ class Upstream:
                     self._fleet.proxy_success(rec)
                 elif up.status != 503:
                     self._fleet.proxy_failure(rec, f"answered {up.status}")
-                if a.audited and up.status == 200 and up.content_type == "application/json":
-                    self._audit(a, flight, cached_tokens_in_body(first))
-                if self.outcomes is not None and up.status == 200:
-                    self.outcomes.answered(a, first, False)
+                if up.status == 200 and (a.audited or self.outcomes is not None):
+                    use = usage_in(first, False)  # parsed once, for the audit and the sink
+                    if a.audited and up.content_type == "application/json":
+                        self._audit(a, flight, use.reported_cached if use is not None else None)
+                    if self.outcomes is not None:
+                        self.outcomes.answered(a, use)
                 self._metrics.e2e_by(rec.id).observe(ctx.elapsed())
                 return web.Response(status=up.status, body=first, headers=headers)
             # an SSE stream, or a body too large to hold: passed through as it arrives
-            resp, done = await self._stream(a, flight, up, first, headers)
+            resp, done = await self._stream(a, flight, up, (first, is_sse), headers)
             return resp
         finally:
             flight.end()
@@ -269,18 +269,26 @@ class Upstream:
                     up.close()  # unread bytes, or a cancelled request: the replica sees it close
 
     async def _stream(
-        self, a: Attempt, flight: Flight, up: aiohttp.ClientResponse, first: bytes, headers: CIMultiDict[str]
+        self,
+        a: Attempt,
+        flight: Flight,
+        up: aiohttp.ClientResponse,
+        start: tuple[bytes, bool],
+        headers: CIMultiDict[str],
     ) -> tuple[web.StreamResponse, bool]:
-        """Pass the response through as it arrives; True when the upstream was read to its end.
+        """Pass the response through as it arrives (``start``: its first bytes, and whether it is
+        an SSE stream); True when the upstream was read to its end.
 
         A failure mid-stream ends an SSE stream with an error event; any other body is cut (the
         connection is closed, so the client sees a truncated response, not a complete one)."""
         ctx, rec, request = a.ctx, a.record, a.ctx.request
+        first, sse = start
         idle_s = ctx.state.config.proxy.stream_idle_timeout_s
-        sse = up.headers.get("content-type", "").startswith("text/event-stream")
         resp = web.StreamResponse(status=up.status, headers=headers)
         await resp.prepare(request)
-        tail = SseTail(first)
+        # the tail is kept only when the audit or the outcome sink will read it
+        wanted = sse and up.status == 200 and (a.audited or self.outcomes is not None)
+        tail = SseTail(first) if wanted else None
         chunk = first
         sent = 0
         complete = False
@@ -305,15 +313,17 @@ class Upstream:
                     await resp.write(sse_error_event(status, f"replica {rec.id} {what} mid-stream", code))
                     await resp.write_eof()
                     break
-                if chunk and sse:
+                if chunk and tail is not None:
                     tail.feed(chunk)
             else:
                 complete = True
                 self._fleet.proxy_success(rec)
-                if sse and a.audited and up.status == 200:
-                    self._audit(a, flight, cached_tokens_in_sse_tail(tail.value()))
+                # a body too large to hold is passed on unread: its outcome has no usage
+                use = usage_in(tail.value(), sse) if tail is not None else None  # parsed once
+                if tail is not None and a.audited:
+                    self._audit(a, flight, use.reported_cached if use is not None else None)
                 if self.outcomes is not None and up.status == 200:
-                    self.outcomes.answered(a, tail.value(), sse)
+                    self.outcomes.answered(a, use)
                 await resp.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             ctx.log["error"] = "client disconnected"

@@ -161,7 +161,3 @@ class OrphanStores:
         """The parents of the held events whose first block is ``first_tokens``."""
         group = self._by_first.get(first_tokens)
         return {o.parent for o in group.values()} if group else set()
-
-    def held_parent(self, mk: MapKey) -> bool:
-        """Whether ``mk`` is a block of a held event (its children are orphans too)."""
-        return mk in self._by_block

@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 from router_policies.policy import FleetSnapshot, ReplicaState, RequestFeatures
 from router_policies.prefix_index import PrefixIndex
-from router_policies.ttft.features import TtftInputs, attention_pairs, predict
+from router_policies.ttft.features import REFERENCE_INPUTS, TtftInputs, attention_pairs, predict
 from router_policies.ttft.model import TtftModel
 from router_policies.ttft.params import TtftParams
 from router_policies.ttft.snapshot import inputs_for
@@ -201,8 +201,6 @@ def snapshot(
 MIN_OBSERVED_MS = 1.0  # relative errors are taken against at least this many milliseconds
 # a fit whose robust relative error scale exceeds this is not routed on (TtftFeed.params)
 MAX_ERROR_RATIO = 0.5
-# a lone 8,192-token prompt on an idle replica: how fast a replica's model is (as kv_aware rates it)
-_REFERENCE = TtftInputs(0, 0, 0, 8192, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,7 +323,7 @@ class TtftFeed:
         fitted = [p for p in (self.params(r) for r in peers if r != replica) if p.observations]
         if not fitted:
             return
-        fitted.sort(key=lambda p: predict(p, _REFERENCE).total_ms)
+        fitted.sort(key=lambda p: predict(p, REFERENCE_INPUTS).total_ms)
         typical = fitted[len(fitted) // 2]
         self.model.set_prior(replica, dataclasses.replace(typical, observations=0, error_ratio=0.0))
 

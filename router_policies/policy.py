@@ -69,7 +69,8 @@ class Decision:
     reason: str
     matched_blocks: int = 0
     scores: Mapping[str, float] = field(default_factory=dict)
-    # per replica, the named terms of its score (kv_aware: predicted TTFT ms and its parts)
+    # per replica, the named terms of its score (kv_aware: its cost; with rule: ms also the
+    # predicted TTFT ms and its parts)
     terms: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
 

@@ -59,12 +59,10 @@ __all__ = [
     "HEAD_MARGIN_CHARS",
     "FeatureInfo",
     "Featurizer",
-    "Kind",
     "Mode",
     "mark_background_thread",
 ]
 
-Kind = Endpoint  # the name callers used before requests were parsed into ``ParsedRequest``
 Result = tuple[RequestFeatures, FeatureInfo]
 
 
@@ -170,7 +168,7 @@ class Featurizer:
             raise RequestError(
                 f"the prompt has {len(prompt.text)} characters, more than the {cap} this gateway "
                 "tokenizes (proxy.max_prompt_chars)",
-                param="messages" if req.endpoint == "chat" else "prompt",
+                param=req.prompt_field,
                 code="prompt_too_long",
             )
         return spec, prompt

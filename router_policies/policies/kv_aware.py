@@ -1,10 +1,17 @@
-"""kv_aware: route to the replica where the request costs least, in milliseconds: its predicted
-time to first token there plus the delay its own prefill adds to the requests queued behind it
-(docs/architecture.md, "Routing on predicted milliseconds").
+"""kv_aware: route to the replica where the request costs least (docs/architecture.md, "Routing on
+predicted milliseconds").
 
-The rule ``rule: ms`` (opt-in; ``rule: tokens``, below, stays the default until ``ms`` meets every
-simulator bar: on the synthetic Mooncake trace it keeps 0.88-0.93 of the oracle hit rate where the
-acceptance bar is 0.9, ``tests/sim/test_acceptance.py``), per healthy replica r:
+The default rule, ``rule: tokens``, prices the cost in prompt tokens, per healthy replica r:
+
+    cost_r = pending_prefill_tokens_r + request_cost_tokens x load_r
+             + miss_weight x (prompt_tokens - matched_r) x spread_r
+
+(matched_r, spread_r and load_r as below). It stays the default until ``rule: ms`` meets every
+simulator bar: on the synthetic Mooncake trace ``ms`` keeps 0.88-0.93 of the oracle hit rate where
+the acceptance bar is 0.9, ``tests/sim/test_acceptance.py``.
+
+The opt-in rule ``rule: ms`` prices it in milliseconds: the predicted time to first token on r plus
+the delay its own prefill adds to the requests queued behind it, per healthy replica r:
 
     matched_r  = tokens of the request's leading blocks r holds (index match x block size);
                  set to 0 when matched_r < min_match_ratio x prompt_tokens, so that a tiny shared
@@ -31,8 +38,8 @@ The replica with the smallest cost_r wins; ties rotate deterministically (a curs
 seed and advanced by ``commit``) so that an idle fleet spreads new prefixes. ``choose`` is pure;
 ``commit(decision)`` is called once the decision is used.
 
-Why milliseconds: the rule before (``rule: tokens``, kept for comparison) priced every replica's
-queue in prompt tokens with a fixed ``request_cost_tokens`` per request ahead. It could not see
+Why milliseconds: the token rule (``rule: tokens``, still the default) prices every replica's
+queue in prompt tokens with a fixed ``request_cost_tokens`` per request ahead. It cannot see
 decode load (a step that interleaves many decodes reading a large KV is slower for every prefill
 chunk in it), nor that one replica is faster than another. pred_r sees both, and the model owner
 fits each replica's coefficients online from its observed first tokens.
@@ -89,7 +96,7 @@ from router_policies.policy import (
     load_of,
     require_healthy,
 )
-from router_policies.ttft.features import TtftInputs, predict
+from router_policies.ttft.features import REFERENCE_INPUTS, predict
 from router_policies.ttft.params import NAMED_PRIORS
 from router_policies.ttft.snapshot import inputs_for
 
@@ -135,11 +142,6 @@ class KvAwareParams(BaseModel):
     )
 
 
-_REFERENCE = TtftInputs(
-    queued_prefill_tokens=0, decoding=0, kv_tokens=0, uncached_tokens=8192, cached_tokens=0
-)
-
-
 class KvAware:
     name = "kv_aware"
 
@@ -181,7 +183,7 @@ class KvAware:
         if self.params.behind == "fleet":
             # speed as the fitted model's TTFT of one reference prompt on an idle replica: its
             # predictions are well fitted even where single coefficients trade off
-            ref = [predict(r.ttft or self._prior, _REFERENCE).total_ms for r in healthy]
+            ref = [predict(r.ttft or self._prior, REFERENCE_INPUTS).total_ms for r in healthy]
             mean = sum(ref) / n
             return [mean / x if x > 0 else 1.0 for x in ref]
         return [1.0] * n
@@ -198,7 +200,8 @@ class KvAware:
         most_held = max(r.held_blocks for r in healthy)
         fills = [r.held_blocks / most_held if most_held else 0.0 for r in healthy]
         least_fill = min(fills)
-        shares = self._behind_scale(healthy, loads)
+        # the token rule reads no share: skip the per-replica reference predictions
+        shares = [1.0] * n if p.rule == "tokens" else self._behind_scale(healthy, loads)
         best: ReplicaState | None = None
         best_cost = 0.0
         scores: dict[str, float] = {}

@@ -202,9 +202,6 @@ class ReplicaModel:
     def is_cached(self, block_id: int) -> bool:
         return self._pool.is_cached(block_id)
 
-    def free_blocks(self) -> int:
-        return self._pool.free_count()
-
     def _admit(self, r: ReqState, events: list[KvEvent]) -> bool:
         """Admit ``r`` if the free queue can supply its blocks; False leaves everything unchanged."""
         hits = self._pool.admit(r, events)

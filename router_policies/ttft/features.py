@@ -57,6 +57,13 @@ class TtftInputs:
     queued_prefill_pairs: float = 0.0
 
 
+# a lone 8,192-token prompt on an idle replica: its model's TTFT of it is the replica's speed
+# (kv_aware's ``behind: fleet`` share; the model of median speed a joining replica adopts)
+REFERENCE_INPUTS = TtftInputs(
+    queued_prefill_tokens=0, decoding=0, kv_tokens=0, uncached_tokens=8192, cached_tokens=0
+)
+
+
 @dataclass(frozen=True, slots=True)
 class TtftPrediction:
     wait_ms: float

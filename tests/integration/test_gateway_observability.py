@@ -18,7 +18,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as otl
 
 from gateway.app import build_state
 from gateway.config import parse_config
-from gateway.features.featurizer import Kind
+from gateway.request import Endpoint
 from proto.kvgate.v1 import inventory_pb2 as pb
 from tests.integration.gateway_harness import AGENT_TOKEN, Gateway, Procs, base_config, http
 from tests.polling import wait_until
@@ -82,7 +82,7 @@ class _Agent:
 def _keys_for(cfg: dict[str, Any], body: dict[str, Any]) -> tuple[list[int], int]:
     """The block keys the gateway computes for ``body`` (same featurizer as the app)."""
     state = build_state(parse_config(cfg))
-    kind: Kind = "chat" if "messages" in body else "completions"
+    kind: Endpoint = "chat" if "messages" in body else "completions"
 
     feats, _info = asyncio.run(state.featurizer.features(kind, body))
     return list(feats.block_keys), feats.block_size

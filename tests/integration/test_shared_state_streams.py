@@ -147,7 +147,7 @@ async def streamed(owner: Node, follower: Node, rid: str, keys: list[int], what:
     await agent.store(keys[-1])
     await until(lambda: owner.keys(rid) == keys == follower.keys(rid), what)
     rec = follower.fleet.get(rid)
-    assert rec is not None and rec.shared_inventory and not rec.agent_connected
+    assert rec is not None and rec.link.shared and not rec.agent_connected
     return agent
 
 

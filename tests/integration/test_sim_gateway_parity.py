@@ -6,7 +6,7 @@ and must make the same choices on the same snapshots and leave the same index, e
 with the same expiry times.
 
 The gateway side is written as the gateway's modules do it (the proxy's flight, the inventory
-server's stores, the app's one-second sweep with ``gateway.app.EXPIRE_INTERVAL_S``), not through
+server's stores, the app's one-second sweep with ``placement.EXPIRE_INTERVAL_S``), not through
 ``router_policies.placement``, so a simulator that drifted from any of them (another speculative
 lifetime, another pending-prefill rule, another sweep period) fails here; the last test shows a
 different lifetime is caught."""
@@ -20,13 +20,12 @@ from typing import Any
 
 import pytest
 
-from gateway.app import EXPIRE_INTERVAL_S
 from gateway.config import GatewayConfig, parse_config
 from gateway.features import Featurizer
 from gateway.fleet import Fleet, Flight
 from gateway.inventory_sink import AgentHello, AgentLoad
 from gateway.routing import Router, RoutingState
-from router_policies.placement import Dispatch, TouchRule
+from router_policies.placement import EXPIRE_INTERVAL_S, Dispatch, TouchRule
 from router_policies.placement import Flight as SimFlight
 from router_policies.policy import RequestFeatures
 from router_policies.prefix_index import PrefixIndex
@@ -35,7 +34,14 @@ from router_policies.sim.sim_gateway import SimGateway
 
 REPLICAS = ["r0", "r1", "r2"]
 BS = 16
-POLICIES = ["kv_aware", "round_robin", "least_loaded", "consistent_hash"]
+# kv_aware's default rule is ``tokens``; ``rule: ms`` (opt-in) also reads the fitted TTFT models
+POLICIES: list[tuple[str, dict[str, Any]]] = [
+    ("kv_aware", {}),
+    ("kv_aware", {"rule": "ms"}),
+    ("round_robin", {}),
+    ("least_loaded", {}),
+    ("consistent_hash", {}),
+]
 
 
 def _config() -> GatewayConfig:
@@ -81,7 +87,7 @@ def _workload(seed: int) -> list[_Event]:
 
 
 class _GatewaySide:
-    def __init__(self, cfg: GatewayConfig, policy: str) -> None:
+    def __init__(self, cfg: GatewayConfig, policy: tuple[str, dict[str, Any]]) -> None:
         self.now = 0.0
         self.index = PrefixIndex(cfg.index)
         self.fleet = Fleet(cfg, self.index, clock=lambda: self.now)
@@ -93,7 +99,7 @@ class _GatewaySide:
             )
             self.fleet.agent_state(r, connected=True, degraded=False)
         self.router = Router(self.index, self.fleet)
-        self.state = RoutingState(cfg, build_policy(policy, {}, seed=3), Featurizer.from_config(cfg))
+        self.state = RoutingState(cfg, build_policy(*policy, seed=3), Featurizer.from_config(cfg))
         self.flights: dict[int, Flight] = {}
         self._next_tick: float | None = None
 
@@ -118,11 +124,13 @@ class _GatewaySide:
 
 
 class _SimSide:
-    def __init__(self, cfg: GatewayConfig, policy: str, touch: TouchRule | None) -> None:
+    def __init__(
+        self, cfg: GatewayConfig, policy: tuple[str, dict[str, Any]], touch: TouchRule | None
+    ) -> None:
         self.loads = {r: (0, 0, 0.0) for r in REPLICAS}
         self.index = PrefixIndex(cfg.index)
         self.gw = SimGateway(
-            REPLICAS, build_policy(policy, {}, seed=3), self.index, lambda i: self.loads[REPLICAS[i]], touch
+            REPLICAS, build_policy(*policy, seed=3), self.index, lambda i: self.loads[REPLICAS[i]], touch
         )
         for r in REPLICAS:  # the engines' KV capacity, as the gateway's agents' hellos say (100 blocks)
             self.gw.ttft.set_kv_capacity(r, 100 * BS)
@@ -138,7 +146,9 @@ def _index_state(index: PrefixIndex) -> dict[str, tuple[list[tuple[int, float]],
     return {r: (index.approximate_expiry(r), sorted(index.precise_keys(r))) for r in REPLICAS}
 
 
-def _first_difference(policy: str, seed: int, touch: TouchRule | None = None) -> str | None:
+def _first_difference(
+    policy: tuple[str, dict[str, Any]], seed: int, touch: TouchRule | None = None
+) -> str | None:
     """Run both sides; the first difference found, or None."""
     cfg = _config()
     gw, sim = _GatewaySide(cfg, policy), _SimSide(cfg, policy, touch)
@@ -196,7 +206,9 @@ def _first_difference(policy: str, seed: int, touch: TouchRule | None = None) ->
 
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("seed", [0, 1])
-def test_simulator_and_gateway_decide_the_same_and_leave_the_same_index(policy: str, seed: int) -> None:
+def test_simulator_and_gateway_decide_the_same_and_leave_the_same_index(
+    policy: tuple[str, dict[str, Any]], seed: int
+) -> None:
     assert _first_difference(policy, seed) is None
 
 
@@ -204,7 +216,7 @@ def test_the_workload_exercises_expiry_eviction_and_matches() -> None:
     """The comparison covers what could differ: speculative entries expire before the engine's
     events, capacity evicts, requests match cached prefixes."""
     cfg = _config()
-    sim = _SimSide(cfg, "kv_aware", None)
+    sim = _SimSide(cfg, ("kv_aware", {}), None)
     expired = matched = 0
     for ev in sorted(_workload(0)):
         if ev.kind != "arrive":
@@ -225,5 +237,5 @@ def test_the_simulators_default_lifetime_is_the_gateways() -> None:
 
 def test_a_simulator_with_another_speculative_lifetime_is_caught() -> None:
     """The index TTL (120 s) instead of proxy.speculative_ttl_s: what the simulator used before."""
-    found = _first_difference("kv_aware", 0, TouchRule(speculative_ttl_s=120.0))
+    found = _first_difference(("kv_aware", {}), 0, TouchRule(speculative_ttl_s=120.0))
     assert found is not None and "index after" in found

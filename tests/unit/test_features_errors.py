@@ -9,8 +9,8 @@ import pytest
 
 from gateway.config import ModelConfig
 from gateway.features import FeatureConfigError, Featurizer
-from gateway.openai_errors import RequestRejected
-from gateway.request_errors import InvalidRequestError, RequestError, UnknownModelError
+from gateway.openai_errors import RequestError
+from gateway.request_errors import InvalidRequestError, UnknownModelError
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "assets/tokenizers/kvgate-tiny")
@@ -41,7 +41,7 @@ def test_unknown_model_is_404(fz: Featurizer) -> None:
             "code": "model_not_found",
         }
     }
-    assert isinstance(e, RequestRejected)  # the proxy's handler answers it
+    assert isinstance(e, RequestError)  # the proxy's handler answers it
 
 
 CHAT_CASES: list[tuple[dict[str, Any], str]] = [

@@ -58,14 +58,14 @@ def test_ejection_and_recovery_follow_the_thresholds() -> None:
     fleet.proxy_failure(a, "502")
     assert a.healthy  # a success in between resets the streak
     fleet.proxy_failure(a, "502")
-    assert not a.healthy and a.last_error == "502"
+    assert not a.healthy and a.health.last_error == "502"
     fleet.check_result("a", True)
     assert not a.healthy  # one success of two
     fleet.check_result("a", True)
     assert not a.healthy  # two, but ejected by its requests: held out for health.ejection_s (5 s)
     now[0] += 5.0
     fleet.check_result("a", True)
-    assert a.healthy and a.failures == 3
+    assert a.healthy and a.health.failures == 3
 
 
 def test_connect_error_ejects_at_once() -> None:
@@ -120,7 +120,7 @@ def test_agent_registers_its_replica_and_reports_load() -> None:
     assert c is not None and not c.static and c.url == "http://c:8000" and c.healthy
     assert "c" in index.replicas
     fleet.agent_state("c", connected=True, degraded=True)
-    assert fleet.has_agent("c") and c.index_degraded
+    assert fleet.has_agent("c") and c.link.degraded
     fleet.agent_load("c", AgentLoad(running=3, waiting=2, kv_usage=0.5, prefix_queries=0, prefix_hits=0))
     assert (c.engine_running, c.engine_waiting, c.kv_usage) == (3, 2, 0.5)
     fleet.agent_state("c", connected=False, degraded=False)
@@ -193,9 +193,9 @@ def test_router_choice_records_a_speculative_entry_with_the_right_ttl() -> None:
     again = router.choose(state, feats, router.match(feats))
     assert again.record.id == first and again.decision.matched_blocks == 3
     assert again.predicted_tokens == 48
-    # explain never touches the index nor the live policy
+    # decide (without commit) never touches the index nor the live policy
     before = index.entries
-    router.choose(state, feats, router.match(feats), explain=True)
+    router.decide(state, feats, router.match(feats))
     assert index.entries == before
     # a replica with an agent gets entries that expire after speculative_ttl_s, not the index TTL
     other = "b" if first == "a" else "a"
@@ -251,8 +251,8 @@ def test_agent_replicas_long_gone_are_forgotten_static_ones_never() -> None:
     for rid in ("a", "c"):
         fleet.check_result(rid, False, "down")
     c = fleet.get("c")
-    assert c is not None and c.unhealthy_since is not None
-    t = c.unhealthy_since
+    assert c is not None and c.health.unhealthy_since is not None
+    t = c.health.unhealthy_since
     assert fleet.forget_stale(t + 3600, 60.0) == []  # its agent is still connected
     fleet.agent_state("c", connected=False, degraded=False)
     assert fleet.forget_stale(t + 59, 60.0) == []  # not long enough
@@ -317,4 +317,4 @@ def test_health_transitions_are_stamped_by_the_fleets_clock() -> None:
     fleet = Fleet(_config(), PrefixIndex(), clock=lambda: now[0])
     fleet.check_result("a", False, "refused")
     a = fleet.get("a")
-    assert a is not None and a.unhealthy_since == 50.0 and a.last_error == "refused"
+    assert a is not None and a.health.unhealthy_since == 50.0 and a.health.last_error == "refused"

@@ -242,7 +242,7 @@ def test_an_empty_report_renders(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_a_failure_in_the_view_never_reaches_the_request(caplog: pytest.LogCaptureFixture) -> None:
     view = OperatorView(OperatorConfig())
-    view.answered(None, b"{}", False)  # type: ignore[arg-type]  # an attempt it cannot read
+    view.answered(None, None)  # type: ignore[arg-type]  # an attempt it cannot read
     assert view.failures == 1 and view.report()["failures"] == 1
     assert "recording an answered request failed" in caplog.text
 

@@ -1,10 +1,22 @@
-"""Reading the engine's cached-token report without touching the bytes, within a bounded tail."""
+"""Reading the engine's cached-token report (``request_outcome.usage_in``, which the upstream
+calls once per answer for the audit and the operator view) within a bounded tail."""
 
 from __future__ import annotations
 
 import json
 
-from gateway.prediction_audit import SseTail, cached_tokens_in_body, cached_tokens_in_sse_tail
+from gateway.prediction_audit import SseTail
+from gateway.request_outcome import usage_in
+
+
+def cached_tokens_in_body(body: bytes) -> int | None:
+    use = usage_in(body, False)
+    return None if use is None else use.reported_cached
+
+
+def cached_tokens_in_sse_tail(tail: bytes) -> int | None:
+    use = usage_in(tail, True)
+    return None if use is None else use.reported_cached
 
 
 def _event(doc: object) -> bytes:

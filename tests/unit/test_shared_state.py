@@ -18,14 +18,13 @@ import redis.asyncio as aioredis
 
 from gateway.config import parse_config
 from gateway.fleet import Fleet
-from gateway.inventory_ops import ops_of_events
+from gateway.inventory_ops import Op, ops_of_events
 from gateway.inventory_sink import AgentHello
 from gateway.shared_state_codec import (
     CodecError,
     Header,
     Keys,
     LoadFigures,
-    Op,
     SnapshotBoundError,
     decode_header,
     decode_load,
@@ -179,7 +178,7 @@ async def test_follower_converges_on_snapshot_and_deltas_and_registers_the_repli
     await until(lambda: sorted(b.index.precise_keys("r9")) == [10, 11, 12, 13], "B follows r9")
     rec = b.fleet.get("r9")
     assert rec is not None and rec.url == "http://127.0.0.1:19" and not rec.static
-    assert rec.shared_inventory and b.fleet.has_agent("r9")
+    assert rec.link.shared and b.fleet.has_agent("r9")
     # the CPU medium travelled: three CPU blocks weigh 0.75 each
     assert b.index.match([10, 11, 12]).scores["r9"] == pytest.approx(2.25)
     assert b.sample("kvgate_shared_state_applied_total", {"kind": "snapshot"}) >= 1
