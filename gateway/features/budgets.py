@@ -50,6 +50,19 @@ class Budgets:
     max_prompt_chars: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class EncodeSettings:
+    """The featurizer's counts and thresholds (``proxy.tokenize_*`` fields of the same names)."""
+
+    cache_entries: int
+    threads: int = 2
+    offload_chars: int = 16384
+    defer_chars: int = 0
+    seen_entries: int = 262144
+    defer_backlog_chars: int = 4_000_000
+    budgets: Budgets = Budgets()
+
+
 def text_bytes(text: str) -> int:
     """The bytes ``text`` occupies in memory."""
     return sys.getsizeof(text)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from gateway.config import ModelConfig, parse_config
-from gateway.features import Featurizer
+from gateway.features import EncodeSettings, Featurizer
 from gateway.features.budgets import SEGMENT_ENTRY_OVERHEAD, Budgets, ByteBudget, MemoryReleaser, text_bytes
 from gateway.features.deferred import DeferredEncodes, DeferredJob
 from gateway.features.segment_encoder import BoundedLRU, SegmentEncoder
@@ -120,10 +120,7 @@ def test_memory_releaser_is_rate_limited_and_ignores_small_encodes() -> None:
 def _featurizer(**budgets: int) -> Featurizer:
     return Featurizer(
         [ModelConfig(name="tiny", tokenizer=TINY, block_size=16)],
-        cache_entries=1000,
-        threads=1,
-        offload_chars=1000,
-        budgets=Budgets(**budgets),
+        EncodeSettings(cache_entries=1000, threads=1, offload_chars=1000, budgets=Budgets(**budgets)),
     )
 
 

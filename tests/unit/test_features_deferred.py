@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from gateway.config import ModelConfig
-from gateway.features import Featurizer
+from gateway.features import EncodeSettings, Featurizer
 from gateway.features.deferred import DeferredEncodes, DeferredJob
 from gateway.features.novelty import SeenTexts
 from gateway.features.segment_encoder import BoundedLRU, SegmentEncoder
@@ -49,12 +49,8 @@ def text(seed: int, words: int) -> str:
 
 
 def make(defer_chars: int = 1000, **kw: Any) -> Featurizer:
-    return Featurizer(
-        [ModelConfig(name="tiny", tokenizer=TINY, block_size=16)],
-        cache_entries=kw.pop("cache_entries", 1000),
-        defer_chars=defer_chars,
-        **kw,
-    )
+    settings = EncodeSettings(cache_entries=kw.pop("cache_entries", 1000), defer_chars=defer_chars, **kw)
+    return Featurizer([ModelConfig(name="tiny", tokenizer=TINY, block_size=16)], settings)
 
 
 def chat(*contents: str) -> dict[str, Any]:
