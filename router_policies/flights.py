@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router_policies.policy import FleetSnapshot, ReplicaState, RequestFeatures
 from router_policies.prefix_index import PrefixIndex
@@ -64,33 +64,27 @@ class FlightCounters:
         self.started = 0  # flights ever started (a statistic)
 
 
+@dataclass(slots=True, eq=False)  # eq=False: a flight is itself, hashed by identity
 class Flight:
     """One routed attempt on one replica; holds the load it added until released. With a
     ``TtftProbe``, its first byte (given a time) is one observation of the replica's TTFT."""
 
-    __slots__ = ("_open", "_prefill_open", "at_dispatch", "counters", "pairs", "prefill", "probe", "tokens")
+    counters: FlightCounters
+    tokens: int
+    prefill: int
+    pairs: float = 0.0
+    probe: TtftProbe | None = None
+    at_dispatch: IndexAtDispatch | None = None  # for the prediction audit (gateway)
+    _open: bool = field(default=True, init=False)
+    _prefill_open: bool = field(default=True, init=False)
 
-    def __init__(
-        self,
-        counters: FlightCounters,
-        tokens: int,
-        prefill: int,
-        pairs: float = 0.0,
-        probe: TtftProbe | None = None,
-    ) -> None:
-        self.counters = counters
-        self.tokens = tokens
-        self.prefill = prefill
-        self.pairs = pairs
-        self.probe = probe
-        self.at_dispatch: IndexAtDispatch | None = None  # for the prediction audit (gateway)
-        self._open = True
-        self._prefill_open = True
-        counters.requests += 1
-        counters.tokens += tokens
-        counters.pending_prefill_tokens += prefill
-        counters.pending_prefill_pairs += pairs
-        counters.started += 1
+    def __post_init__(self) -> None:
+        c = self.counters
+        c.requests += 1
+        c.tokens += self.tokens
+        c.pending_prefill_tokens += self.prefill
+        c.pending_prefill_pairs += self.pairs
+        c.started += 1
 
     def first_byte(self, now: float | None = None) -> TtftSample | None:
         """The first byte arrived (at ``now``: the TTFT observation, when the flight has a
