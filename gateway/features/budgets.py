@@ -63,6 +63,13 @@ class EncodeSettings:
     budgets: Budgets = Budgets()
 
 
+def non_negative(**bounds: int | None) -> None:
+    """Raise ``ValueError`` naming the first bound below zero (None: unbounded, accepted)."""
+    for name, value in bounds.items():
+        if value is not None and value < 0:
+            raise ValueError(f"{name} must be >= 0")
+
+
 def text_bytes(text: str) -> int:
     """The bytes ``text`` occupies in memory."""
     return sys.getsizeof(text)

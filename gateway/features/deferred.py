@@ -33,7 +33,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
-from gateway.features.budgets import text_bytes
+from gateway.features.budgets import non_negative, text_bytes
 from gateway.features.segment_encoder import EncodePlan, SegmentEncoder, TokenArray
 
 log = logging.getLogger(__name__)
@@ -75,10 +75,7 @@ class DeferredEncodes:
         encodes a waiting request takes over (default: the same); None encodes on the event loop.
         ``backlog_bytes``: the backlog's bound in bytes of text (None: characters only);
         ``after_encode(chars)`` runs on the encoding thread after each encode (memory release)."""
-        if backlog_chars < 0:
-            raise ValueError("backlog_chars must be >= 0")
-        if backlog_bytes is not None and backlog_bytes < 0:
-            raise ValueError("backlog_bytes must be >= 0")
+        non_negative(backlog_chars=backlog_chars, backlog_bytes=backlog_bytes)
         self.backlog_chars = backlog_chars
         self.backlog_bytes = backlog_bytes
         self.queued_chars = 0

@@ -13,7 +13,14 @@ import pytest
 
 from gateway.config import ModelConfig, parse_config
 from gateway.features import EncodeSettings, Featurizer
-from gateway.features.budgets import SEGMENT_ENTRY_OVERHEAD, Budgets, ByteBudget, MemoryReleaser, text_bytes
+from gateway.features.budgets import (
+    SEGMENT_ENTRY_OVERHEAD,
+    Budgets,
+    ByteBudget,
+    MemoryReleaser,
+    non_negative,
+    text_bytes,
+)
 from gateway.features.deferred import DeferredEncodes, DeferredJob
 from gateway.features.segment_encoder import BoundedLRU, SegmentEncoder
 from gateway.features.tokenizer_files import load_tokenizer_files
@@ -169,3 +176,13 @@ def test_default_budgets_stay_well_under_the_chart_memory_limit() -> None:
     in_flight_transient = p.tokenize_inflight_bytes * 100
     total = p.tokenize_cache_bytes + seen + p.tokenize_defer_backlog_bytes + in_flight_transient
     assert total < 1024**3, total
+
+
+def test_negative_bounds_are_refused_by_name() -> None:
+    non_negative(a=0, b=None)
+    with pytest.raises(ValueError, match="max_bytes must be >= 0"):
+        BoundedLRU(10, max_bytes=-1)
+    with pytest.raises(ValueError, match="capacity must be >= 0"):
+        BoundedLRU(-1)
+    with pytest.raises(ValueError, match="backlog_bytes must be >= 0"):
+        DeferredEncodes(0, lambda: None, backlog_bytes=-1)
