@@ -113,16 +113,10 @@ class Router:
         if len(added):
             self._index.forget_approximate(spec.replica, added)
 
-    def choose(
-        self,
-        state: RoutingState,
-        features: RequestFeatures,
-        match: MatchResult,
-        exclude: frozenset[str] = frozenset(),
-    ) -> Choice:
-        """``decide`` then ``commit`` in one call (used by tests and the simulator parity check,
-        which route without retries)."""
-        choice = self.decide(state, features, match, exclude)
+    def choose(self, state: RoutingState, features: RequestFeatures) -> Choice:
+        """``match``, ``decide`` and ``commit`` in one call (used by tests and the simulator
+        parity check, which route without retries)."""
+        choice = self.decide(state, features, self.match(features))
         self.commit(state, features, choice)
         return choice
 
