@@ -113,10 +113,12 @@ class Router:
         if len(added):
             self._index.forget_approximate(spec.replica, added)
 
-    def choose(self, state: RoutingState, features: RequestFeatures) -> Choice:
-        """``match``, ``decide`` and ``commit`` in one call (used by tests and the simulator
-        parity check, which route without retries)."""
-        choice = self.decide(state, features, self.match(features))
+    def choose(
+        self, state: RoutingState, features: RequestFeatures, exclude: frozenset[str] = frozenset()
+    ) -> Choice:
+        """``match``, ``decide`` and ``commit`` in one call (used by tests, benches and the
+        simulator parity check, which route without retries)."""
+        choice = self.decide(state, features, self.match(features), exclude)
         self.commit(state, features, choice)
         return choice
 
