@@ -54,12 +54,12 @@ class Budgets:
 class EncodeSettings:
     """The featurizer's counts and thresholds (``proxy.tokenize_*`` fields of the same names)."""
 
-    cache_entries: int
-    threads: int = 2
-    offload_chars: int = 16384
-    defer_chars: int = 0
-    seen_entries: int = 262144
-    defer_backlog_chars: int = 4_000_000
+    cache_entries: int  # segment cache entries
+    threads: int = 2  # worker threads for long encodes
+    offload_chars: int = 16384  # uncached characters from which an encode leaves the event loop
+    defer_chars: int = 0  # uncached new characters from which encoding waits for routing (0: never)
+    seen_entries: int = 262144  # texts remembered as seen (they are encoded before routing)
+    defer_backlog_chars: int = 4_000_000  # characters waiting to be encoded after routing
     budgets: Budgets = Budgets()
 
 
