@@ -13,7 +13,8 @@ Two kinds of entries per replica:
 Storage: one ``BlockTable`` (``block_table.py``, numba-compiled) holds, per block key, the mask
 of replica slots holding it (17-40 bytes per key). Per replica, Python keeps only the precise
 count, the media of non-GPU precise entries and the approximate entries' LRU order
-(``approx_lru.py``).
+(``approx_lru.py``). The replicas it tracks and their mask bits: ``replica_slots.py``; bounds and
+errors: ``index_types.py``.
 
 Invariants
 * A replica's bit is set on ``key`` iff the replica holds ``key`` precisely or approximately; the
