@@ -42,7 +42,6 @@ from gateway.fleet import Fleet
 from gateway.inventory_ops import Op
 from gateway.inventory_sink import AgentEngine, AgentHello, AgentLoad
 from gateway.local_hub_codec import (
-    CodecError,
     decode_json,
     decode_tagged,
     decode_touch,
@@ -53,7 +52,7 @@ from gateway.local_hub_codec import (
     frame,
     read_frame,
 )
-from gateway.shared_state_codec import encode_hello, encode_ops, encode_snapshot
+from gateway.shared_state_codec import CodecError, encode_hello, encode_ops, encode_snapshot
 from gateway.workers_metrics import merge_expositions
 from proto.contract import GPU
 from router_policies.prefix_index import PrefixIndex

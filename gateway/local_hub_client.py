@@ -38,7 +38,6 @@ from gateway.inventory_sink import AgentEngine, AgentLoad
 from gateway.inventory_stream import InventoryObserver
 from gateway.local_hub import frame_bound
 from gateway.local_hub_codec import (
-    CodecError,
     decode_json,
     decode_replica,
     decode_stamps,
@@ -51,7 +50,7 @@ from gateway.local_hub_codec import (
     read_frame,
 )
 from gateway.replica_load import RemoteLoad
-from gateway.shared_state_codec import decode_hello, decode_ops, decode_snapshot
+from gateway.shared_state_codec import CodecError, decode_hello, decode_ops, decode_snapshot
 from gateway.workers_metrics import merge_expositions
 from router_policies import placement
 from router_policies.placement import TouchRule

@@ -29,22 +29,6 @@ import orjson
 
 from gateway.shared_state_codec import CodecError
 
-__all__ = [
-    "CodecError",
-    "decode_json",
-    "decode_replica",
-    "decode_stamps",
-    "decode_tagged",
-    "decode_touch",
-    "encode_json",
-    "encode_replica",
-    "encode_stamps",
-    "encode_tagged",
-    "encode_touch",
-    "frame",
-    "read_frame",
-]
-
 _LEN = struct.Struct("<I")
 _RLEN = struct.Struct("<H")
 _TOUCH = struct.Struct("<d")
