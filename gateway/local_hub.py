@@ -42,6 +42,7 @@ from gateway.fleet import Fleet
 from gateway.inventory_ops import Op
 from gateway.inventory_sink import AgentEngine, AgentHello, AgentLoad
 from gateway.local_hub_codec import (
+    FrameWriter,
     decode_json,
     decode_tagged,
     decode_touch,
@@ -114,19 +115,12 @@ class _Conn:
     """One worker's connection (owned by its reader task)."""
 
     number: int
-    writer: asyncio.StreamWriter
+    out: FrameWriter
     load: dict[str, list[int]] = field(default_factory=dict)  # replica -> requests, tokens, prefill
     sent_load: bytes = b""
 
     def send(self, data: bytes) -> None:
-        transport = self.writer.transport
-        if transport.is_closing():
-            return
-        if transport.get_write_buffer_size() > MAX_PENDING_BYTES:
-            log.error("worker %d is %d bytes behind: closing its channel", self.number, MAX_PENDING_BYTES)
-            transport.abort()
-            return
-        self.writer.write(data)
+        self.out.send(data)
 
 
 @dataclass(eq=False)
@@ -224,7 +218,7 @@ class Hub:
             self._server.close()
             self._server = None
         for conn in list(self._conns.values()):
-            conn.writer.transport.abort()
+            conn.out.abort()
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):
@@ -247,8 +241,8 @@ class Hub:
             number = int(decode_json(payload)[0])
             old = self._conns.get(number)
             if old is not None:
-                old.writer.transport.abort()  # a restarted worker replaces its predecessor
-            conn = _Conn(number, writer)
+                old.out.abort()  # a restarted worker replaces its predecessor
+            conn = _Conn(number, FrameWriter(writer, MAX_PENDING_BYTES, f"worker {number}"))
             writer.writelines(self.state_frames())  # then, with no await between, the live ones
             self._conns[number] = conn
             self._send_load()

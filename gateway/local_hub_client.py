@@ -36,8 +36,9 @@ from gateway.fleet import Fleet
 from gateway.inventory_ops import IndexReplica, apply_ops
 from gateway.inventory_sink import AgentEngine, AgentLoad
 from gateway.inventory_stream import InventoryObserver
-from gateway.local_hub import frame_bound
+from gateway.local_hub import MAX_PENDING_BYTES, frame_bound
 from gateway.local_hub_codec import (
+    FrameWriter,
     decode_json,
     decode_replica,
     decode_stamps,
@@ -93,7 +94,7 @@ class HubClient:
         self.lost = asyncio.Event()  # the parent went away: the worker stops
         self._synced = asyncio.Event()
         self._app: GatewayApp | None = None
-        self._writer: asyncio.StreamWriter | None = None
+        self._out: FrameWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._load_task: asyncio.Task[None] | None = None
         self._remote_reload = False  # applying a reload the parent relayed: not sent back
@@ -138,7 +139,8 @@ class HubClient:
     async def start(self) -> None:
         assert self._app is not None
         bound = frame_bound(self._app.index)
-        reader, self._writer = await asyncio.open_unix_connection(self.path, limit=1 << 20)
+        reader, writer = await asyncio.open_unix_connection(self.path, limit=1 << 20)
+        self._out = FrameWriter(writer, MAX_PENDING_BYTES, f"worker {self.worker}")
         self.send(encode_json(b"W", [self.worker, os.getpid()]))
         loop = asyncio.get_running_loop()
         self._reader_task = loop.create_task(self._read(reader, bound), name="kvgate-worker-channel")
@@ -155,14 +157,13 @@ class HubClient:
     async def stop(self) -> None:
         await cancel_and_wait(self._load_task)
         await cancel_and_wait(self._reader_task)
-        if self._writer is not None:
-            self._writer.transport.abort()
+        if self._out is not None:
+            self._out.abort()
 
     # ------------------------------------------------------------------ to the parent
     def send(self, data: bytes) -> None:
-        writer = self._writer
-        if writer is not None and not writer.transport.is_closing():
-            writer.write(data)
+        if self._out is not None:
+            self._out.send(data)
 
     def held_prefix(self, replica: str, keys: Sequence[int], next_tokens: Sequence[int]) -> bool:
         self.send(encode_json(b"P", [replica, list(keys), list(next_tokens)]))

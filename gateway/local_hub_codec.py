@@ -21,6 +21,7 @@ Decoders raise ``CodecError`` on malformed input.
 from __future__ import annotations
 
 import asyncio
+import logging
 import struct
 from typing import Any
 
@@ -28,6 +29,8 @@ import numpy as np
 import orjson
 
 from gateway.shared_state_codec import CodecError
+
+log = logging.getLogger("kvgate.workers")
 
 _LEN = struct.Struct("<I")
 _RLEN = struct.Struct("<H")
@@ -119,3 +122,40 @@ def decode_stamps(payload: bytes) -> tuple[str, list[int], list[float]]:
     keys = np.frombuffer(rest, dtype=_KEY, count=n).tolist()
     stamps = np.frombuffer(rest, dtype=_STAMP, offset=8 * n, count=n).tolist()
     return replica, keys, stamps
+
+
+class FrameWriter:
+    """One side's writes to the channel, coalesced: frames queued during one turn of the event
+    loop go out in one write at its end. At most ``max_bytes`` wait (queued or in the transport's
+    buffer); beyond, the channel is aborted (the worker is then restarted and resynced)."""
+
+    def __init__(self, writer: asyncio.StreamWriter, max_bytes: int, name: str) -> None:
+        self._writer = writer
+        self._max = max_bytes
+        self._name = name
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+
+    def send(self, data: bytes) -> None:
+        transport = self._writer.transport
+        if transport.is_closing():
+            return
+        if self._pending_bytes + transport.get_write_buffer_size() > self._max:
+            log.error("%s: %d bytes not sent; closing the channel", self._name, self._max)
+            self._pending.clear()
+            transport.abort()
+            return
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.append(data)
+        self._pending_bytes += len(data)
+
+    def _flush(self) -> None:
+        data = b"".join(self._pending)
+        self._pending.clear()
+        self._pending_bytes = 0
+        if data and not self._writer.transport.is_closing():
+            self._writer.write(data)
+
+    def abort(self) -> None:
+        self._writer.transport.abort()
