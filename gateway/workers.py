@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import math
 import os
 import shutil
 import signal
@@ -61,12 +62,29 @@ RESTART_RESET_S = 30.0
 STOP_SLACK_S = 5.0
 
 
+def usable_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """The cores this process may use: its CPU affinity, lowered to its cgroup's CPU quota
+    rounded up (a container's CPU limit, which affinity does not show)."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        quota, period = (cgroup / "cpu.max").read_text().split()[:2]  # cgroup v2: "max 100000"
+    except (OSError, ValueError):
+        try:  # cgroup v1
+            quota = (cgroup / "cpu" / "cpu.cfs_quota_us").read_text().strip()
+            period = (cgroup / "cpu" / "cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return cores
+    if quota in ("max", "-1") or not quota.lstrip("-").isdigit() or not period.isdigit() or int(period) <= 0:
+        return cores
+    return max(1, min(cores, math.ceil(int(quota) / int(period))))
+
+
 def worker_count(flag: int | None, config: GatewayConfig) -> int:
-    """``--workers``, else ``server.workers``, else the cores this process may use (1 with
-    shared state, which one process per instance serves today)."""
+    """``--workers``, else ``server.workers``, else the cores this process may use
+    (``usable_cores``; 1 with shared state, which one process per instance serves today)."""
     n = flag if flag is not None else config.server.workers
     if n is None:
-        return 1 if config.shared_state.redis_url else len(os.sched_getaffinity(0))
+        return 1 if config.shared_state.redis_url else usable_cores()
     if n < 1:
         raise UserInputError(f"--workers: expected a positive number, got {n}")
     if n > 1 and config.shared_state.redis_url:
