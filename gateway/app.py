@@ -16,6 +16,10 @@ operator view, the shared state (after the inventory server, whose hooks feed it
 tracing last so the final spans are flushed. Every background task is created here and cancelled
 and awaited here.
 
+With a ``link`` (``kvgate serve --workers N``; docs/architecture.md, "Workers"): the parent's app
+starts no HTTP listener, a worker's no inventory server, shared state or health checker (its
+index comes from the parent); the link starts after them and stops before the inventory server.
+
 Reload (SIGHUP or ``POST /admin/reload``) rereads the file, validates it, builds the new policy
 and featurizer, then swaps ``self._state`` in one assignment and reconfigures the fleet's static
 replicas. An invalid file changes nothing. Fields that need a restart (listen addresses, index
