@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from proto.kvgate.v1 import inventory_pb2 as pb
 from tests.integration.gateway_harness import ADMIN_TOKEN, Gateway, Procs, base_config, http
@@ -187,3 +188,33 @@ def test_sigterm_drains_every_worker(procs: Procs) -> None:
 def _every_worker_draining(gw: Gateway) -> bool:
     answers = from_each_worker(lambda: http("GET", gw.url + "/ready", timeout=2))
     return all(status == 503 and b"draining" in raw for status, _, raw in answers.values())
+
+
+def _policies(gw: Gateway) -> set[str]:
+    """The policy each worker routes with."""
+    explain = json.dumps(BODY).encode()
+    answers = from_each_worker(lambda: http("POST", gw.url + "/admin/explain", explain, {**JSON, **ADMIN}))
+    return {json.loads(raw)["policy"] for _, _, raw in answers.values()}
+
+
+def test_reload_reaches_every_worker(procs: Procs) -> None:
+    r0, r1 = procs.backend("r0"), procs.backend("r1")
+    cfg = base_config(r0, r1, server=WORKERS)
+    gw = procs.gateway(cfg)
+    assert _policies(gw) == {"round_robin"}
+    # POST /admin/reload lands on one worker: it, the parent and the other worker reload
+    gw.config_path.write_text(
+        yaml.safe_dump({**base_config(r1, server=WORKERS), "policy": {"name": "least_loaded"}})
+    )
+    status, _, raw = http("POST", gw.url + "/admin/reload", headers=ADMIN)
+    assert status == 200 and json.loads(raw)["policy"] == "least_loaded"
+    wait_until(lambda: _policies(gw) == {"least_loaded"}, what="every worker reloaded")
+    assert registered(gw, lambda reps: set(reps) == {"r1"})
+    # SIGHUP to the parent: relayed to every worker
+    gw.config_path.write_text(yaml.safe_dump({**cfg, "policy": {"name": "consistent_hash"}}))
+    gw.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: _policies(gw) == {"consistent_hash"}, what="SIGHUP relayed")
+    wait_until(lambda: registered(gw, lambda reps: set(reps) == {"r0", "r1"}), what="r0 back in both")
+    metrics = http("GET", gw.url + "/metrics")[2].decode()
+    for worker in ("0", "1", "parent"):
+        assert f'kvgate_config_reloads_total{{result="applied",worker="{worker}"}} 2.0' in metrics
