@@ -215,7 +215,7 @@ class Supervisor:
         try:
             reserved = reserve_port(host, int(port))
         except OSError as exc:
-            raise UserInputError(f"cannot listen: {exc.strerror or exc}") from None
+            raise UserInputError(f"cannot listen: http {host}:{port}: {exc.strerror or exc}") from None
         http_port = int(reserved.getsockname()[1])
         self._listen = f"{host}:{http_port}"
         link = ParentLink(str(self._dir / "hub.sock"), self._worker_listening)
