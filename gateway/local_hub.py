@@ -62,6 +62,7 @@ log = logging.getLogger("kvgate.workers")
 
 MAX_PENDING_BYTES = 256 * 1024 * 1024  # a worker this far behind is restarted and resynced
 METRICS_WAIT_S = 2.0  # how long a metrics gather waits for the workers' answers
+LOAD_RELAY_S = 0.01  # the workers' load is relayed at most this often
 
 
 def frame_bound(index: PrefixIndex) -> int:
@@ -157,6 +158,7 @@ class Hub:
         self._gathers: dict[int, _Gather] = {}
         self._gather_ids = itertools.count(1)
         self._bound = frame_bound(index)
+        self._load_timer: asyncio.TimerHandle | None = None
         fleet.relay = self.broadcast
 
     # ------------------------------------------------------------------ InventoryObserver
@@ -214,6 +216,9 @@ class Hub:
         self._server = await asyncio.start_unix_server(self._serve, path=path, limit=1 << 20)
 
     async def stop(self) -> None:
+        if self._load_timer is not None:
+            self._load_timer.cancel()
+            self._load_timer = None
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -245,7 +250,6 @@ class Hub:
             conn = _Conn(number, FrameWriter(writer, MAX_PENDING_BYTES, f"worker {number}"))
             writer.writelines(self.state_frames())  # then, with no await between, the live ones
             self._conns[number] = conn
-            self._send_load()
             while True:
                 kind, payload = await read_frame(reader, self._bound)
                 self._handle(conn, kind, payload)
@@ -256,7 +260,7 @@ class Hub:
         finally:
             if conn is not None and self._conns.get(conn.number) is conn:
                 del self._conns[conn.number]
-                self._send_load()  # its in-flight requests are gone with it
+                self._load_changed()  # its in-flight requests are gone with it
             writer.transport.abort()
             self._tasks.discard(task)
 
@@ -269,7 +273,7 @@ class Hub:
                 self.broadcast(frame(kind, payload), but=conn.number)
         elif kind == b"L":
             conn.load = {str(r): [int(v) for v in f] for r, f in decode_json(payload).items()}
-            self._send_load()
+            self._load_changed()
         elif kind == b"P":
             replica, keys, tokens = decode_json(payload)
             self._hooks.held_prefix(str(replica), keys, tokens)
@@ -312,6 +316,7 @@ class Hub:
         asker.send(encode_tagged(b"M", tag, merge_expositions(texts)))
 
     def _others_load(self, but: int | None) -> dict[str, list[int]]:
+        """The in-flight load of every worker but ``but``, summed per replica."""
         total: dict[str, list[int]] = {}
         for number, conn in self._conns.items():
             if number == but:
@@ -322,10 +327,19 @@ class Hub:
                     t[i] += figures[i]
         return total
 
+    def _load_changed(self) -> None:
+        """Relay the workers' load once per ``LOAD_RELAY_S`` at most, however many report."""
+        if self._load_timer is None:
+            self._load_timer = asyncio.get_running_loop().call_later(LOAD_RELAY_S, self._send_load)
+
     def _send_load(self) -> None:
-        """Each worker gets the sum of the other workers' in-flight load (when it changed)."""
-        for number, conn in self._conns.items():
-            data = encode_json(b"R", self._others_load(number))
+        """Each worker gets the sum of the other workers' in-flight load (when it changed):
+        the total less its own, so one pass over the workers' figures."""
+        self._load_timer = None
+        total = self._others_load(None)
+        for conn in self._conns.values():
+            others = {r: [t[i] - conn.load.get(r, (0, 0, 0))[i] for i in range(3)] for r, t in total.items()}
+            data = encode_json(b"R", {r: f for r, f in others.items() if any(f)})
             if data != conn.sent_load:
                 conn.sent_load = data
                 conn.send(data)

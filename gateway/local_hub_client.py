@@ -166,6 +166,11 @@ class HubClient:
             self._out.send(data)
 
     def held_prefix(self, replica: str, keys: Sequence[int], next_tokens: Sequence[int]) -> bool:
+        """To the replica's agent through the parent; only while its inventory is degraded (the
+        inventory server's own rule, checked here so that healthy replicas cost no frame)."""
+        rec = self._app.fleet.get(replica) if self._app is not None else None
+        if rec is None or not (rec.link.connected and rec.link.degraded):
+            return False
         self.send(encode_json(b"P", [replica, list(keys), list(next_tokens)]))
         return True
 

@@ -218,3 +218,32 @@ def test_reload_reaches_every_worker(procs: Procs) -> None:
     metrics = http("GET", gw.url + "/metrics")[2].decode()
     for worker in ("0", "1", "parent"):
         assert f'kvgate_config_reloads_total{{result="applied",worker="{worker}"}} 2.0' in metrics
+
+
+def test_in_flight_load_is_seen_by_every_worker(procs: Procs) -> None:
+    r0 = procs.backend("r0")
+    gw = procs.gateway(base_config(r0, server=WORKERS))
+    wait_until(lambda: registered(gw, lambda reps: reps["r0"]["healthy"]), what="healthy")
+    hang = {"model": "m", "prompt": "hang-forever", "max_tokens": 4}
+    threads = [threading.Thread(target=_hang, args=(gw, hang)) for _ in range(3)]
+    for t in threads:
+        t.start()
+
+    def total(reps: dict[str, Any]) -> bool:
+        # each worker: its own requests plus the others' (relayed by the parent) make the three
+        r = reps["r0"]
+        return bool(r["in_flight_requests"] + r["remote_in_flight_requests"] == 3)
+
+    wait_until(lambda: registered(gw, total), what="every worker counts the three requests")
+    for t in threads:
+        t.join(30)
+    wait_until(
+        lambda: registered(gw, lambda reps: reps["r0"]["remote_in_flight_requests"] == 0),
+        what="the load gone with its requests",
+    )
+
+
+def _hang(gw: Gateway, body: dict[str, Any]) -> None:
+    """A request the backend never answers; the client gives up after a few seconds."""
+    with contextlib.suppress(OSError):
+        http("POST", gw.url + "/v1/completions", json.dumps(body).encode(), JSON, timeout=6)
