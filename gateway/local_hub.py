@@ -56,6 +56,7 @@ from gateway.local_hub_codec import (
 from gateway.shared_state_codec import CodecError, encode_hello, encode_ops, encode_snapshot
 from gateway.workers_metrics import merge_expositions
 from proto.contract import GPU
+from router_policies import placement
 from router_policies.prefix_index import PrefixIndex
 
 log = logging.getLogger("kvgate.workers")
@@ -269,7 +270,8 @@ class Hub:
         if kind == b"T":
             replica, keys, lifetime = decode_touch(payload)
             if self._fleet.get(replica) is not None and keys:
-                self._index.touch_approximate(replica, keys, time.monotonic(), lifetime)
+                # the placement rule: a chain stamped less than TOUCH_REFRESH_S ago is not redone
+                placement.speculative_touch(self._index, replica, keys, time.monotonic(), lifetime)
                 self.broadcast(frame(kind, payload), but=conn.number)
         elif kind == b"L":
             conn.load = {str(r): [int(v) for v in f] for r, f in decode_json(payload).items()}

@@ -261,7 +261,7 @@ class HubClient:
         if kind == b"T":
             replica, keys, lifetime = decode_touch(payload)
             if self._app is not None and self._app.fleet.get(replica) is not None and keys:
-                index.touch_approximate(replica, keys, time.monotonic(), lifetime)
+                placement.speculative_touch(index, replica, keys, time.monotonic(), lifetime)
             return
         if kind == b"V":
             replica, keys, expiries = decode_stamps(payload)

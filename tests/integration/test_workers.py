@@ -246,4 +246,4 @@ def test_in_flight_load_is_seen_by_every_worker(procs: Procs) -> None:
 def _hang(gw: Gateway, body: dict[str, Any]) -> None:
     """A request the backend never answers; the client gives up after a few seconds."""
     with contextlib.suppress(OSError):
-        http("POST", gw.url + "/v1/completions", json.dumps(body).encode(), JSON, timeout=6)
+        http("POST", gw.url + "/v1/completions", json.dumps(body).encode(), JSON, timeout=3)
