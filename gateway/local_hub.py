@@ -167,6 +167,8 @@ class Hub:
         pass  # relayed by OwnerFleet.agent_hello, before the link state that follows it
 
     def inventory_snapshot(self, replica: str, entries: Mapping[int, str]) -> None:
+        # bounded by the fleet: replicas gone from it are dropped here (snapshots are rare)
+        self._non_gpu = {r: m for r, m in self._non_gpu.items() if self._fleet.get(r) is not None}
         self._non_gpu[replica] = {k: m for k, m in entries.items() if m != GPU}
         self.broadcast(encode_replica(b"S", replica, encode_snapshot(entries)))
 
