@@ -109,9 +109,10 @@ def run(args: argparse.Namespace) -> int:
     if args.inventory is not None:
         _check_host_port("--inventory", args.inventory)
     if args.worker_of is None:
-        count = worker_count(args.workers, load_config(args.config))
+        config = load_config(args.config)
+        count = worker_count(args.workers, config)
         if count > 1:
-            return uvloop.run(serve_workers(args, load_config(args.config), count))
+            return uvloop.run(serve_workers(args, config, count))
     return uvloop.run(_serve(args))
 
 
