@@ -42,6 +42,18 @@ ROOT = Path(__file__).resolve().parent.parent
 KEY_BASE = 1 << 40
 
 
+def start_fake_backends(procs: ProcessGroup, count: int) -> list[int]:
+    """``count`` fast fake backends in one process (bench/fake_backend.py); their ports. (The same
+    start as bench/overhead.py's, which could call this.)"""
+    _, m = procs.start(
+        "fake_backend",
+        [sys.executable, "-m", "bench.fake_backend", "--ports", *["0"] * count, "--model", MODEL],
+        Ready(pattern=r"fake_backend: ports=([\d,]+)"),
+    )
+    assert m is not None
+    return [int(p) for p in m.group(1).split(",")]
+
+
 def start_gateway(
     procs: ProcessGroup, tmp: Path, backends: list[int], workers: int, **extra: Any
 ) -> tuple[int, int, subprocess.Popen[bytes]]:
@@ -188,13 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(tmp, ignore_errors=True)  # a Ready pattern must not match an older run's log
     result: dict[str, Any] = {"concurrency": args.concurrency, "prompt_bytes": args.prompt_bytes}
     with ProcessGroup(tmp) as procs:
-        _, m = procs.start(
-            "fake_backend",
-            [sys.executable, "-m", "bench.fake_backend", "--ports", *["0"] * args.backends, "--model", MODEL],
-            Ready(pattern=r"fake_backend: ports=([\d,]+)"),
-        )
-        assert m is not None
-        backends = [int(p) for p in m.group(1).split(",")]
+        backends = start_fake_backends(procs, args.backends)
         if not args.skip_scaling:
             result["scaling"] = scaling(procs, tmp, backends, args)
         result |= staleness_and_memory(procs, tmp, backends, args)
