@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,10 +52,10 @@ from gateway.local_hub_codec import (
     frame,
     read_frame,
 )
+from gateway.local_hub_touch import TOUCH_WINDOW_S, Touch, TouchBatcher
 from gateway.shared_state_codec import CodecError, encode_hello, encode_ops, encode_snapshot
 from gateway.workers_metrics import merge_expositions
 from proto.contract import GPU
-from router_policies import placement
 from router_policies.prefix_index import PrefixIndex
 
 log = logging.getLogger("kvgate.workers")
@@ -160,6 +159,9 @@ class Hub:
         self._gather_ids = itertools.count(1)
         self._bound = frame_bound(index)
         self._load_timer: asyncio.TimerHandle | None = None
+        self._touches = TouchBatcher(
+            index, lambda r: fleet.get(r) is not None, self._relay_touches, TOUCH_WINDOW_S
+        )
         fleet.relay = self.broadcast
 
     # ------------------------------------------------------------------ InventoryObserver
@@ -222,6 +224,7 @@ class Hub:
         if self._load_timer is not None:
             self._load_timer.cancel()
             self._load_timer = None
+        self._touches.cancel()
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -271,10 +274,8 @@ class Hub:
     def _handle(self, conn: _Conn, kind: bytes, payload: bytes) -> None:
         if kind == b"T":
             replica, keys, lifetime = decode_touch(payload)
-            if self._fleet.get(replica) is not None and keys:
-                # the placement rule: a chain stamped less than TOUCH_REFRESH_S ago is not redone
-                placement.speculative_touch(self._index, replica, keys, time.monotonic(), lifetime)
-                self.broadcast(frame(kind, payload), but=conn.number)
+            if keys:  # applied here with others, then relayed (local_hub_touch.py)
+                self._touches.add(Touch(replica, keys, lifetime, conn.number, frame(kind, payload)))
         elif kind == b"L":
             conn.load = {str(r): [int(v) for v in f] for r, f in decode_json(payload).items()}
             self._load_changed()
@@ -318,6 +319,13 @@ class Hub:
         texts = {str(n): answers[n] for n in sorted(answers)}
         texts["parent"] = generate_latest(self._hooks.registry)
         asker.send(encode_tagged(b"M", tag, merge_expositions(texts)))
+
+    def _relay_touches(self, batch: list[Touch]) -> None:
+        """A batch applied here goes to every worker but each touch's own, in this order."""
+        for number, conn in self._conns.items():
+            for touch in batch:
+                if touch.origin != number:
+                    conn.send(touch.frame)
 
     def _others_load(self, but: int | None) -> dict[str, list[int]]:
         """The in-flight load of every worker but ``but``, summed per replica."""

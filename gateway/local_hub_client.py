@@ -50,6 +50,7 @@ from gateway.local_hub_codec import (
     frame,
     read_frame,
 )
+from gateway.local_hub_touch import Touch, TouchBatcher
 from gateway.replica_load import RemoteLoad
 from gateway.shared_state_codec import CodecError, decode_hello, decode_ops, decode_snapshot
 from gateway.workers_metrics import merge_expositions
@@ -100,6 +101,7 @@ class HubClient:
         self._remote_reload = False  # applying a reload the parent relayed: not sent back
         self._tags = itertools.count(1)
         self._metrics: dict[int, asyncio.Future[bytes]] = {}
+        self._touches: TouchBatcher | None = None  # the other workers' touches (start)
 
     # ------------------------------------------------------------------ AppLink
     def make_fleet(self, config: GatewayConfig, index: PrefixIndex) -> Fleet:
@@ -139,6 +141,8 @@ class HubClient:
     async def start(self) -> None:
         assert self._app is not None
         bound = frame_bound(self._app.index)
+        fleet = self._app.fleet
+        self._touches = TouchBatcher(self._app.index, lambda r: fleet.get(r) is not None)
         reader, writer = await asyncio.open_unix_connection(self.path, limit=1 << 20)
         self._out = FrameWriter(writer, MAX_PENDING_BYTES, f"worker {self.worker}")
         self.send(encode_json(b"W", [self.worker, os.getpid()]))
@@ -157,6 +161,8 @@ class HubClient:
     async def stop(self) -> None:
         await cancel_and_wait(self._load_task)
         await cancel_and_wait(self._reader_task)
+        if self._touches is not None:
+            self._touches.cancel()
         if self._out is not None:
             self._out.abort()
 
@@ -208,7 +214,14 @@ class HubClient:
         app = self._app
         assert app is not None
         fleet, index, observer = app.fleet, app.index, app.inventory.observer
-        if kind in (b"S", b"O", b"T", b"V"):
+        touches = self._touches
+        assert touches is not None
+        if kind == b"T":
+            replica, keys, lifetime = decode_touch(payload)
+            touches.add(Touch(replica, keys, lifetime))  # applied with the burst it came in
+            return
+        touches.flush()  # first the touches the parent applied before this frame
+        if kind in (b"S", b"O", b"V"):
             self._apply_index(kind, payload, index, observer)
         elif kind == b"H":
             hello = decode_hello(payload)
@@ -258,11 +271,6 @@ class HubClient:
     def _apply_index(
         self, kind: bytes, payload: bytes, index: PrefixIndex, observer: InventoryObserver | None
     ) -> None:
-        if kind == b"T":
-            replica, keys, lifetime = decode_touch(payload)
-            if self._app is not None and self._app.fleet.get(replica) is not None and keys:
-                placement.speculative_touch(index, replica, keys, time.monotonic(), lifetime)
-            return
         if kind == b"V":
             replica, keys, expiries = decode_stamps(payload)
             _replay_speculative(index, replica, keys, expiries)

@@ -23,6 +23,7 @@ from gateway.local_hub_codec import (
     frame,
     read_frame,
 )
+from gateway.local_hub_touch import Touch, TouchBatcher
 from gateway.shared_state_codec import CodecError
 from gateway.workers import usable_cores
 from gateway.workers_metrics import merge_expositions
@@ -108,3 +109,26 @@ def test_speculative_entries_replay_in_the_same_eviction_order() -> None:
     _replay_speculative(copy, "r", [k for k, _ in entries], [t for _, t in entries])
     assert copy.approximate_expiry("r") == entries
     assert copy.match([1, 2, 4, 5]).blocks == source.match([1, 2, 4, 5]).blocks
+
+
+def test_a_batch_of_relayed_touches_orders_entries_as_one_touch_each_would() -> None:
+    config = IndexConfig(approximate_ttl_s=60, approximate_blocks_per_replica=100)
+    one_by_one, batched = PrefixIndex(config), PrefixIndex(config)
+    for index in (one_by_one, batched):
+        index.add_replica("r")
+    chains = [[1, 2, 3], [1, 2, 4, 5], [9], [1, 6]]  # prompts sharing blocks 1 and 2
+    for chain in chains:
+        one_by_one.touch_approximate("r", chain, 100.0, 10.0)
+    applied: list[list[Touch]] = []
+    batcher = TouchBatcher(batched, lambda r: r == "r", applied.append)
+
+    async def relay() -> None:
+        for chain in chains:
+            batcher.add(Touch("r", chain, 10.0))
+        batcher.add(Touch("gone", [7], 10.0))  # a replica this process does not know: skipped
+        await asyncio.sleep(0)  # the end of the event loop's turn applies the batch
+
+    asyncio.run(relay())
+    assert batched.approximate_keys("r") == one_by_one.approximate_keys("r")
+    assert [len(b) for b in applied] == [5]
+    assert batched.match([1, 2, 4, 5]).blocks == {"r": 4}
