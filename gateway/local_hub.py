@@ -19,9 +19,11 @@ Invariants
 * One writer: the parent's index and fleet are written by the inventory server, the health
   checker and ``Hub`` on one event loop; no mutation awaits. Frames are queued synchronously
   right after the mutation they describe, so every worker applies the same sequence.
-* Every buffer is bounded: a worker's pending output beyond ``MAX_PENDING_BYTES`` closes its
-  connection (the worker exits and is restarted, then resynced from a full state); a frame is at
-  most ``frame_bound`` bytes.
+* Every buffer is bounded: a worker's pending output beyond ``MAX_PENDING_BYTES`` (plus the
+  size its initial state may have, ``state_bound``) closes its connection (the worker exits and
+  is restarted, then resynced from a full state); a frame is at most ``frame_bound`` bytes.
+* Relayed speculative touches are applied here in batches, then relayed in the order applied
+  (gateway/local_hub_touch.py).
 """
 
 from __future__ import annotations
@@ -70,6 +72,13 @@ def frame_bound(index: PrefixIndex) -> int:
     speculative entries' 16) with headroom for the control frames."""
     cfg = index.config
     return 16 * cfg.max_blocks_per_replica + 16 * cfg.approximate_blocks_per_replica + (1 << 20)
+
+
+def state_bound(index: PrefixIndex) -> int:
+    """The most bytes a worker's initial state can take: every entry (precise and speculative
+    together are at most ``max_total_blocks``) at 16 bytes, and 1 KiB of frames per replica."""
+    cfg = index.config
+    return 16 * cfg.max_total_blocks + 1024 * cfg.max_replicas
 
 
 def engine_frame(replica: str, engine: AgentEngine) -> bytes:
@@ -253,7 +262,9 @@ class Hub:
             old = self._conns.get(number)
             if old is not None:
                 old.out.abort()  # a restarted worker replaces its predecessor
-            conn = _Conn(number, FrameWriter(writer, MAX_PENDING_BYTES, f"worker {number}"))
+            # the state goes first, straight to the transport: the bound leaves room for it
+            bound = MAX_PENDING_BYTES + state_bound(self._index)
+            conn = _Conn(number, FrameWriter(writer, bound, f"worker {number}"))
             writer.writelines(self.state_frames())  # then, with no await between, the live ones
             self._conns[number] = conn
             while True:
