@@ -172,6 +172,7 @@ class Supervisor:
         self._dir = Path(tempfile.mkdtemp(prefix="kvgate-workers-"))
         self._listening: set[int] = set()  # workers that said they listen (bounded by count)
         self._changed = asyncio.Event()
+        self._live: Gauge | None = None  # kvgate_workers, registered with the parent's app
         self._procs: dict[int, asyncio.subprocess.Process] = {}
         self._stopping = False
         self._listen = ""
@@ -196,6 +197,8 @@ class Supervisor:
             code = await proc.wait()
             if self._stopping:
                 return
+            self._listening.discard(number)
+            self._count_listening()
             if time.monotonic() - started > RESTART_RESET_S:
                 attempt = 0
             delay = min(RESTART_MAX_S, RESTART_BASE_S * 2**attempt)
@@ -220,7 +223,7 @@ class Supervisor:
         self._listen = f"{host}:{http_port}"
         link = ParentLink(str(self._dir / "hub.sock"), self._worker_listening)
         app = GatewayApp(cfg, config_path=args.config, link=link)
-        live = Gauge("kvgate_workers", "HTTP worker processes listening", registry=app.registry)
+        self._live = Gauge("kvgate_workers", "HTTP worker processes listening", registry=app.registry)
         restarts = Counter(
             "kvgate_worker_restarts", "Worker processes started again after exiting", registry=app.registry
         )
@@ -240,7 +243,6 @@ class Supervisor:
             for number in range(self._count):
                 await self._spawn(number)
             await self._wait_ready(stop)
-            live.set(self._count)
             inv_host = (args.inventory or cfg.listen.inventory).rpartition(":")[0]
             print(
                 f"kvgate serve: http={host}:{http_port} inventory={inv_host}:{app.inventory_port}", flush=True
@@ -255,7 +257,8 @@ class Supervisor:
             for task in tasks:
                 await cancel_and_wait(task)
             await self._stop_workers()
-            live.set(0)
+            self._listening.clear()
+            self._count_listening()
             await app.stop()
             reserved.close()
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -263,6 +266,11 @@ class Supervisor:
 
     def _worker_listening(self, number: int) -> None:
         self._listening.add(number)
+        self._count_listening()
+
+    def _count_listening(self) -> None:
+        if self._live is not None:
+            self._live.set(len(self._listening))
         self._changed.set()
 
     async def _wait_ready(self, stop: asyncio.Event) -> None:

@@ -142,7 +142,14 @@ def test_a_killed_worker_is_restarted_and_resynced(procs: Procs) -> None:
         wait_until(lambda: worker_pids(gw).get(0, before[0]) != before[0], what="worker 0 restarted")
         answers = wait_until(lambda: _both_route_to_r1(gw, body, 3 * block), 30, "both workers route to r1")
         assert set(answers) == {"0", "1"}
-        metrics = http("GET", gw.url + "/metrics")[2].decode()
+        metrics = wait_until(
+            lambda: (
+                (m := http("GET", gw.url + "/metrics")[2].decode())
+                and 'kvgate_workers{worker="parent"} 2.0' in m
+                and m
+            ),
+            what="both workers listening again",
+        )
         assert 'kvgate_worker_restarts_total{worker="parent"} 1.0' in metrics
     finally:
         agent.close()
