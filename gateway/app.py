@@ -16,6 +16,10 @@ operator view, the shared state (after the inventory server, whose hooks feed it
 tracing last so the final spans are flushed. Every background task is created here and cancelled
 and awaited here.
 
+With a ``link`` (``kvgate serve --workers N``; docs/architecture.md, "Workers"): the parent's app
+starts no HTTP listener, a worker's no inventory server, shared state or health checker (its
+index comes from the parent); the link starts after them and stops before the inventory server.
+
 Reload (SIGHUP or ``POST /admin/reload``) rereads the file, validates it, builds the new policy
 and featurizer, then swaps ``self._state`` in one assignment and reconfigures the fleet's static
 replicas. An invalid file changes nothing. Fields that need a restart (listen addresses, index
@@ -28,7 +32,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import aiohttp
@@ -62,6 +66,7 @@ from gateway.shared_state_publisher import Publisher
 from gateway.status_page import StatusPage
 from gateway.tls import http_ssl_context
 from gateway.tracing import Tracing
+from gateway.workers_link import AppLink
 from router_policies.errors import UserInputError
 from router_policies.placement import EXPIRE_INTERVAL_S
 from router_policies.prefix_index import PrefixIndex
@@ -124,6 +129,28 @@ def wire_shared_state(
     return SharedState(ctx, publisher, follower, LoadExchange(ctx, fleet, inventory))
 
 
+def build_inventory_server(
+    config: GatewayConfig,
+    env: Mapping[str, str],
+    index: PrefixIndex,
+    fleet: Fleet,
+    registry: CollectorRegistry,
+    configured: Callable[[], set[str]],
+) -> InventoryServer:
+    """The agents' gRPC server as the config sets it (``configured``: the config's replica ids)."""
+    return InventoryServer(
+        index,
+        fleet,
+        token=None,
+        access=stream_access_of(config, env, configured),
+        registry=registry,
+        block_bound_factor=config.inventory.block_bound_factor,
+        ack_every=config.inventory.ack_every,
+        tls_cert=config.inventory.tls_cert,
+        tls_key=config.inventory.tls_key,
+    )
+
+
 def _env_token(name: str | None, env: Mapping[str, str]) -> str | None:
     return (env.get(name) or None) if name else None
 
@@ -135,14 +162,17 @@ class GatewayApp:
         config_path: str | Path | None = None,
         env: Mapping[str, str] | None = None,
         shutdown_grace_s: float | None = None,
+        link: AppLink | None = None,
     ) -> None:
-        """``shutdown_grace_s`` overrides ``server.shutdown_grace_s``."""
+        """``shutdown_grace_s`` overrides ``server.shutdown_grace_s``; ``link``: this process's
+        part in a gateway of several (None: the whole gateway in one process)."""
         self._env = dict(os.environ if env is None else env)
         self._config_path = Path(config_path) if config_path is not None else None
         self._grace = config.server.shutdown_grace_s if shutdown_grace_s is None else shutdown_grace_s
         self._draining = False  # set first on shutdown: /ready answers 503
+        self._link = link
         self.index = PrefixIndex(config.index)
-        self.fleet = Fleet(config, self.index)
+        self.fleet = Fleet(config, self.index) if link is None else link.make_fleet(config, self.index)
         self._state = build_state(config, remote=self.fleet.tokenize_url)
         self.router = Router(self.index, self.fleet)
         self.registry = CollectorRegistry()
@@ -152,16 +182,13 @@ class GatewayApp:
         self.registry.register(MemoryCollector(self._memory_stats))
         self.tracing = Tracing(config.telemetry.otlp_endpoint)
         self.access_log = AccessLog()
-        self.inventory = InventoryServer(
+        self.inventory = build_inventory_server(
+            config,
+            self._env,
             self.index,
             self.fleet,
-            token=None,
-            access=stream_access_of(config, self._env, lambda: {r.id for r in self.config.replicas}),
-            registry=self.registry,
-            block_bound_factor=config.inventory.block_bound_factor,
-            ack_every=config.inventory.ack_every,
-            tls_cert=config.inventory.tls_cert,
-            tls_key=config.inventory.tls_key,
+            self.registry,
+            lambda: {r.id for r in self.config.replicas},
         )
         self.fleet.held_prefix_sink = self.inventory.held_prefix
         self.shared_state: SharedState | None = None
@@ -185,6 +212,8 @@ class GatewayApp:
         self._runner: web.AppRunner | None = None
         self.http_port = 0
         self.inventory_port = 0
+        if link is not None:
+            link.attach(self)
 
     # ------------------------------------------------------------------ state
     @property
@@ -218,6 +247,8 @@ class GatewayApp:
         self.operator.reconfigure(new.operator)
         configure_logging(new.telemetry.log_level, new.telemetry.access_log)
         self.metrics.reloads.labels("applied").inc()
+        if self._link is not None:
+            self._link.reloaded()
         if pending:
             log.warning("config reloaded; changes to %s apply after a restart", ", ".join(pending))
         else:
@@ -264,6 +295,8 @@ class GatewayApp:
                 *StatusPage().routes(),
             ]
         )
+        if self._link is not None:
+            self._link.setup_web(app)
         return app
 
     async def _health_endpoint(self, _request: web.Request) -> web.StreamResponse:
@@ -279,9 +312,8 @@ class GatewayApp:
     async def _metrics_endpoint(self, _request: web.Request) -> web.StreamResponse:
         if not self._state.config.telemetry.metrics:
             return error_response(404, "metrics are disabled (telemetry.metrics)")
-        return web.Response(
-            body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
-        )
+        body = generate_latest(self.registry) if self._link is None else await self._link.exposition()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     # ------------------------------------------------------------------ lifecycle
     async def _expire_loop(self) -> None:
@@ -314,16 +346,22 @@ class GatewayApp:
             outcomes=self.operator,
         )
         await self.operator.start()
-        inv_addr = inventory or cfg.listen.inventory
-        try:
-            self.inventory_port = await self.inventory.start(inv_addr)
-        except RuntimeError as exc:  # grpc reports a port it cannot bind this way
-            raise OSError(f"inventory {inv_addr}: {exc}") from None
-        if self.shared_state is not None:
-            await self.shared_state.start()
-        self._health = HealthChecker(self.fleet, self._session, lambda: self._state.config.health)
-        await self._health.start()
+        worker = self._link is not None and self._link.worker is not None
+        if not worker:  # a worker's index and health come from the parent (gateway/local_hub.py)
+            inv_addr = inventory or cfg.listen.inventory
+            try:
+                self.inventory_port = await self.inventory.start(inv_addr)
+            except RuntimeError as exc:  # grpc reports a port it cannot bind this way
+                raise OSError(f"inventory {inv_addr}: {exc}") from None
+            if self.shared_state is not None:
+                await self.shared_state.start()
+            self._health = HealthChecker(self.fleet, self._session, lambda: self._state.config.health)
+            await self._health.start()
+        if self._link is not None:
+            await self._link.start()
         self._expire_task = loop.create_task(self._expire_loop(), name="kvgate-index-expiry")
+        if self._link is not None and not worker:
+            return  # the parent of workers serves no API
         self._runner = HardenedRunner(
             self._web_app(),
             cfg.server,
@@ -333,7 +371,8 @@ class GatewayApp:
         )
         await self._runner.setup()
         host, _, port = (http or cfg.listen.http).rpartition(":")
-        site = web.TCPSite(self._runner, host, int(port), ssl_context=self._http_ssl)
+        # workers each bind the one port (SO_REUSEPORT): the kernel spreads connections over them
+        site = web.TCPSite(self._runner, host, int(port), ssl_context=self._http_ssl, reuse_port=worker)
         await site.start()
         addrs = self._runner.addresses
         self.http_port = int(addrs[0][1]) if addrs else int(port)
@@ -353,6 +392,8 @@ class GatewayApp:
         if self._expire_task is not None:
             await cancel_and_wait(self._expire_task)
             self._expire_task = None
+        if self._link is not None:
+            await self._link.stop()
         await self.inventory.stop()
         await self.operator.stop()
         if self.shared_state is not None:

@@ -131,6 +131,15 @@ class ServerConfig(_Strict):
         "a body of unknown length counts as proxy.max_body_bytes). A request that cannot fit within "
         "proxy.body_timeout_s gets 503 overloaded.",
     )
+    workers: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="HTTP worker processes serving the API on the one port (SO_REUSEPORT), fed one "
+        "index by the parent process, which holds the agents' streams (docs/architecture.md, "
+        "Workers). Unset: the cores the process may use; 1: one process, as before. "
+        "`kvgate serve --workers N` overrides it.",
+    )
     drain_delay_s: float = Field(
         0.0,
         ge=0,

@@ -1,5 +1,10 @@
-"""``kvgate serve --config FILE [--listen HOST:PORT] [--inventory HOST:PORT]``: run the gateway on
-uvloop until SIGTERM or SIGINT; SIGHUP reloads the config file.
+"""``kvgate serve --config FILE [--listen HOST:PORT] [--inventory HOST:PORT] [--workers N]``: run
+the gateway on uvloop until SIGTERM or SIGINT; SIGHUP reloads the config file.
+
+With ``--workers N`` (``server.workers``; default: the cores the process may use) above 1, the
+process is the parent of N HTTP workers on the one port (gateway/workers.py; docs/architecture.md,
+"Workers"); 1 runs the whole gateway in this process. A worker is this command with the hidden
+``--worker-of SOCKET --worker-index I``.
 
 Once listening it prints one line on stdout, ``kvgate serve: http=HOST:PORT inventory=HOST:PORT``
 with the bound ports (so port 0 can be used), and flushes it.
@@ -13,11 +18,15 @@ import gc
 import os
 import signal
 import sys
+from collections.abc import Coroutine
+from typing import Any
 
 import uvloop
 
 from gateway.app import GatewayApp
 from gateway.config import load_config
+from gateway.local_hub_client import HubClient
+from gateway.workers import serve_workers, worker_count
 from router_policies.errors import UserInputError
 
 
@@ -27,11 +36,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--inventory", default=None, help="HOST:PORT of the agents' gRPC stream (overrides listen.inventory)"
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="HTTP worker processes on the one port (overrides server.workers; default: the cores "
+        "this process may use; 1: one process)",
+    )
+    parser.add_argument("--worker-of", default=None, help=argparse.SUPPRESS)  # the parent's socket
+    parser.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
 
 
 async def _serve(args: argparse.Namespace) -> int:
     config = load_config(args.config)
-    app = GatewayApp(config, config_path=args.config)
+    link = HubClient(args.worker_of, args.worker_index) if args.worker_of else None
+    app = GatewayApp(config, config_path=args.config, link=link)
     # What exists now (modules, tokenizers, templates, config, the app) lives as long as the
     # process. Left tracked, every full collection walks all of it (~165k objects: 80-120 ms of a
     # stalled event loop on a loaded 2-core host, measured on the live benchmark); frozen, full
@@ -41,13 +60,21 @@ async def _serve(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, app.reload)
+    if link is None:
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, app.reload)
+    else:  # the parent relays both (a terminal's ^C reaches the whole process group)
+        loop.add_signal_handler(signal.SIGINT, lambda: None)
+        loop.add_signal_handler(signal.SIGHUP, lambda: None)
     try:
         try:
             await app.start(http=args.listen, inventory=args.inventory)
         except OSError as exc:
             raise UserInputError(f"cannot listen: {exc.strerror or exc}") from None
+        if link is not None:
+            link.listening()
+            await _first(stop.wait(), link.lost.wait())
+            return 0
         http_host = (args.listen or config.listen.http).rpartition(":")[0]
         inv_host = (args.inventory or config.listen.inventory).rpartition(":")[0]
         print(
@@ -58,6 +85,16 @@ async def _serve(args: argparse.Namespace) -> int:
     finally:
         await app.stop()
     return 0
+
+
+async def _first(*waits: Coroutine[Any, Any, Any]) -> None:
+    """Return once the first of ``waits`` is done (the others cancelled)."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,6 +108,11 @@ def run(args: argparse.Namespace) -> int:
         _check_host_port("--listen", args.listen)
     if args.inventory is not None:
         _check_host_port("--inventory", args.inventory)
+    if args.worker_of is None:
+        config = load_config(args.config)
+        count = worker_count(args.workers, config)
+        if count > 1:
+            return uvloop.run(serve_workers(args, config, count))
     return uvloop.run(_serve(args))
 
 

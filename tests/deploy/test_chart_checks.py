@@ -129,6 +129,14 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
         {"gateway": {"config": {"server": {"drain_delay_s": 15, "shutdown_grace_s": 45}}}},
         "(60 s) must stay below gateway.terminationGracePeriodSeconds (60 s)",
     ),
+    (
+        {"gateway": {"config": {"server": {"workers": 3}}, "resources": {"limits": {"cpu": "2"}}}},
+        "gateway.config.server.workers (3) is above gateway.resources.limits.cpu (2)",
+    ),
+    (
+        {"gateway": {"config": {"server": {"workers": 3}}, "resources": {"limits": {"cpu": "1500m"}}}},
+        "gateway.config.server.workers (3) is above gateway.resources.limits.cpu (1500m)",
+    ),
 ]
 
 

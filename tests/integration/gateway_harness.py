@@ -129,6 +129,8 @@ class Procs:
             sys.executable, "-m", "gateway.cli", "serve", "--config", str(path),
             "--listen", "127.0.0.1:0", "--inventory", "127.0.0.1:0",
         ]  # fmt: skip
+        if not dict(config.get("server") or {}).get("workers"):
+            cmd += ["--workers", "1"]  # one process, whose state the tests read, unless set
         proc = self.group.spawn(name, cmd, env=full_env, extra_env=env, stdout_pipe=True)
         m = read_line(proc, r"kvgate serve: http=\S+:(\d+) inventory=\S+:(\d+)", START_TIMEOUT_S)
         return Gateway(proc, int(m.group(1)), int(m.group(2)), path, self.group.log_path(name))

@@ -154,6 +154,19 @@ change, so `helm install` stops before anything reaches the cluster.
 {{- if ge $drain (float64 .Values.gateway.terminationGracePeriodSeconds) }}
 {{- fail (printf "kvgate: gateway.config.server.drain_delay_s + shutdown_grace_s (%v s) must stay below gateway.terminationGracePeriodSeconds (%v s), or the kubelet kills the pod while it drains." $drain .Values.gateway.terminationGracePeriodSeconds) }}
 {{- end }}
+{{- $limits := default dict (default dict .Values.gateway.resources).limits }}
+{{- if and $server.workers $limits.cpu }}
+{{- $cpu := toString $limits.cpu }}
+{{- $millis := 0.0 }}
+{{- if hasSuffix "m" $cpu }}
+{{- $millis = float64 (trimSuffix "m" $cpu) }}
+{{- else }}
+{{- $millis = mulf (float64 $cpu) 1000.0 }}
+{{- end }}
+{{- if gt (mulf (float64 $server.workers) 1000.0) (addf $millis 999.0) }}
+{{- fail (printf "kvgate: gateway.config.server.workers (%v) is above gateway.resources.limits.cpu (%v) rounded up: each worker is an event loop that needs a core. Lower the workers or raise the limit." $server.workers $limits.cpu) }}
+{{- end }}
+{{- end }}
 {{- if and .Values.engineExample.enabled (not (include "kvgate.agentTokenEnv" .)) }}
 {{- fail "kvgate: engineExample.enabled=true but gateway.config.auth.agent_token_env is empty: the example agents authenticate with the agent token." }}
 {{- end }}

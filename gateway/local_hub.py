@@ -1,0 +1,368 @@
+"""The inventory owner's side of the local channel to its HTTP workers (``kvgate serve --workers
+N``; docs/architecture.md, "Workers").
+
+The parent process holds the authoritative index and fleet: its inventory server applies the
+agents' streams (bound checks as with one process) and its health checker probes the replicas.
+``OwnerFleet`` (the fleet the parent's inventory server and health checker write) and ``Hub`` (the
+inventory server's observer) turn every mutation they apply into a frame
+(gateway/local_hub_codec.py), written to every worker's unix-socket connection in the order it
+was applied. A worker (re)connecting gets, in one synchronous step, the whole state (every
+replica's registration, link, engine, health, precise and speculative entries, the others' load)
+and then the live frames, so it misses none and sees none twice.
+
+Workers send their speculative touches (applied here, then relayed to the other workers), their
+in-flight load (summed per replica over the other workers and sent to each), held-prefix hints
+(to the replica's agent), reloads (applied here and relayed) and metrics requests (every worker's
+exposition gathered and merged, gateway/workers_metrics.py).
+
+Invariants
+* One writer: the parent's index and fleet are written by the inventory server, the health
+  checker and ``Hub`` on one event loop; no mutation awaits. Frames are queued synchronously
+  right after the mutation they describe, so every worker applies the same sequence.
+* Every buffer is bounded: a worker's pending output beyond ``MAX_PENDING_BYTES`` (plus the
+  size its initial state may have, ``state_bound``) closes its connection (the worker exits and
+  is restarted, then resynced from a full state); a frame is at most ``frame_bound`` bytes.
+* Relayed speculative touches are applied here in batches, then relayed in the order applied
+  (gateway/local_hub_touch.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from gateway.config import GatewayConfig
+from gateway.fleet import Fleet
+from gateway.inventory_ops import Op
+from gateway.inventory_sink import AgentEngine, AgentHello, AgentLoad
+from gateway.local_hub_codec import (
+    FrameWriter,
+    decode_json,
+    decode_tagged,
+    decode_touch,
+    encode_json,
+    encode_replica,
+    encode_stamps,
+    encode_tagged,
+    frame,
+    read_frame,
+)
+from gateway.local_hub_touch import TOUCH_WINDOW_S, Touch, TouchBatcher
+from gateway.shared_state_codec import CodecError, encode_hello, encode_ops, encode_snapshot
+from gateway.workers_metrics import merge_expositions
+from proto.contract import GPU
+from router_policies.prefix_index import PrefixIndex
+
+log = logging.getLogger("kvgate.workers")
+
+MAX_PENDING_BYTES = 256 * 1024 * 1024  # a worker this far behind is restarted and resynced
+METRICS_WAIT_S = 2.0  # how long a metrics gather waits for the workers' answers
+LOAD_RELAY_S = 0.01  # the workers' load is relayed at most this often
+
+
+def frame_bound(index: PrefixIndex) -> int:
+    """The largest frame either side sends: a snapshot of a full replica (9 bytes a key, plus the
+    speculative entries' 16) with headroom for the control frames."""
+    cfg = index.config
+    return 16 * cfg.max_blocks_per_replica + 16 * cfg.approximate_blocks_per_replica + (1 << 20)
+
+
+def state_bound(index: PrefixIndex) -> int:
+    """The most bytes a worker's initial state can take: every entry (precise and speculative
+    together are at most ``max_total_blocks``) at 16 bytes, and 1 KiB of frames per replica."""
+    cfg = index.config
+    return 16 * cfg.max_total_blocks + 1024 * cfg.max_replicas
+
+
+def engine_frame(replica: str, engine: AgentEngine) -> bytes:
+    return encode_json(b"E", [replica, engine.hybrid, sorted(engine.lora_adapters), engine.adapters_known])
+
+
+class OwnerFleet(Fleet):
+    """The parent's fleet: every agent and health-check input it applies is relayed to the
+    workers (``relay``, set by the hub), after it was applied here."""
+
+    def __init__(self, config: GatewayConfig, index: PrefixIndex) -> None:
+        super().__init__(config, index)
+        self.relay: Callable[[bytes], None] = lambda _frame: None
+        self.hellos: dict[str, AgentHello] = {}  # accepted registrations (bounded by the fleet)
+
+    def agent_hello(self, hello: AgentHello) -> str | None:
+        refusal = super().agent_hello(hello)
+        if refusal is None:
+            self.hellos = {r: h for r, h in self.hellos.items() if self.get(r) is not None}
+            self.hellos[hello.replica_id] = hello
+            self.relay(frame(b"H", encode_hello(hello)))
+        return refusal
+
+    def agent_load(self, replica_id: str, load: AgentLoad) -> None:
+        super().agent_load(replica_id, load)
+        doc = [replica_id, load.running, load.waiting, load.kv_usage, load.prefix_queries, load.prefix_hits]
+        self.relay(encode_json(b"N", doc))
+
+    def agent_engine(self, replica_id: str, engine: AgentEngine) -> None:
+        super().agent_engine(replica_id, engine)
+        self.relay(engine_frame(replica_id, engine))
+
+    def agent_state(self, replica_id: str, *, connected: bool, degraded: bool) -> None:
+        super().agent_state(replica_id, connected=connected, degraded=degraded)
+        self.relay(encode_json(b"A", [replica_id, connected, degraded]))
+
+    def check_result(self, replica: str, ok: bool, error: str = "") -> None:
+        super().check_result(replica, ok, error)
+        self.relay(encode_json(b"C", [replica, ok, error]))
+
+
+@dataclass(eq=False)
+class _Conn:
+    """One worker's connection (owned by its reader task)."""
+
+    number: int
+    out: FrameWriter
+    load: dict[str, list[int]] = field(default_factory=dict)  # replica -> requests, tokens, prefill
+    sent_load: bytes = b""
+
+    def send(self, data: bytes) -> None:
+        self.out.send(data)
+
+
+@dataclass(eq=False)
+class _Gather:
+    """A metrics gather: the workers asked, and their answers as they come."""
+
+    expected: set[int]
+    answers: dict[int, bytes] = field(default_factory=dict)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass(eq=False)
+class HubHooks:
+    """What the hub asks of its owner: ``reload`` (None or the error), ``ready`` (worker number
+    listening), ``held_prefix`` (to the replica's agent)."""
+
+    reload: Callable[[], str | None]
+    ready: Callable[[int], None]
+    held_prefix: Callable[[str, Sequence[int], Sequence[int]], bool]
+    registry: CollectorRegistry
+
+
+class Hub:
+    """The parent's fan-out to the workers; also the inventory server's observer."""
+
+    def __init__(self, index: PrefixIndex, fleet: OwnerFleet, hooks: HubHooks) -> None:
+        self._index = index
+        self._fleet = fleet
+        self._hooks = hooks
+        self._conns: dict[int, _Conn] = {}
+        self._non_gpu: dict[str, dict[int, str]] = {}  # precise entries off the GPU (rare), per replica
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._gathers: dict[int, _Gather] = {}
+        self._gather_ids = itertools.count(1)
+        self._bound = frame_bound(index)
+        self._load_timer: asyncio.TimerHandle | None = None
+        self._touches = TouchBatcher(
+            index, lambda r: fleet.get(r) is not None, self._relay_touches, TOUCH_WINDOW_S
+        )
+        fleet.relay = self.broadcast
+
+    # ------------------------------------------------------------------ InventoryObserver
+    def inventory_hello(self, hello: AgentHello) -> None:
+        pass  # relayed by OwnerFleet.agent_hello, before the link state that follows it
+
+    def inventory_snapshot(self, replica: str, entries: Mapping[int, str]) -> None:
+        # bounded by the fleet: replicas gone from it are dropped here (snapshots are rare)
+        self._non_gpu = {r: m for r, m in self._non_gpu.items() if self._fleet.get(r) is not None}
+        self._non_gpu[replica] = {k: m for k, m in entries.items() if m != GPU}
+        self.broadcast(encode_replica(b"S", replica, encode_snapshot(entries)))
+
+    def inventory_ops(self, replica: str, ops: Sequence[Op]) -> None:
+        held = self._non_gpu.setdefault(replica, {})
+        for op in ops:
+            if op.kind == "c":
+                held.clear()
+            elif op.kind == "s" and op.medium != GPU:
+                held.update(dict.fromkeys(op.keys, op.medium))
+            elif held:
+                for k in op.keys:
+                    held.pop(k, None)
+        self.broadcast(encode_replica(b"O", replica, encode_ops(ops)))
+
+    # ------------------------------------------------------------------ fan-out
+    def broadcast(self, data: bytes, but: int | None = None) -> None:
+        for number, conn in self._conns.items():
+            if number != but:
+                conn.send(data)
+
+    def state_frames(self) -> list[bytes]:
+        """The whole state a (re)connecting worker starts from (built without awaiting)."""
+        index, out = self._index, []
+        for rec in self._fleet.records():
+            rid = rec.id
+            hello = self._fleet.hellos.get(rid)
+            if hello is not None:
+                out.append(frame(b"H", encode_hello(hello)))
+            out.append(encode_json(b"A", [rid, rec.link.connected, rec.link.degraded]))
+            adapters = rec.identity.adapters
+            engine = AgentEngine(rec.identity.hybrid, adapters or frozenset(), adapters is not None)
+            out.append(engine_frame(rid, engine))
+            load = rec.engine_load
+            out.append(encode_json(b"N", [rid, load.running, load.waiting, load.kv_usage, 0, 0]))
+            if rec.health.checked:
+                out.append(encode_json(b"C", [rid, rec.health.healthy, rec.health.last_error]))
+            media = self._non_gpu.get(rid, {})
+            entries = {k: media.get(k, GPU) for k in index.precise_keys(rid)}
+            out.append(encode_replica(b"S", rid, encode_snapshot(entries)))
+            out.append(encode_stamps(rid, index.approximate_expiry(rid)))
+        out.append(encode_json(b"R", self._others_load(None)))
+        out.append(frame(b"Y"))
+        return out
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self, path: str) -> None:
+        self._server = await asyncio.start_unix_server(self._serve, path=path, limit=1 << 20)
+
+    async def stop(self) -> None:
+        if self._load_timer is not None:
+            self._load_timer.cancel()
+            self._load_timer = None
+        self._touches.cancel()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for conn in list(self._conns.values()):
+            conn.out.abort()
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    @property
+    def workers(self) -> list[int]:
+        return sorted(self._conns)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        conn: _Conn | None = None
+        try:
+            kind, payload = await read_frame(reader, self._bound)
+            if kind != b"W":
+                raise CodecError(f"expected a worker hello, got {kind!r}")
+            number = int(decode_json(payload)[0])
+            old = self._conns.get(number)
+            if old is not None:
+                old.out.abort()  # a restarted worker replaces its predecessor
+            # the state goes first, straight to the transport: the bound leaves room for it
+            bound = MAX_PENDING_BYTES + state_bound(self._index)
+            conn = _Conn(number, FrameWriter(writer, bound, f"worker {number}"))
+            writer.writelines(self.state_frames())  # then, with no await between, the live ones
+            self._conns[number] = conn
+            while True:
+                kind, payload = await read_frame(reader, self._bound)
+                self._handle(conn, kind, payload)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        except (CodecError, ValueError, TypeError, IndexError) as exc:
+            log.error("worker channel: malformed frame, closing it: %s", exc)
+        finally:
+            if conn is not None and self._conns.get(conn.number) is conn:
+                del self._conns[conn.number]
+                self._load_changed()  # its in-flight requests are gone with it
+            writer.transport.abort()
+            self._tasks.discard(task)
+
+    # ------------------------------------------------------------------ from the workers
+    def _handle(self, conn: _Conn, kind: bytes, payload: bytes) -> None:
+        if kind == b"T":
+            replica, keys, lifetime = decode_touch(payload)
+            if keys:  # applied here with others, then relayed (local_hub_touch.py)
+                self._touches.add(Touch(replica, keys, lifetime, conn.number, frame(kind, payload)))
+        elif kind == b"L":
+            conn.load = {str(r): [int(v) for v in f] for r, f in decode_json(payload).items()}
+            self._load_changed()
+        elif kind == b"P":
+            replica, keys, tokens = decode_json(payload)
+            self._hooks.held_prefix(str(replica), keys, tokens)
+        elif kind == b"Q":
+            if self._hooks.reload() is None:
+                self.broadcast(frame(b"Q"), but=conn.number)
+        elif kind == b"K":
+            self._hooks.ready(conn.number)
+        elif kind == b"X":
+            tag, _ = decode_tagged(payload)
+            self._spawn(self._gather(conn, tag))
+        elif kind == b"g":
+            gid, text = decode_tagged(payload)
+            gather = self._gathers.get(gid)
+            if gather is not None:
+                gather.answers[conn.number] = text
+                if gather.expected <= set(gather.answers):
+                    gather.done.set()
+        else:
+            raise CodecError(f"unknown frame kind {kind!r}")
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name="kvgate-metrics-gather")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _gather(self, asker: _Conn, tag: int) -> None:
+        """Every worker's exposition (and the parent's), merged with a ``worker`` label."""
+        gid = next(self._gather_ids)
+        gather = self._gathers[gid] = _Gather(set(self._conns))
+        try:
+            self.broadcast(encode_tagged(b"G", gid, b""))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(gather.done.wait(), METRICS_WAIT_S)
+        finally:
+            del self._gathers[gid]
+        answers = gather.answers
+        texts = {str(n): answers[n] for n in sorted(answers)}
+        texts["parent"] = generate_latest(self._hooks.registry)
+        asker.send(encode_tagged(b"M", tag, merge_expositions(texts)))
+
+    def _relay_touches(self, batch: list[Touch]) -> None:
+        """A batch applied here goes to every worker but each touch's own, in this order."""
+        for number, conn in self._conns.items():
+            for touch in batch:
+                if touch.origin != number:
+                    conn.send(touch.frame)
+
+    def _others_load(self, but: int | None) -> dict[str, list[int]]:
+        """The in-flight load of every worker but ``but``, summed per replica."""
+        total: dict[str, list[int]] = {}
+        for number, conn in self._conns.items():
+            if number == but:
+                continue
+            for replica, figures in conn.load.items():
+                t = total.setdefault(replica, [0, 0, 0])
+                for i in range(3):
+                    t[i] += figures[i]
+        return total
+
+    def _load_changed(self) -> None:
+        """Relay the workers' load once per ``LOAD_RELAY_S`` at most, however many report."""
+        if self._load_timer is None:
+            self._load_timer = asyncio.get_running_loop().call_later(LOAD_RELAY_S, self._send_load)
+
+    def _send_load(self) -> None:
+        """Each worker gets the sum of the other workers' in-flight load (when it changed):
+        the total less its own, so one pass over the workers' figures."""
+        self._load_timer = None
+        total = self._others_load(None)
+        for conn in self._conns.values():
+            others = {r: [t[i] - conn.load.get(r, (0, 0, 0))[i] for i in range(3)] for r, t in total.items()}
+            data = encode_json(b"R", {r: f for r, f in others.items() if any(f)})
+            if data != conn.sent_load:
+                conn.sent_load = data
+                conn.send(data)

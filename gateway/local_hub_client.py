@@ -1,0 +1,304 @@
+"""A worker's side of the local channel to the inventory owner (``kvgate serve --workers N``;
+docs/architecture.md, "Workers"): the worker's copy of the index and fleet, fed by the parent.
+
+``HubClient`` is the app's link (``gateway.app.AppLink``) in a worker: it connects to the parent's
+unix socket, applies the whole state the parent sends first (``start`` returns once it is
+applied, so the worker listens only with a complete index), then the live frames, each applied
+synchronously by the one reader task (the one writer of this worker's index and of the fleet's
+agent-fed parts). ``WorkerFleet`` sends the speculative entries this worker's routing records to
+the parent (which relays them to the other workers); a load task sends this worker's in-flight
+load every ``LOAD_INTERVAL_S`` when it changed.
+
+Invariants
+* Index mutations never await: each frame is decoded whole, then applied without an await.
+* A frame that cannot apply (malformed, or over an index bound the parent did not hit) means this
+  copy diverged: the channel ends, and with it the worker, which the parent restarts and resyncs.
+* The parent gone (EOF), ``lost`` is set and the worker shuts down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+from prometheus_client import generate_latest
+
+from gateway.asyncio_tasks import cancel_and_wait
+from gateway.config import GatewayConfig
+from gateway.fleet import Fleet
+from gateway.inventory_ops import IndexReplica, apply_ops
+from gateway.inventory_sink import AgentEngine, AgentLoad
+from gateway.inventory_stream import InventoryObserver
+from gateway.local_hub import MAX_PENDING_BYTES, frame_bound
+from gateway.local_hub_codec import (
+    FrameWriter,
+    decode_json,
+    decode_replica,
+    decode_stamps,
+    decode_tagged,
+    decode_touch,
+    encode_json,
+    encode_tagged,
+    encode_touch,
+    frame,
+    read_frame,
+)
+from gateway.local_hub_touch import Touch, TouchBatcher
+from gateway.replica_load import RemoteLoad
+from gateway.shared_state_codec import CodecError, decode_hello, decode_ops, decode_snapshot
+from gateway.workers_metrics import merge_expositions
+from router_policies import placement
+from router_policies.placement import TouchRule
+from router_policies.prefix_index import IndexBoundError, PrefixIndex
+
+if TYPE_CHECKING:
+    from gateway.app import GatewayApp
+
+log = logging.getLogger("kvgate.workers")
+
+LOAD_INTERVAL_S = 0.02  # in-flight load sent to the other workers at most this often
+SYNC_TIMEOUT_S = 60.0  # the parent's whole state must arrive within this long
+METRICS_TIMEOUT_S = 5.0
+WORKER_HEADER = "x-kvgate-worker"
+
+
+class WorkerFleet(Fleet):
+    """A worker's fleet: the speculative entries its routing records also go to the parent."""
+
+    def __init__(self, config: GatewayConfig, index: PrefixIndex, link: HubClient) -> None:
+        super().__init__(config, index)
+        self._link = link
+
+    def touch(self, replica: str, keys: Sequence[int], speculative_ttl_s: float) -> None:
+        if self.get(replica) is None:
+            return  # left the fleet since (a deferred encode finishing late)
+        index = self.index
+        lifetime = TouchRule(speculative_ttl_s).lifetime_s(index, self.has_agent(replica))
+        keys = placement.speculative_keys(keys, index.is_hybrid(replica))
+        if placement.speculative_touch(index, replica, keys, time.monotonic(), lifetime):
+            self._link.send(encode_touch(replica, keys, lifetime))
+
+
+class HubClient:
+    """The worker's link to the parent (see the module docstring)."""
+
+    def __init__(self, path: str, number: int) -> None:
+        self.path = path
+        self.worker = number
+        self.lost = asyncio.Event()  # the parent went away: the worker stops
+        self._synced = asyncio.Event()
+        self._app: GatewayApp | None = None
+        self._out: FrameWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._load_task: asyncio.Task[None] | None = None
+        self._remote_reload = False  # applying a reload the parent relayed: not sent back
+        self._tags = itertools.count(1)
+        self._metrics: dict[int, asyncio.Future[bytes]] = {}
+        self._touches: TouchBatcher | None = None  # the other workers' touches (start)
+
+    # ------------------------------------------------------------------ AppLink
+    def make_fleet(self, config: GatewayConfig, index: PrefixIndex) -> Fleet:
+        return WorkerFleet(config, index, self)
+
+    def attach(self, app: GatewayApp) -> None:
+        self._app = app
+        app.fleet.held_prefix_sink = self.held_prefix
+
+    def setup_web(self, web_app: web.Application) -> None:
+        number = str(self.worker)
+
+        async def tag(_request: web.Request, response: web.StreamResponse) -> None:
+            response.headers[WORKER_HEADER] = number
+
+        web_app.on_response_prepare.append(tag)
+
+    def reloaded(self) -> None:
+        if not self._remote_reload:
+            self.send(frame(b"Q"))  # the parent reloads and tells the other workers
+
+    async def exposition(self) -> bytes:
+        """Every worker's and the parent's metrics, merged by the parent (gateway/workers_metrics.py)."""
+        assert self._app is not None
+        tag = next(self._tags)
+        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._metrics[tag] = future
+        try:
+            self.send(encode_tagged(b"X", tag, b""))
+            return await asyncio.wait_for(future, METRICS_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("metrics: the parent did not answer; this worker's own figures only")
+            return merge_expositions({str(self.worker): generate_latest(self._app.registry)})
+        finally:
+            self._metrics.pop(tag, None)
+
+    async def start(self) -> None:
+        assert self._app is not None
+        bound = frame_bound(self._app.index)
+        fleet = self._app.fleet
+        self._touches = TouchBatcher(self._app.index, lambda r: fleet.get(r) is not None)
+        reader, writer = await asyncio.open_unix_connection(self.path, limit=1 << 20)
+        self._out = FrameWriter(writer, MAX_PENDING_BYTES, f"worker {self.worker}")
+        self.send(encode_json(b"W", [self.worker, os.getpid()]))
+        loop = asyncio.get_running_loop()
+        self._reader_task = loop.create_task(self._read(reader, bound), name="kvgate-worker-channel")
+        synced = loop.create_task(self._synced.wait())
+        await asyncio.wait({synced, self._reader_task}, timeout=SYNC_TIMEOUT_S, return_when="FIRST_COMPLETED")
+        if not self._synced.is_set():
+            await cancel_and_wait(synced)
+            raise OSError(f"worker {self.worker}: no state from the parent at {self.path}")
+        self._load_task = loop.create_task(self._send_load(), name="kvgate-worker-load")
+
+    def listening(self) -> None:
+        self.send(frame(b"K"))
+
+    async def stop(self) -> None:
+        await cancel_and_wait(self._load_task)
+        await cancel_and_wait(self._reader_task)
+        if self._touches is not None:
+            self._touches.cancel()
+        if self._out is not None:
+            self._out.abort()
+
+    # ------------------------------------------------------------------ to the parent
+    def send(self, data: bytes) -> None:
+        if self._out is not None:
+            self._out.send(data)
+
+    def held_prefix(self, replica: str, keys: Sequence[int], next_tokens: Sequence[int]) -> bool:
+        """To the replica's agent through the parent; only while its inventory is degraded (the
+        inventory server's own rule, checked here so that healthy replicas cost no frame)."""
+        rec = self._app.fleet.get(replica) if self._app is not None else None
+        if rec is None or not (rec.link.connected and rec.link.degraded):
+            return False
+        self.send(encode_json(b"P", [replica, list(keys), list(next_tokens)]))
+        return True
+
+    async def _send_load(self) -> None:
+        assert self._app is not None
+        fleet, last = self._app.fleet, b""
+        while True:
+            await asyncio.sleep(LOAD_INTERVAL_S)
+            doc = {
+                r.id: [r.in_flight_requests, r.in_flight_tokens, r.pending_prefill_tokens]
+                for r in fleet.records()
+                if r.in_flight_requests or r.pending_prefill_tokens
+            }
+            data = encode_json(b"L", doc)
+            if data != last:
+                last = data
+                self.send(data)
+
+    # ------------------------------------------------------------------ from the parent
+    async def _read(self, reader: asyncio.StreamReader, bound: int) -> None:
+        try:
+            while True:
+                kind, payload = await read_frame(reader, bound)
+                self._apply(kind, payload)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            log.warning("worker %d: the parent closed the channel", self.worker)
+        except (CodecError, IndexBoundError, ValueError, TypeError, IndexError) as exc:
+            log.error(
+                "worker %d: cannot apply the parent's frame (%s); restarting to resync", self.worker, exc
+            )
+        finally:
+            self.lost.set()
+
+    def _apply(self, kind: bytes, payload: bytes) -> None:  # one branch a kind
+        app = self._app
+        assert app is not None
+        fleet, index, observer = app.fleet, app.index, app.inventory.observer
+        touches = self._touches
+        assert touches is not None
+        if kind == b"T":
+            replica, keys, lifetime = decode_touch(payload)
+            touches.add(Touch(replica, keys, lifetime))  # applied with the burst it came in
+            return
+        touches.flush()  # first the touches the parent applied before this frame
+        if kind in (b"S", b"O", b"V"):
+            self._apply_index(kind, payload, index, observer)
+        elif kind == b"H":
+            hello = decode_hello(payload)
+            refusal = fleet.agent_hello(hello)
+            if refusal is not None:
+                log.warning("worker %d: registration refused: %s", self.worker, refusal)
+            elif observer is not None:
+                observer.inventory_hello(hello)
+        elif kind == b"A":
+            replica, connected, degraded = decode_json(payload)
+            fleet.agent_state(str(replica), connected=bool(connected), degraded=bool(degraded))
+        elif kind == b"E":
+            replica, hybrid, adapters, known = decode_json(payload)
+            fleet.agent_engine(str(replica), AgentEngine(bool(hybrid), frozenset(adapters), bool(known)))
+        elif kind == b"N":
+            replica, running, waiting, kv, queries, hits = decode_json(payload)
+            fleet.agent_load(
+                str(replica), AgentLoad(int(running), int(waiting), float(kv), int(queries), int(hits))
+            )
+        elif kind == b"C":
+            replica, ok, error = decode_json(payload)
+            fleet.check_result(str(replica), bool(ok), str(error))
+        elif kind == b"R":
+            doc = decode_json(payload)
+            fleet.apply_remote_load(
+                {str(r): RemoteLoad(int(f[0]), int(f[1]), int(f[2])) for r, f in doc.items()}
+            )
+        elif kind == b"Q":
+            self._remote_reload = True
+            try:
+                app.reload()
+            finally:
+                self._remote_reload = False
+        elif kind == b"G":
+            gid, _ = decode_tagged(payload)
+            self.send(encode_tagged(b"g", gid, generate_latest(app.registry)))
+        elif kind == b"M":
+            tag, text = decode_tagged(payload)
+            future = self._metrics.get(tag)
+            if future is not None and not future.done():
+                future.set_result(text)
+        elif kind == b"Y":
+            self._synced.set()
+        else:
+            raise CodecError(f"unknown frame kind {kind!r}")
+
+    def _apply_index(
+        self, kind: bytes, payload: bytes, index: PrefixIndex, observer: InventoryObserver | None
+    ) -> None:
+        if kind == b"V":
+            replica, keys, expiries = decode_stamps(payload)
+            _replay_speculative(index, replica, keys, expiries)
+            return
+        replica, rest = decode_replica(payload)
+        if self._app is None or self._app.fleet.get(replica) is None:
+            return  # refused here too (its registration was)
+        if kind == b"S":
+            entries = decode_snapshot(rest, index.config.max_blocks_per_replica)
+            index.replace_replica(replica, entries)
+            if observer is not None:
+                observer.inventory_snapshot(replica, entries)
+        else:
+            ops = list(decode_ops(rest))  # whole or nothing: decoded before any is applied
+            apply_ops(ops, IndexReplica(index, replica))
+            if observer is not None:
+                observer.inventory_ops(replica, ops)
+
+
+def _replay_speculative(index: PrefixIndex, replica: str, keys: list[int], expiries: list[float]) -> None:
+    """Rebuild the parent's speculative entries of ``replica`` in the same eviction order: each run
+    of entries stamped together is one touch (a touch orders its keys leaf first, so the run goes
+    in reversed)."""
+    if replica not in index.stats():
+        return
+    ttl, start = index.config.approximate_ttl_s, 0
+    for i in range(1, len(keys) + 1):
+        if i == len(keys) or expiries[i] != expiries[start]:
+            with contextlib.suppress(IndexBoundError):
+                index.touch_approximate(replica, keys[start:i][::-1], expiries[start] - ttl)
+            start = i

@@ -1,0 +1,256 @@
+"""``kvgate serve --workers 2`` on real processes (docs/architecture.md, "Workers"): two HTTP
+workers on one port (SO_REUSEPORT), fed one index by the parent. Each answer names its worker
+(``x-kvgate-worker``), so a test drives requests until both workers have answered."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from proto.kvgate.v1 import inventory_pb2 as pb
+from tests.integration.gateway_harness import ADMIN_TOKEN, Gateway, Procs, base_config, http
+from tests.integration.test_gateway_observability import _Agent, _keys_for
+from tests.polling import wait_until
+
+JSON = {"content-type": "application/json"}
+ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+BODY = {"model": "m", "prompt": "The quick brown fox jumps over the lazy dog. " * 4, "max_tokens": 4}
+WORKERS = {"workers": 2}
+MAX_TRIES = 200  # connections land on a worker by the kernel's hash of the client port
+
+pytestmark = pytest.mark.timeout(120)
+
+Answer = tuple[int, dict[str, str], bytes]
+
+
+def post(gw: Gateway, body: dict[str, Any]) -> Answer:
+    return http("POST", gw.url + "/v1/completions", json.dumps(body).encode(), JSON)
+
+
+def from_each_worker(ask: Callable[[], Answer], workers: int = 2) -> dict[str, Answer]:
+    """``ask()`` until every worker has answered; the first answer of each worker."""
+    seen: dict[str, Answer] = {}
+    for _ in range(MAX_TRIES):
+        answer = ask()
+        seen.setdefault(answer[1]["x-kvgate-worker"], answer)
+        if len(seen) == workers:
+            return seen
+    raise AssertionError(f"only workers {sorted(seen)} answered in {MAX_TRIES} requests")
+
+
+def worker_pids(gw: Gateway) -> dict[int, int]:
+    """Worker number -> pid, from the parent's children's command lines (Linux /proc)."""
+    out = {}
+    pid = gw.proc.pid
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        with contextlib.suppress(OSError):
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes().decode().split("\0")
+            if "--worker-index" in cmd:
+                out[int(cmd[cmd.index("--worker-index") + 1])] = int(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def registered(gw: Gateway, check: Callable[[dict[str, Any]], bool]) -> bool:
+    """Both workers' ``/admin/replicas`` satisfy ``check``."""
+    answers = from_each_worker(lambda: http("GET", gw.url + "/admin/replicas", headers=ADMIN))
+    return all(check({r["id"]: r for r in json.loads(a[2])["replicas"]}) for a in answers.values())
+
+
+def connect_agent(gw: Gateway, url: str, keys: list[int], block: int) -> _Agent:
+    agent = _Agent(gw.inventory_port)
+    agent.send(hello=pb.Hello(replica_id="r1", url=url, models=["m"], block_size=block, engine="fake",
+                              protocol_version=1))  # fmt: skip
+    agent.send(snapshot=pb.SnapshotChunk(snapshot_id=1, keys=keys, medium="GPU", last=True))
+    wait_until(
+        lambda: registered(gw, lambda reps: reps.get("r1", {}).get("agent_connected") is True),
+        what="r1 registered in both workers",
+    )
+    return agent
+
+
+def test_agent_blocks_route_the_prefix_to_one_replica_from_both_workers(procs: Procs) -> None:
+    r0, r1 = procs.backend("r0"), procs.backend("r1")
+    cfg = base_config(r0, policy={"name": "kv_aware"}, server=WORKERS)
+    gw = procs.gateway(cfg)
+    keys, block = _keys_for(cfg, BODY)
+    agent = connect_agent(gw, r1.url, keys[:3], cfg["models"][0].get("block_size", 16))
+    try:
+        answers = from_each_worker(lambda: post(gw, BODY))
+        for worker, (status, headers, _) in answers.items():
+            assert status == 200, worker
+            assert headers["x-kvgate-replica"] == "r1", (worker, headers)
+            assert int(headers["x-kvgate-matched-tokens"]) >= 3 * block, (worker, headers)
+        # /metrics sees the whole gateway: both workers' requests and the parent's inventory
+        metrics = http("GET", gw.url + "/metrics")[2].decode()
+        for worker in ("0", "1"):
+            assert f'replica="r1",status="200",worker="{worker}"}}' in metrics
+        assert 'kvgate_inventory_snapshots_applied_total{worker="parent"} 1.0' in metrics
+        assert 'kvgate_workers{worker="parent"} 2.0' in metrics
+    finally:
+        agent.close()
+
+
+def test_a_speculative_entry_made_by_one_worker_is_seen_by_the_other(procs: Procs) -> None:
+    r0, r1 = procs.backend("r0"), procs.backend("r1")
+    gw = procs.gateway(base_config(r0, r1, policy={"name": "kv_aware"}, server=WORKERS))
+    wait_until(lambda: registered(gw, lambda reps: all(r["healthy"] for r in reps.values())), what="healthy")
+    body = {**BODY, "prompt": "speculative " * 40}
+    status, first, _ = post(gw, body)
+    assert status == 200 and first["x-kvgate-matched-tokens"] == "0"
+    for _ in range(MAX_TRIES):
+        status, headers, _ = post(gw, body)
+        if headers["x-kvgate-worker"] != first["x-kvgate-worker"]:
+            break  # the other worker's first answer for this prompt
+    else:
+        raise AssertionError("the other worker never answered")
+    assert status == 200
+    assert headers["x-kvgate-replica"] == first["x-kvgate-replica"]
+    assert int(headers["x-kvgate-matched-tokens"]) > 0  # the first worker's speculative entries
+
+
+def test_a_killed_worker_is_restarted_and_resynced(procs: Procs) -> None:
+    r0, r1 = procs.backend("r0"), procs.backend("r1")
+    cfg = base_config(r0, policy={"name": "kv_aware"}, server=WORKERS)
+    gw = procs.gateway(cfg)
+    body = {**BODY, "prompt": "Blocks the agent reports while a worker is down. " * 4}
+    keys, block = _keys_for(cfg, body)
+    agent = connect_agent(gw, r1.url, [], cfg["models"][0].get("block_size", 16))
+    try:
+        before = worker_pids(gw)
+        assert sorted(before) == [0, 1]
+        os.kill(before[0], signal.SIGKILL)
+        # the agent's blocks arrive while worker 0 is gone: it learns them from the resync
+        agent.send(events=pb.Events(events=[pb.Event(stored=pb.Stored(keys=keys[:3]))]))
+        wait_until(lambda: worker_pids(gw).get(0, before[0]) != before[0], what="worker 0 restarted")
+        answers = wait_until(lambda: _both_route_to_r1(gw, body, 3 * block), 30, "both workers route to r1")
+        assert set(answers) == {"0", "1"}
+        metrics = wait_until(
+            lambda: (
+                (m := http("GET", gw.url + "/metrics")[2].decode())
+                and 'kvgate_workers{worker="parent"} 2.0' in m
+                and m
+            ),
+            what="both workers listening again",
+        )
+        assert 'kvgate_worker_restarts_total{worker="parent"} 1.0' in metrics
+    finally:
+        agent.close()
+
+
+def _both_route_to_r1(gw: Gateway, body: dict[str, Any], tokens: int) -> dict[str, Answer] | None:
+    try:
+        answers = from_each_worker(lambda: post(gw, body))
+    except AssertionError:
+        return None  # the restarted worker does not listen yet
+    ok = all(
+        h["x-kvgate-replica"] == "r1" and int(h["x-kvgate-matched-tokens"]) >= tokens
+        for _, h, _ in answers.values()
+    )
+    return answers if ok else None
+
+
+def test_sigterm_drains_every_worker(procs: Procs) -> None:
+    r0 = procs.backend("r0")
+    server = {**WORKERS, "drain_delay_s": 1.0, "shutdown_grace_s": 15.0}
+    gw = procs.gateway(base_config(r0, server=server))
+    wait_until(lambda: http("GET", gw.url + "/ready")[0] == 200, what="ready")
+    pids = worker_pids(gw)
+    slow = {"model": "m", "prompt": "slow", "max_tokens": 8, "stream": True}
+    results: list[Answer] = []
+    threads = [threading.Thread(target=lambda: results.append(post(gw, slow))) for _ in range(6)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)  # the streams are under way (0.3 s a chunk)
+    os.kill(gw.proc.pid, signal.SIGTERM)
+    drained = wait_until(
+        lambda: _every_worker_draining(gw), 1.0, "/ready 503 from both workers", interval_s=0.01
+    )
+    assert drained
+    for t in threads:
+        t.join(30)
+    assert [a[0] for a in results] == [200] * 6
+    assert {a[1]["x-kvgate-worker"] for a in results} <= {"0", "1"}
+    assert gw.proc.wait(30) == 0
+    assert sorted(pids) == [0, 1] and not any(alive(p) for p in pids.values())
+
+
+def _every_worker_draining(gw: Gateway) -> bool:
+    answers = from_each_worker(lambda: http("GET", gw.url + "/ready", timeout=2))
+    return all(status == 503 and b"draining" in raw for status, _, raw in answers.values())
+
+
+def _policies(gw: Gateway) -> set[str]:
+    """The policy each worker routes with."""
+    explain = json.dumps(BODY).encode()
+    answers = from_each_worker(lambda: http("POST", gw.url + "/admin/explain", explain, {**JSON, **ADMIN}))
+    return {json.loads(raw)["policy"] for _, _, raw in answers.values()}
+
+
+def test_reload_reaches_every_worker(procs: Procs) -> None:
+    r0, r1 = procs.backend("r0"), procs.backend("r1")
+    cfg = base_config(r0, r1, server=WORKERS)
+    gw = procs.gateway(cfg)
+    assert _policies(gw) == {"round_robin"}
+    # POST /admin/reload lands on one worker: it, the parent and the other worker reload
+    gw.config_path.write_text(
+        yaml.safe_dump({**base_config(r1, server=WORKERS), "policy": {"name": "least_loaded"}})
+    )
+    status, _, raw = http("POST", gw.url + "/admin/reload", headers=ADMIN)
+    assert status == 200 and json.loads(raw)["policy"] == "least_loaded"
+    wait_until(lambda: _policies(gw) == {"least_loaded"}, what="every worker reloaded")
+    assert registered(gw, lambda reps: set(reps) == {"r1"})
+    # SIGHUP to the parent: relayed to every worker
+    gw.config_path.write_text(yaml.safe_dump({**cfg, "policy": {"name": "consistent_hash"}}))
+    gw.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: _policies(gw) == {"consistent_hash"}, what="SIGHUP relayed")
+    wait_until(lambda: registered(gw, lambda reps: set(reps) == {"r0", "r1"}), what="r0 back in both")
+    metrics = http("GET", gw.url + "/metrics")[2].decode()
+    for worker in ("0", "1", "parent"):
+        assert f'kvgate_config_reloads_total{{result="applied",worker="{worker}"}} 2.0' in metrics
+
+
+def test_in_flight_load_is_seen_by_every_worker(procs: Procs) -> None:
+    r0 = procs.backend("r0")
+    gw = procs.gateway(base_config(r0, server=WORKERS))
+    wait_until(lambda: registered(gw, lambda reps: reps["r0"]["healthy"]), what="healthy")
+    hang = {"model": "m", "prompt": "hang-forever", "max_tokens": 4}
+    threads = [threading.Thread(target=_hang, args=(gw, hang)) for _ in range(3)]
+    for t in threads:
+        t.start()
+
+    def total(reps: dict[str, Any]) -> bool:
+        # each worker: its own requests plus the others' (relayed by the parent) make the three
+        r = reps["r0"]
+        return bool(r["in_flight_requests"] + r["remote_in_flight_requests"] == 3)
+
+    wait_until(lambda: registered(gw, total), what="every worker counts the three requests")
+    for t in threads:
+        t.join(30)
+    wait_until(
+        lambda: registered(gw, lambda reps: reps["r0"]["remote_in_flight_requests"] == 0),
+        what="the load gone with its requests",
+    )
+
+
+def _hang(gw: Gateway, body: dict[str, Any]) -> None:
+    """A request the backend never answers; the client gives up after a few seconds."""
+    with contextlib.suppress(OSError):
+        http("POST", gw.url + "/v1/completions", json.dumps(body).encode(), JSON, timeout=3)
