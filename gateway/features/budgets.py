@@ -48,6 +48,7 @@ class Budgets:
     defer_backlog_bytes: int | None = None
     inflight_bytes: int = 4 * 1024 * 1024
     max_prompt_chars: int | None = None
+    memo_cache_bytes: int = 32 * 1024 * 1024
 
 
 def text_bytes(text: str) -> int:

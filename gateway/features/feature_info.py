@@ -82,16 +82,27 @@ def truncated(spec: PromptSpec, tokens: TokenArray) -> TokenArray:
     return tokens[len(tokens) - n :] if spec.truncation_side == "left" else tokens[:n]
 
 
+def namespace_of(spec: PromptSpec) -> tuple[str, str | None, str | None, int]:
+    """What a prompt's keys depend on besides its tokens: model, adapter, salt, block size."""
+    mc = spec.resolved.model.config
+    return mc.name, spec.resolved.lora, spec.salt, mc.block_size
+
+
 def exact_features(
-    spec: PromptSpec, tokens: TokenArray, how: Encoded, session_id: str | None
+    spec: PromptSpec,
+    tokens: TokenArray,
+    how: Encoded,
+    session_id: str | None,
+    keys: list[int] | None = None,
 ) -> tuple[RequestFeatures, FeatureInfo]:
     """Features keyed on engine tokens: all of the prompt's, or its exact prefix when the rest
-    is deferred (``how.prompt_tokens`` then counts the estimated rest too)."""
+    is deferred (``how.prompt_tokens`` then counts the estimated rest too). ``keys``: the
+    tokens' keys when the caller has them (``memo_cache``)."""
     r = spec.resolved
     mc = r.model.config
     features = RequestFeatures(
         model=mc.name,
-        block_keys=keys_of(spec)(tokens),
+        block_keys=keys if keys is not None else keys_of(spec)(tokens),
         prompt_tokens=how.prompt_tokens,
         block_size=mc.block_size,
         session_id=session_id,

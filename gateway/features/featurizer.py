@@ -44,8 +44,10 @@ from gateway.features.feature_info import (
     char_features,
     exact_features,
     keys_of,
+    namespace_of,
     truncated,
 )
+from gateway.features.memo_cache import MemoCache
 from gateway.features.model_registry import ModelRegistry
 from gateway.features.prompt import Chars, Prompt, PromptSpec, Remote, Text, TokenIds, chars_of, read_prompt
 from gateway.features.remote_tokenizer import RemoteTokenizeError, RemoteTokenizer, UrlChooser
@@ -87,6 +89,7 @@ class Featurizer:
         budgets: Budgets | None = None,
     ) -> None:
         b = budgets or Budgets()
+        self.memo = MemoCache(b.memo_cache_bytes)
         self.budgets = b
         # requests featurized per mode, and fallbacks to characters per reason class: for metrics
         self.mode_counts: dict[str, int] = {"local": 0, "remote": 0, "token_ids": 0, "chars": 0}
@@ -103,7 +106,7 @@ class Featurizer:
         self.planner = EncodePlanner(defer_chars, seen_entries, self.deferred)
         self._remote = RemoteTokenizer(remote) if remote is not None else None
         self.models = ModelRegistry(
-            models, self._cache, remote_available=remote is not None, base_dir=base_dir
+            models, self._cache, remote_available=remote is not None, base_dir=base_dir, memo=self.memo
         )
 
     @classmethod
@@ -126,6 +129,7 @@ class Featurizer:
                 defer_backlog_bytes=p.tokenize_defer_backlog_bytes,
                 inflight_bytes=p.tokenize_inflight_bytes,
                 max_prompt_chars=p.max_prompt_chars,
+                memo_cache_bytes=p.memo_cache_bytes,
             ),
         )
 
@@ -148,6 +152,8 @@ class Featurizer:
             "deferred_dropped": d.dropped,
             "deferred_backlog_chars": d.queued_chars,
             "seen_entries": len(self.planner.seen),
+            "memo_cache_hits": self.memo.hits,
+            "memo_cache_misses": self.memo.misses,
         }
 
     def memory_stats(self) -> dict[str, tuple[int, int]]:
@@ -155,6 +161,7 @@ class Featurizer:
         b, d, seen = self.budgets, self.deferred, self.planner.seen
         return {
             "segment_cache": (self._cache.bytes, b.cache_bytes or 0),
+            "memo_cache": (self.memo.bytes, b.memo_cache_bytes),
             "seen_texts": (len(seen) * SEEN_ENTRY_BYTES, seen.capacity * SEEN_ENTRY_BYTES),
             "deferred_backlog": (d.queued_bytes, b.defer_backlog_bytes or 0),
             "encodes_in_flight": (self.executor.inflight.held, b.inflight_bytes),
@@ -246,14 +253,20 @@ class Featurizer:
             nbytes=_bytes_of(prompt.text, plan.missing_chars),
         )
         tokens = enc.finish(plan, done, add_special_tokens=ast, record=not explain)
-        result = self._encoded(req, spec, plan, tokens, offloaded)
+        result = self._encoded(req, spec, plan, tokens, offloaded, explain)
         return self._count(result, prompt, explain)
 
-    @staticmethod
     def _encoded(
-        req: ParsedRequest, spec: PromptSpec, plan: EncodePlan, tokens: TokenArray, offloaded: bool
+        self,
+        req: ParsedRequest,
+        spec: PromptSpec,
+        plan: EncodePlan,
+        tokens: TokenArray,
+        offloaded: bool,
+        explain: bool = False,
     ) -> Result:
-        """Features of a prompt encoded here (``tokens``: all of them, from ``plan``)."""
+        """Features of a prompt encoded here (``tokens``: all of them, from ``plan``); the keys
+        come from the memo cache, which ``explain`` leaves as it is."""
         tokens = truncated(spec, tokens)
         how = Encoded(
             "local",
@@ -263,7 +276,9 @@ class Featurizer:
             encoded_chars=plan.missing_chars,
             offloaded=offloaded,
         )
-        return exact_features(spec, tokens, how, req.session_id)
+        compute = keys_of(spec)
+        keys = compute(tokens) if explain else self.memo.keys(namespace_of(spec), tokens, compute)
+        return exact_features(spec, tokens, how, req.session_id, keys)
 
     async def _defer(
         self, req: ParsedRequest, spec: PromptSpec, prompt: Text, step: Defer, explain: bool

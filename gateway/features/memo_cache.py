@@ -1,0 +1,96 @@
+"""Results of pure steps of the features pipeline, for prompts seen before (docs/architecture.md,
+"Request path": features).
+
+Two steps cost tens of microseconds a request and are pure functions of their inputs:
+- a chat template's rendering of a conversation (``chat_template.ChatTemplate.render``; ~30 us
+  for an 8 KB chat), of the conversation, tools, documents and template arguments;
+- a prompt's block keys (``router_policies.block_keys``; one hash call a block, ~30 us for an
+  8 KB prompt), of the key namespace (model, adapter, cache salt), the block size and the tokens.
+A resent prompt (a retried request, the same document asked about again, a replayed
+conversation) pays them again. ``MemoCache`` keeps their results, found by a 128-bit xxh3 digest
+of the inputs' bytes (a collision is as likely as one between block keys), in one LRU bounded in
+bytes (``proxy.memo_cache_bytes``; 0 disables it). A hit is exact by construction: same inputs,
+same output. Event-loop thread only.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+
+import numpy as np
+import xxhash
+
+from gateway.features.segment_encoder import TokenArray
+
+ENTRY_OVERHEAD = 400  # an entry's OrderedDict slot, its key tuple and the value's header
+KEY_BYTES = 40  # one block key: the tuple's pointer and a 64-bit int object
+
+KeyNamespace = tuple[str, str | None, str | None, int]  # model, adapter, cache salt, block size
+
+
+def digest(raw: bytes) -> int:
+    return xxhash.xxh3_128_intdigest(raw)
+
+
+class MemoCache:
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < 0:
+            raise ValueError("max_bytes must be >= 0")
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self._data: OrderedDict[Hashable, tuple[object, int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def get(self, key: Hashable) -> object | None:
+        hit = self._data.get(key)
+        if hit is None:
+            self.misses += 1
+            return None
+        self._data.move_to_end(key)
+        self.hits += 1
+        return hit[0]
+
+    def put(self, key: Hashable, value: object, size: int) -> None:
+        """Keep ``value`` (``size`` bytes, overhead included) unless it exceeds the bound; the
+        least recently used entries go first. Invariant: ``bytes <= max_bytes``."""
+        if size > self.max_bytes:
+            return
+        old = self._data.pop(key, None)
+        if old is not None:
+            self.bytes -= old[1]
+        self._data[key] = (value, size)
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, (_, dropped) = self._data.popitem(last=False)
+            self.bytes -= dropped
+        assert self.bytes <= self.max_bytes
+
+    def keys(self, namespace: KeyNamespace, tokens: TokenArray, compute: Callable[[TokenArray], list[int]]) -> list[int]:
+        """The block keys of ``tokens`` in ``namespace``: remembered, or ``compute(tokens)``."""
+        if self.max_bytes == 0:
+            return compute(tokens)
+        raw = np.ascontiguousarray(tokens, dtype=np.uint32).tobytes()
+        key = ("keys", *namespace, len(raw), digest(raw))
+        hit = self.get(key)
+        if hit is not None:
+            return list(hit)  # type: ignore[call-overload]
+        keys = compute(tokens)
+        self.put(key, tuple(keys), ENTRY_OVERHEAD + KEY_BYTES * len(keys))
+        return keys
+
+    def text(self, key: Hashable, compute: Callable[[], str]) -> str:
+        """A rendered text: remembered under ``key``, or ``compute()``."""
+        if self.max_bytes == 0:
+            return compute()
+        hit = self.get(key)
+        if isinstance(hit, str):
+            return hit
+        text = compute()
+        self.put(key, text, ENTRY_OVERHEAD + sys.getsizeof(text))
+        return text
