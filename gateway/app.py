@@ -52,7 +52,7 @@ from gateway.inventory_server import InventoryServer
 from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import error_response, openai_errors_middleware
 from gateway.operator_view import OperatorView, with_observer
-from gateway.proxy import Proxy
+from gateway.proxy import Proxy, ProxyParts
 from gateway.routing import Router, RoutingState
 from gateway.shared_state import SharedState
 from gateway.shared_state_context import SharedContext
@@ -62,6 +62,7 @@ from gateway.shared_state_publisher import Publisher
 from gateway.status_page import StatusPage
 from gateway.tls import http_ssl_context
 from gateway.tracing import Tracing
+from gateway.upstream_client import UpstreamClient
 from router_policies.errors import UserInputError
 from router_policies.placement import EXPIRE_INTERVAL_S
 from router_policies.prefix_index import PrefixIndex
@@ -177,6 +178,7 @@ class GatewayApp:
         self._api_auth = api_auth_middlewares(config.auth.api_keys, self._env, self.registry)
         self._http_ssl = http_ssl_context(config.auth.http_tls)
         self._session: aiohttp.ClientSession | None = None
+        self._client: UpstreamClient | None = None  # the request path's (gateway/upstream_client.py)
         self._proxy: Proxy | None = None
         self._health: HealthChecker | None = None
         self._expire_task: asyncio.Task[None] | None = None
@@ -303,16 +305,18 @@ class GatewayApp:
             auto_decompress=False,  # bytes pass through as the replica sent them
             skip_auto_headers=("Accept-Encoding", "User-Agent"),
         )
-        self._proxy = Proxy(
-            lambda: self._state,
+        self._client = UpstreamClient()
+        parts = ProxyParts(
             self.router,
             self.fleet,
             self._session,
+            self._client,
             self.metrics,
             self.tracing,
             self.access_log,
             outcomes=self.operator,
         )
+        self._proxy = Proxy(lambda: self._state, parts)
         await self.operator.start()
         inv_addr = inventory or cfg.listen.inventory
         try:
@@ -360,6 +364,9 @@ class GatewayApp:
         for task in list(self._retiring):
             await cancel_and_wait(task)
         await self._state.featurizer.close()
+        if self._client is not None:
+            self._client.close()
+            self._client = None
         if self._session is not None:
             await self._session.close()
             self._session = None

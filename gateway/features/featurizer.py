@@ -51,7 +51,7 @@ from gateway.features.memo_cache import MemoCache
 from gateway.features.model_registry import ModelRegistry
 from gateway.features.prompt import Chars, Prompt, PromptSpec, Remote, Text, TokenIds, chars_of, read_prompt
 from gateway.features.remote_tokenizer import RemoteTokenizeError, RemoteTokenizer, UrlChooser
-from gateway.features.segment_encoder import BoundedLRU, EncodePlan, SegmentEncoder, TokenArray
+from gateway.features.segment_encoder import BoundedLRU, SegmentEncoder, TokenArray
 from gateway.openai_errors import RequestError
 from gateway.request import Endpoint, ParsedRequest, request_of
 from router_policies.policy import RequestFeatures
@@ -201,7 +201,8 @@ class Featurizer:
             tokens = enc.finish(
                 plan, enc.encode_missing(plan, add_special_tokens=ast), add_special_tokens=ast
             )
-            return self._count(self._encoded(req, spec, plan, tokens, False), prompt, False)
+            how = Encoded("local", 0, plan.segments, plan.cached_segments, plan.missing_chars)
+            return self._count(self._encoded(req, spec, tokens, how), prompt, False)
         return self._count(self._keyed(req, spec, prompt), prompt, False)
 
     async def features(
@@ -243,6 +244,12 @@ class Featurizer:
 
     async def _encode(self, req: ParsedRequest, spec: PromptSpec, prompt: Text, explain: bool) -> Result:
         enc = self._encoder(spec)
+        memo = self.memo.text_tokens(enc.namespace, prompt) if not explain else None
+        if memo is not None and memo.found is not None:
+            tokens, segments = memo.found
+            return self._count(
+                self._encoded(req, spec, tokens, Encoded("local", 0, segments, segments)), prompt, explain
+            )
         step = await self.planner.plan(enc, prompt, spec.truncate is not None, explain)
         if isinstance(step, Defer):
             return self._count(await self._defer(req, spec, prompt, step, explain), prompt, explain)
@@ -253,28 +260,19 @@ class Featurizer:
             nbytes=_bytes_of(prompt.text, plan.missing_chars),
         )
         tokens = enc.finish(plan, done, add_special_tokens=ast, record=not explain)
-        result = self._encoded(req, spec, plan, tokens, offloaded, explain)
-        return self._count(result, prompt, explain)
+        if memo is not None:
+            memo.keep(tokens, plan.segments)
+        how = Encoded("local", 0, plan.segments, plan.cached_segments, plan.missing_chars, offloaded)
+        return self._count(self._encoded(req, spec, tokens, how, explain), prompt, explain)
 
     def _encoded(
-        self,
-        req: ParsedRequest,
-        spec: PromptSpec,
-        plan: EncodePlan,
-        tokens: TokenArray,
-        offloaded: bool,
-        explain: bool = False,
+        self, req: ParsedRequest, spec: PromptSpec, tokens: TokenArray, how: Encoded, explain: bool = False
     ) -> Result:
-        """Features of a prompt encoded here (``tokens``: all of them, from ``plan``); the keys
-        come from the memo cache, which ``explain`` leaves as it is."""
+        """Features of a prompt encoded here (``tokens``: all of them; ``how``: how, its token
+        count set here); the keys come from the memo cache, which ``explain`` leaves as it is."""
         tokens = truncated(spec, tokens)
         how = Encoded(
-            "local",
-            len(tokens),
-            segments=plan.segments,
-            segments_cached=plan.cached_segments,
-            encoded_chars=plan.missing_chars,
-            offloaded=offloaded,
+            "local", len(tokens), how.segments, how.segments_cached, how.encoded_chars, how.offloaded
         )
         compute = keys_of(spec)
         keys = compute(tokens) if explain else self.memo.keys(namespace_of(spec), tokens, compute)

@@ -1,7 +1,9 @@
 """Results of pure steps of the features pipeline, for prompts seen before (docs/architecture.md,
 "Request path": features).
 
-Two steps cost tens of microseconds a request and are pure functions of their inputs:
+Three steps cost tens of microseconds a request and are pure functions of their inputs:
+- a prompt text's tokens (segment_encoder.py: splitting, one cache lookup a segment, joining),
+  of the tokenizer, the text and whether special tokens are added;
 - a chat template's rendering of a conversation (``chat_template.ChatTemplate.render``; ~30 us
   for an 8 KB chat), of the conversation, tools, documents and template arguments;
 - a prompt's block keys (``router_policies.block_keys``; one hash call a block, ~30 us for an
@@ -18,11 +20,16 @@ from __future__ import annotations
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import xxhash
 
 from gateway.features.segment_encoder import TokenArray
+
+if TYPE_CHECKING:
+    from gateway.features.prompt import Text
 
 ENTRY_OVERHEAD = 400  # an entry's OrderedDict slot, its key tuple and the value's header
 KEY_BYTES = 40  # one block key: the tuple's pointer and a 64-bit int object
@@ -32,6 +39,21 @@ KeyNamespace = tuple[str, str | None, str | None, int]  # model, adapter, cache 
 
 def digest(raw: bytes) -> int:
     return xxhash.xxh3_128_intdigest(raw)
+
+
+@dataclass(slots=True)
+class TextTokens:
+    """A text's entry: ``found`` (its tokens and the segments they were encoded in), or a miss
+    that ``keep`` fills once the text is encoded."""
+
+    cache: MemoCache
+    key: Hashable
+    found: tuple[TokenArray, int] | None
+
+    def keep(self, tokens: TokenArray, segments: int) -> None:
+        tokens = tokens.copy()
+        tokens.setflags(write=False)  # shared by every request that resends the text
+        self.cache.put(self.key, (tokens, segments), ENTRY_OVERHEAD + tokens.nbytes)
 
 
 class MemoCache:
@@ -71,7 +93,9 @@ class MemoCache:
             self.bytes -= dropped
         assert self.bytes <= self.max_bytes
 
-    def keys(self, namespace: KeyNamespace, tokens: TokenArray, compute: Callable[[TokenArray], list[int]]) -> list[int]:
+    def keys(
+        self, namespace: KeyNamespace, tokens: TokenArray, compute: Callable[[TokenArray], list[int]]
+    ) -> list[int]:
         """The block keys of ``tokens`` in ``namespace``: remembered, or ``compute(tokens)``."""
         if self.max_bytes == 0:
             return compute(tokens)
@@ -79,10 +103,18 @@ class MemoCache:
         key = ("keys", *namespace, len(raw), digest(raw))
         hit = self.get(key)
         if hit is not None:
-            return list(hit)  # type: ignore[call-overload]
+            return list(cast(tuple[int, ...], hit))
         keys = compute(tokens)
         self.put(key, tuple(keys), ENTRY_OVERHEAD + KEY_BYTES * len(keys))
         return keys
+
+    def text_tokens(self, tokenizer: str, prompt: Text) -> TextTokens | None:
+        """The memo entry of ``prompt``'s tokens (None: the memo is off)."""
+        if self.max_bytes == 0:
+            return None
+        raw = prompt.text.encode("utf-8", "surrogatepass")
+        key = ("tokens", tokenizer, prompt.add_special_tokens, len(raw), digest(raw))
+        return TextTokens(self, key, cast(tuple[TokenArray, int] | None, self.get(key)))
 
     def text(self, key: Hashable, compute: Callable[[], str]) -> str:
         """A rendered text: remembered under ``key``, or ``compute()``."""

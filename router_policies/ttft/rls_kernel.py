@@ -25,7 +25,9 @@ def _compiled(fn: F) -> F:
 
 
 @_compiled
-def rls_step(w: F64, p: F64, z: F64, target: float, clip: float, forgetting: float, max_w: float, p0_trace: float) -> float:  # noqa: E501
+def rls_step(
+    w: F64, p: F64, z: F64, target: float, clip: float, forgetting: float, max_w: float, p0_trace: float
+) -> float:  # noqa: E501
     """One robust RLS step, in place on ``w`` (multiples) and ``p`` (covariance); ``z`` is the
     normalised feature vector and ``target`` the normalised observation. Returns the residual
     before the update (unclipped); ``clip`` bounds the residual that moves ``w``."""
@@ -75,7 +77,9 @@ def dot_scaled(x: F64, ref: F64, w: F64) -> float:
     return s
 
 
-def step_reference(w: F64, p: F64, z: F64, target: float, consts: tuple[float, float, float, float]) -> tuple[F64, F64, float]:  # noqa: E501
+def step_reference(
+    w: F64, p: F64, z: F64, target: float, consts: tuple[float, float, float, float]
+) -> tuple[F64, F64, float]:  # noqa: E501
     """The numpy formulation ``rls_step`` compiles (for the equivalence test): returns (w, p, e)."""
     clip, forgetting, max_w, p0_trace = consts
     e = target - float(np.dot(z, w))

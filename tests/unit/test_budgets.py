@@ -155,7 +155,13 @@ async def test_memory_stats_report_every_holder_under_its_budget() -> None:
             req = request_of("completions", {"model": "tiny", "prompt": _text(i, 8000) + "<|im_end|>"})
             await f.featurize(req)
         stats = f.memory_stats()
-        assert set(stats) == {"segment_cache", "memo_cache", "seen_texts", "deferred_backlog", "encodes_in_flight"}
+        assert set(stats) == {
+            "segment_cache",
+            "memo_cache",
+            "seen_texts",
+            "deferred_backlog",
+            "encodes_in_flight",
+        }
         held, bound = stats["segment_cache"]
         assert 0 < held <= bound == cache
         assert stats["encodes_in_flight"] == (0, 30_000)
@@ -205,7 +211,10 @@ def test_memo_cache_is_exact_and_bounded_in_bytes() -> None:
 async def test_a_chat_rendered_from_the_memo_is_the_rendering() -> None:
     f = _featurizer()
     try:
-        body = {"model": "tiny", "messages": [{"role": "system", "content": "s " * 50}, {"role": "user", "content": "hi"}]}
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "system", "content": "s " * 50}, {"role": "user", "content": "hi"}],
+        }
         first, _ = await f.featurize(request_of("chat", body))
         hits = f.memo.hits
         again, _ = await f.featurize(request_of("chat", body))
