@@ -1,30 +1,13 @@
-# The pre-numba PrefixIndex (pure-Python dicts + int bitmasks), kept verbatim for the before/after
-# comparison in bench/index_bench.py. Not used by kvgate. Its configuration, errors and match result
-# are the real index's (router_policies/index_types.py).
-"""Approximate global prefix index: block key -> the replicas that hold it (docs/architecture.md, "The index").
+# The pre-numba PrefixIndex, kept for the before/after comparison in bench/index_bench.py (its
+# storage and algorithms as they were). Not used by kvgate.
+"""The prefix index as pure-Python dicts and int bitmasks, with the semantics, entry kinds and
+invariants of ``router_policies/prefix_index.py`` (docs/architecture.md, "The index"; method by
+method, its docstrings), whose numba table replaced it. Replica slots and bound checks are the
+real index's own (``replica_slots.py``, ``index_types.py``); tests/bench/test_index_reference.py
+holds the two to the same results.
 
-Two kinds of entries per replica:
-
-* **precise** entries mirror what the replica's agent reports (BlockStored / BlockRemoved /
-  snapshots). The engine decides evictions; the index only enforces ``max_blocks_per_replica``
-  by refusing a mutation that would exceed it (``IndexBoundError``), leaving the index unchanged.
-* **approximate** entries come from the gateway's own routing decisions. They bridge the time
-  before the engine's events arrive, or stand in for replicas without an agent. They expire
-  ``approximate_ttl_s`` after their last touch and obey ``approximate_blocks_per_replica``,
-  evicting leaf first, least recently used first.
-
-Invariants
-* ``_holders[key]`` is the bit mask of replica slots holding ``key`` precisely or approximately;
-  a key with an empty mask is absent from the dict.
-* In each replica's approximate ``OrderedDict`` (oldest first) every block stands *before* its
-  parent: a touch walks the path from the leaf back to the root, moving each entry to the end.
-  Hence the first entry never has a child in the dict, so ``popitem(last=False)`` always evicts
-  a leaf, and the least recently used one (a parent becomes evictable only when its children are
-  gone). Touch times are monotone along the order, so TTL expiry also pops from the front.
-* Mutations never await and never raise half-way: bounds are checked before anything changes.
-
-Times are passed in by the caller (seconds, any monotone clock), so that the simulator can run
-the index on virtual time.
+Invariant of this storage: ``_holders[key]`` is the bit mask of replica slots holding ``key``
+precisely or approximately; a key with an empty mask is absent from the dict.
 """
 
 from __future__ import annotations
@@ -33,8 +16,9 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from router_policies.index_types import IndexBoundError, IndexConfig, MatchResult
+from router_policies.index_types import IndexConfig, MatchResult, check_replica_bound, check_total_bound
 from router_policies.prefix_index import GPU
+from router_policies.replica_slots import ReplicaSlots
 
 
 @dataclass(slots=True)
@@ -52,35 +36,20 @@ class PrefixIndex:
     def __init__(self, config: IndexConfig | None = None) -> None:
         self.config = config or IndexConfig()
         self._holders: dict[int, int] = {}
-        self._replicas: dict[str, _Replica] = {}
-        self._by_slot: dict[int, str] = {}
-        self._free_slots: list[int] = []
-        self._next_slot = 0
+        self._slots: ReplicaSlots[_Replica] = ReplicaSlots(self.config.max_replicas)
+        self._replicas = self._slots.records
+        self._by_slot = self._slots.by_slot
         self._entries = 0  # precise + approximate entries over all replicas
 
     # ---------------------------------------------------------------- replicas
     def add_replica(self, replica: str) -> None:
-        if replica in self._replicas:
-            return
-        if self._free_slots:
-            slot = self._free_slots.pop()
-        else:
-            if self._next_slot >= self.config.max_replicas:
-                raise IndexBoundError(f"index already tracks max_replicas={self.config.max_replicas}")
-            slot = self._next_slot
-            self._next_slot += 1
-        self._replicas[replica] = _Replica(slot=slot, bit=1 << slot)
-        self._by_slot[slot] = replica
+        self._slots.add(replica, lambda slot: _Replica(slot=slot, bit=1 << slot))
 
     def remove_replica(self, replica: str) -> None:
-        rep = self._replicas.get(replica)
-        if rep is None:
-            return
-        self.clear_replica(replica)
-        self.clear_approximate(replica)
-        del self._replicas[replica]
-        del self._by_slot[rep.slot]
-        self._free_slots.append(rep.slot)
+        if replica in self._replicas:
+            self.clear_replica(replica)
+            self.clear_approximate(replica)
+            self._slots.release(replica)
 
     @property
     def replicas(self) -> list[str]:
@@ -95,18 +64,12 @@ class PrefixIndex:
 
     # ---------------------------------------------------------------- precise
     def store(self, replica: str, keys: Sequence[int], medium: str = GPU) -> int:
-        """Record that ``replica`` holds ``keys``; idempotent. Returns the number of new entries."""
         rep = self._rep(replica)
         precise = rep.precise
         new = [k for k in dict.fromkeys(keys) if k not in precise]
-        if len(precise) + len(new) > self.config.max_blocks_per_replica:
-            raise IndexBoundError(
-                f"replica {replica!r} would hold {len(precise) + len(new)} blocks, "
-                f"over max_blocks_per_replica={self.config.max_blocks_per_replica}"
-            )
+        check_replica_bound(self.config, len(precise) + len(new), f"replica {replica!r} would hold")
         added = sum(1 for k in new if k not in rep.approx)
-        if self._entries + added > self.config.max_total_blocks:
-            raise IndexBoundError(f"index would exceed max_total_blocks={self.config.max_total_blocks}")
+        check_total_bound(self.config, self._entries + added)
         holders = self._holders
         bit = rep.bit
         approx = rep.approx
@@ -123,7 +86,6 @@ class PrefixIndex:
         return len(new)
 
     def remove(self, replica: str, keys: Iterable[int]) -> int:
-        """Forget precise entries; keys not held are ignored. Returns the number removed."""
         rep = self._replicas.get(replica)
         if rep is None:
             return 0
@@ -147,26 +109,18 @@ class PrefixIndex:
         return removed
 
     def clear_replica(self, replica: str) -> int:
-        """Forget every precise entry of ``replica`` (its approximate ones stay)."""
         rep = self._replicas.get(replica)
         if rep is None:
             return 0
         return self.remove(replica, list(rep.precise))
 
     def replace_replica(self, replica: str, entries: Mapping[int, str]) -> None:
-        """Atomically replace the precise inventory of ``replica`` (a snapshot): on a bound error
-        nothing changes."""
-        if len(entries) > self.config.max_blocks_per_replica:
-            raise IndexBoundError(
-                f"snapshot of {replica!r} has {len(entries)} blocks, "
-                f"over max_blocks_per_replica={self.config.max_blocks_per_replica}"
-            )
+        check_replica_bound(self.config, len(entries), f"snapshot of {replica!r} has")
         rep = self._rep(replica)
         grow = sum(1 for k in entries if k not in rep.precise and k not in rep.approx) - sum(
             1 for k in rep.precise if k not in entries
         )
-        if self._entries + grow > self.config.max_total_blocks:
-            raise IndexBoundError(f"index would exceed max_total_blocks={self.config.max_total_blocks}")
+        check_total_bound(self.config, self._entries + grow)
         self.remove(replica, [k for k in rep.precise if k not in entries])
         by_medium: dict[str, list[int]] = {}
         for k, medium in entries.items():
@@ -187,10 +141,6 @@ class PrefixIndex:
 
     # ---------------------------------------------------------------- approximate
     def touch_approximate(self, replica: str, keys: Sequence[int], now: float) -> None:
-        """Record that a request with the leading blocks ``keys`` was routed to ``replica``.
-
-        Blocks the replica holds precisely are not duplicated. Evicts leaf-first LRU entries
-        beyond ``approximate_blocks_per_replica`` and expires entries past their TTL."""
         rep = self._rep(replica)
         cap = self.config.approximate_blocks_per_replica
         self.expire(now, replica)
@@ -232,11 +182,9 @@ class PrefixIndex:
             del self._holders[key]
 
     def expire(self, now: float, replica: str | None = None) -> int:
-        """Drop approximate entries untouched for longer than the TTL."""
         deadline = now - self.config.approximate_ttl_s
-        reps = [self._replicas[replica]] if replica is not None else list(self._replicas.values())
         dropped = 0
-        for rep in reps:
+        for rep in self._slots.selected(replica):
             approx = rep.approx
             while approx:
                 k, t = next(iter(approx.items()))
@@ -256,13 +204,11 @@ class PrefixIndex:
             self._drop_holder_bit(k, rep)
 
     def approximate_keys(self, replica: str) -> list[int]:
-        """Approximate keys of ``replica``, eviction order first."""
         rep = self._replicas.get(replica)
         return list(rep.approx) if rep else []
 
     # ---------------------------------------------------------------- queries
     def match(self, keys: Sequence[int]) -> MatchResult:
-        """Each replica's longest leading run of ``keys`` (replicas matching nothing are absent)."""
         blocks: dict[str, int] = {}
         n = len(keys)
         if n == 0:
@@ -304,12 +250,10 @@ class PrefixIndex:
         return sorted(out)
 
     def __len__(self) -> int:
-        """Distinct keys held by any replica."""
         return len(self._holders)
 
     @property
     def entries(self) -> int:
-        """Precise plus approximate entries over all replicas (the bounded quantity)."""
         return self._entries
 
     def stats(self) -> dict[str, dict[str, int]]:

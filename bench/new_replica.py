@@ -108,7 +108,7 @@ class _Bench:
         self.sessions[s] += [self.rng.getrandbits(63) for _ in range(self.rng.randrange(4, 12))]
         keys = list(self.sessions[s])
         feats = RequestFeatures("m", keys, len(keys) * BS + 5, BS, f"s{s}")
-        choice = self.router.choose(self.state, feats, self.router.match(feats))
+        choice = self.router.choose(self.state, feats)
         d = Dispatch.of(choice.snapshot, choice.record.id, feats, choice.predicted_tokens, 100)
         rid = choice.record.id
         first_at = self.engines[rid].first_token_at(self.now, feats.prompt_tokens - choice.predicted_tokens)

@@ -52,6 +52,18 @@ def _host_port(value: str) -> str:
     return value
 
 
+def _together(cert: str, key: str) -> Any:
+    """A model validator: the fields ``cert`` and ``key`` (a certificate and its private key)
+    are both set or both unset."""
+
+    def check(model: BaseModel) -> BaseModel:
+        if (getattr(model, cert) is None) != (getattr(model, key) is None):
+            raise ValueError(f"{cert} and {key} go together")
+        return model
+
+    return model_validator(mode="after")(check)
+
+
 class ListenConfig(_Strict):
     """Where the gateway listens (the CLI flags --listen and --inventory override these)."""
 
@@ -212,12 +224,7 @@ class InventoryConfig(_Strict):
     )
     tls_cert: str | None = Field(None, description="PEM certificate to serve the stream over TLS.")
     tls_key: str | None = Field(None, description="PEM private key of tls_cert.")
-
-    @model_validator(mode="after")
-    def _tls_pair(self) -> InventoryConfig:
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("tls_cert and tls_key go together")
-        return self
+    _tls_pair = _together("tls_cert", "tls_key")
 
 
 class AuthConfig(_Strict):
@@ -284,12 +291,7 @@ class TlsConfig(_Strict):
 
     cert: str | None = Field(None, description="PEM certificate chain of the HTTP listener.")
     key: str | None = Field(None, description="PEM private key of cert.")
-
-    @model_validator(mode="after")
-    def _pair(self) -> TlsConfig:
-        if (self.cert is None) != (self.key is None):
-            raise ValueError("cert and key go together")
-        return self
+    _pair = _together("cert", "key")
 
 
 AuthConfig.model_rebuild()

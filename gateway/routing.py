@@ -114,15 +114,11 @@ class Router:
             self._index.forget_approximate(spec.replica, added)
 
     def choose(
-        self,
-        state: RoutingState,
-        features: RequestFeatures,
-        match: MatchResult,
-        exclude: frozenset[str] = frozenset(),
+        self, state: RoutingState, features: RequestFeatures, exclude: frozenset[str] = frozenset()
     ) -> Choice:
-        """``decide`` then ``commit`` in one call (used by tests and the simulator parity check,
-        which route without retries)."""
-        choice = self.decide(state, features, match, exclude)
+        """``match``, ``decide`` and ``commit`` in one call (used by tests, benches and the
+        simulator parity check, which route without retries)."""
+        choice = self.decide(state, features, self.match(features), exclude)
         self.commit(state, features, choice)
         return choice
 

@@ -69,7 +69,7 @@ def main() -> int:
     from transformers import PreTrainedTokenizerFast
 
     from gateway.config import ModelConfig
-    from gateway.features import Featurizer
+    from gateway.features import EncodeSettings, Featurizer
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = _train(args.vocab, Path(tmp) / "tok") if args.vocab else TINY
@@ -84,7 +84,10 @@ def main() -> int:
             return out
 
         def run_kvgate(entries: int) -> list[list[int]]:
-            fz = Featurizer([ModelConfig(name="m", tokenizer=str(folder))], cache_entries=entries, threads=1)
+            fz = Featurizer(
+                [ModelConfig(name="m", tokenizer=str(folder))],
+                EncodeSettings(cache_entries=entries, threads=1),
+            )
             out = []
             for msgs in requests:
                 _, info = fz.features_sync("chat", {"model": "m", "messages": msgs})

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from proto.kvgate.v1 import inventory_pb2 as pb
 from replica_agent.agent_metrics import agent_registry
 from replica_agent.engine_models import engine_models
-from replica_agent.gateway_client import GatewayClient, HelloInfo
+from replica_agent.gateway_client import GatewayClient, HelloInfo, Link, Sources
 from replica_agent.inventory import AgentInventory
 from replica_agent.load_probe import EngineLoad, MetricsParseError, parse_engine_metrics
 from replica_agent.outbox import Outbox
@@ -255,18 +255,22 @@ class Agent:
                     on_applied=on_applied,
                 )
                 self.client = GatewayClient(
-                    cfg.gateway,
-                    self.inventory,
-                    self.outbox,
-                    self._hello,
-                    token=cfg.token,
-                    tls_ca=cfg.tls_ca,
-                    state=self._state,
-                    load=self._load,
-                    engine=self._engine,
-                    seed=cfg.seed,
-                    backoff_max_s=cfg.backoff_max_s,
-                    on_key_block_size=self._gateway_block_size,
+                    Link(
+                        cfg.gateway,
+                        token=cfg.token,
+                        tls_ca=cfg.tls_ca,
+                        seed=cfg.seed,
+                        backoff_max_s=cfg.backoff_max_s,
+                    ),
+                    Sources(
+                        self.inventory,
+                        self.outbox,
+                        self._hello,
+                        state=self._state,
+                        load=self._load,
+                        engine=self._engine,
+                        on_key_block_size=self._gateway_block_size,
+                    ),
                 )
                 tasks.insert(0, asyncio.create_task(self.subscriber.run(), name="agent-subscriber"))
                 if cfg.models_interval_s > 0:

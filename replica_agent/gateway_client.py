@@ -57,40 +57,41 @@ class ClientStats:
     last_error: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class Link:
+    """How the client reaches the gateway: address, credentials, reconnect and batching pace."""
+
+    target: str  # HOST:PORT
+    token: str | None = None  # bearer token (None: none sent)
+    tls_ca: bytes | None = None  # PEM roots to verify the gateway (None: plaintext)
+    seed: int = 0  # of the reconnect jitter
+    backoff_initial_s: float = 0.1
+    backoff_max_s: float = 5.0
+    flush_interval_s: float = 0.005  # wait after a wake-up so that a batch gathers
+
+
+@dataclass(frozen=True, slots=True)
+class Sources:
+    """What the client streams (the agent's inventory, outbox and figures) and whom it tells
+    of the gateway's block size."""
+
+    inventory: AgentInventory
+    outbox: Outbox
+    hello: Callable[[], HelloInfo | None]
+    state: Callable[[], pb.AgentState] | None = None
+    load: Callable[[], pb.Load | None] | None = None
+    engine: Callable[[], pb.EngineState] | None = None  # hybrid flag, LoRA adapters (sent on change)
+    # the gateway's block size from the hello's Ack; True: the agent re-keys, say hello again
+    on_key_block_size: Callable[[int], bool] | None = None
+
+
 class GatewayClient:
-    def __init__(
-        self,
-        target: str,
-        inventory: AgentInventory,
-        outbox: Outbox,
-        hello: Callable[[], HelloInfo | None],
-        *,
-        token: str | None = None,
-        tls_ca: bytes | None = None,
-        state: Callable[[], pb.AgentState] | None = None,
-        load: Callable[[], pb.Load | None] | None = None,
-        engine: Callable[[], pb.EngineState] | None = None,
-        seed: int = 0,
-        backoff_initial_s: float = 0.1,
-        backoff_max_s: float = 5.0,
-        flush_interval_s: float = 0.005,
-        on_key_block_size: Callable[[int], bool] | None = None,
-    ) -> None:
-        self.target = target
-        self.inventory = inventory
-        self.outbox = outbox
-        self._hello = hello
-        self._token = token
-        self._tls_ca = tls_ca
-        self._state = state
-        self._load = load
-        self._engine = engine  # EngineState: hybrid flag, LoRA adapters (sent when it changes)
-        self._rng = random.Random(seed)
-        self.backoff_initial_s = backoff_initial_s
-        self.backoff_max_s = backoff_max_s
-        self.flush_interval_s = flush_interval_s
-        # the gateway's block size from the hello's Ack; True: the agent re-keys, say hello again
-        self._on_key_block_size = on_key_block_size
+    def __init__(self, link: Link, sources: Sources) -> None:
+        self.link = link  # replaced whole (tests point a client elsewhere)
+        self.src = sources
+        self.inventory = sources.inventory
+        self.outbox = sources.outbox
+        self._rng = random.Random(link.seed)
         self.stats = ClientStats()
         self.connected = asyncio.Event()
         self._snapshot_id = 0
@@ -99,13 +100,13 @@ class GatewayClient:
     def backoff(self, attempt: int) -> float:
         """Delay before reconnect attempt ``attempt`` (0-based): exponential, capped, with jitter in
         [50%, 100%] from the seeded generator so that agents restarted together spread out."""
-        base = min(self.backoff_max_s, self.backoff_initial_s * float(1 << min(attempt, 30)))
+        base = min(self.link.backoff_max_s, self.link.backoff_initial_s * float(1 << min(attempt, 30)))
         return base * (0.5 + 0.5 * self._rng.random())
 
     async def run(self) -> None:
         attempt = 0
         while True:
-            hello = self._hello()
+            hello = self.src.hello()
             if hello is None:  # block size not known yet: wait for the engine to tell
                 await asyncio.sleep(0.05)
                 continue
@@ -119,15 +120,15 @@ class GatewayClient:
                     log.error(
                         "gateway %s refused this agent's credentials: %s (check --token-env and the "
                         "gateway's auth.agent_tokens / auth.registration)",
-                        self.target,
+                        self.link.target,
                         self.stats.last_error,
                     )
                 else:
-                    log.warning("gateway stream to %s ended: %s", self.target, self.stats.last_error)
+                    log.warning("gateway stream to %s ended: %s", self.link.target, self.stats.last_error)
             except Exception as exc:  # e.g. a write after the RPC finished: reconnect all the same
                 self.stats.failures += 1
                 self.stats.last_error = f"{type(exc).__name__}: {exc}"
-                log.warning("gateway stream to %s failed: %s", self.target, self.stats.last_error)
+                log.warning("gateway stream to %s failed: %s", self.link.target, self.stats.last_error)
             finally:
                 self.outbox.close()
                 self.connected.clear()
@@ -138,14 +139,14 @@ class GatewayClient:
 
     def _channel(self) -> grpc.aio.Channel:
         options = [("grpc.max_send_message_length", 16 * 1024 * 1024)]
-        if self._tls_ca is not None:
-            creds = grpc.ssl_channel_credentials(root_certificates=self._tls_ca)
-            return grpc.aio.secure_channel(self.target, creds, options=options)
-        return grpc.aio.insecure_channel(self.target, options=options)
+        if self.link.tls_ca is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=self.link.tls_ca)
+            return grpc.aio.secure_channel(self.link.target, creds, options=options)
+        return grpc.aio.insecure_channel(self.link.target, options=options)
 
     async def _session(self, hello: HelloInfo) -> bool:
         """One stream, until it fails. Returns whether the gateway accepted the Hello."""
-        metadata = (("authorization", f"Bearer {self._token}"),) if self._token else None
+        metadata = (("authorization", f"Bearer {self.link.token}"),) if self.link.token else None
         async with self._channel() as channel:
             stub = pbg.InventoryStub(channel)
             call = stub.Sync(metadata=metadata)
@@ -179,7 +180,7 @@ class GatewayClient:
                     await self._raise_status(call)
                     return False
                 kbs = first.ack.key_block_size if first.WhichOneof("body") == "ack" else 0
-                rekey = self._on_key_block_size
+                rekey = self.src.on_key_block_size
                 if kbs and kbs != hello.block_size and rekey is not None and rekey(kbs):
                     log.info("gateway keys at %d tokens, hello said %d: re-keying", kbs, hello.block_size)
                     return True  # say hello again once the inventory is keyed at the gateway's size
@@ -188,7 +189,7 @@ class GatewayClient:
                 await self._send_snapshot(send)
                 self.stats.connects += 1
                 self.connected.set()
-                log.info("streaming inventory to %s as %s", self.target, hello.replica_id)
+                log.info("streaming inventory to %s as %s", self.link.target, hello.replica_id)
                 while True:
                     if reader.done():
                         reader.result()  # raises the stream's error
@@ -199,8 +200,8 @@ class GatewayClient:
                     if wake not in done:
                         wake.cancel()
                     self.outbox.wake.clear()
-                    if self.flush_interval_s > 0:
-                        await asyncio.sleep(self.flush_interval_s)  # let a batch gather
+                    if self.link.flush_interval_s > 0:
+                        await asyncio.sleep(self.link.flush_interval_s)  # let a batch gather
             finally:
                 if reader is not None:
                     reader.cancel()
@@ -238,14 +239,14 @@ class GatewayClient:
     async def _flush(self, send: Callable[..., Awaitable[None]]) -> None:
         outbox = self.outbox
         # first: a hybrid flag reaches the gateway before the keys whose matching it changes
-        await self._send_changed(send, "engine", self._engine() if self._engine else None)
+        await self._send_changed(send, "engine", self.src.engine() if self.src.engine else None)
         if outbox.need_snapshot:
             await self._send_snapshot(send)
         events = outbox.take()
         if events:
             await send(events=pb.Events(events=events, engine_ts=outbox.engine_ts))
-        await self._send_changed(send, "state", self._state() if self._state else None)
-        await self._send_changed(send, "load", self._load() if self._load else None)
+        await self._send_changed(send, "state", self.src.state() if self.src.state else None)
+        await self._send_changed(send, "load", self.src.load() if self.src.load else None)
 
     async def _send_changed(
         self, send: Callable[..., Awaitable[None]], body: str, msg: Message | None

@@ -1,5 +1,6 @@
 """The numba-compiled kernels of ``BlockTable`` (``block_table.py``, whose docstring states the
-layout and the invariants every kernel keeps). Each takes the table's arrays and works in place;
+layout and the invariants every kernel keeps). Each takes the table's arrays (most as one ``Table``
+tuple: numba unboxes it as fast as separate arrays) and works in place;
 integer arithmetic stays in uint64/int64 (numba would promote a uint64/int64 mix to float64).
 """
 
@@ -15,6 +16,8 @@ import numpy.typing as npt
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]
+# (keys, state, masks, shift): a table's arrays and its hash shift, passed as one argument
+Table = tuple[U64, U8, U64, np.uint64]
 
 _GOLD = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: spreads small or structured keys
 
@@ -44,11 +47,10 @@ def _alive(masks: U64, i: int) -> bool:
 
 
 @_compiled
-def k_set(
-    keys: U64, state: U8, masks: U64, shift: np.uint64, batch: U64, word: int, bit: np.uint64, newly: I64
-) -> tuple[int, int, int]:
+def k_set(t: Table, batch: U64, word: int, bit: np.uint64, newly: I64) -> tuple[int, int, int]:
     """Set ``bit`` of ``word`` for every key of ``batch``, inserting absent keys. The slots whose
     bit was newly set go to ``newly[:n]``. Returns (n, slots newly used, keys newly live)."""
+    keys, state, masks, shift = t
     n = 0
     fresh = 0
     live = 0
@@ -84,11 +86,10 @@ def k_unset_slots(masks: U64, slots: I64, word: int, bit: np.uint64) -> int:
 
 
 @_compiled
-def k_unset(
-    keys: U64, state: U8, masks: U64, shift: np.uint64, batch: U64, word: int, bit: np.uint64
-) -> tuple[int, int]:
+def k_unset(t: Table, batch: U64, word: int, bit: np.uint64) -> tuple[int, int]:
     """Clear ``bit`` for every key of ``batch`` that has it. Returns (bits cleared, keys no
     longer live)."""
+    keys, state, masks, shift = t
     cleared = 0
     dead = 0
     inv = ~bit
@@ -103,8 +104,9 @@ def k_unset(
 
 
 @_compiled
-def k_has(keys: U64, state: U8, masks: U64, shift: np.uint64, batch: U64, word: int, bit: np.uint64) -> U8:
+def k_has(t: Table, batch: U64, word: int, bit: np.uint64) -> U8:
     """1 where the key of ``batch`` has ``bit`` set, else 0."""
+    keys, state, masks, shift = t
     out = np.zeros(batch.shape[0], dtype=np.uint8)
     for j in range(batch.shape[0]):
         i = _probe(keys, state, shift, batch[j])
@@ -114,7 +116,8 @@ def k_has(keys: U64, state: U8, masks: U64, shift: np.uint64, batch: U64, word: 
 
 
 @_compiled
-def k_mask_of(keys: U64, state: U8, masks: U64, shift: np.uint64, key: np.uint64) -> U64:
+def k_mask_of(t: Table, key: np.uint64) -> U64:
+    keys, state, masks, shift = t
     out = np.zeros(masks.shape[0], dtype=np.uint64)
     i = _probe(keys, state, shift, key)
     if state[i] != 0:
@@ -124,9 +127,10 @@ def k_mask_of(keys: U64, state: U8, masks: U64, shift: np.uint64, key: np.uint64
 
 
 @_compiled
-def k_match(keys: U64, state: U8, masks: U64, shift: np.uint64, batch: U64) -> I64:
+def k_match(t: Table, batch: U64) -> I64:
     """Per replica slot, the length of its leading run of ``batch`` (0: no match). The walk
     stops as soon as no replica is still matching."""
+    keys, state, masks, shift = t
     words = masks.shape[0]
     runs = np.zeros(words * 64, dtype=np.int64)
     alive = np.zeros(words, dtype=np.uint64)
@@ -169,9 +173,10 @@ def k_match(keys: U64, state: U8, masks: U64, shift: np.uint64, batch: U64) -> I
 
 
 @_compiled
-def k_deepest(keys: U64, state: U8, masks: U64, shift: np.uint64, batch: U64, only: U64) -> I64:
+def k_deepest(t: Table, batch: U64, only: U64) -> I64:
     """Per replica slot of ``only`` (one mask per word), 1 + the position of the deepest key of
     ``batch`` it holds (0: none). Walks from the end; stops once every slot of ``only`` is found."""
+    keys, state, masks, shift = t
     words = masks.shape[0]
     deepest = np.zeros(words * 64, dtype=np.int64)
     left = only.copy()
@@ -216,10 +221,11 @@ def k_keys_with(keys: U64, state: U8, masks: U64, word: int, bit: np.uint64) -> 
 
 
 @_compiled
-def k_rehash(
-    keys: U64, state: U8, masks: U64, new_keys: U64, new_state: U8, new_masks: U64, shift: np.uint64
-) -> int:
-    """Insert the live keys of the old arrays into the new (empty) ones. Returns keys moved."""
+def k_rehash(old: Table, new: Table) -> int:
+    """Insert the live keys of the old table into the new (empty) one, probing with the new
+    table's shift. Returns keys moved."""
+    keys, state, masks, _ = old
+    new_keys, new_state, new_masks, shift = new
     moved = 0
     words = masks.shape[0]
     for i in range(keys.shape[0]):

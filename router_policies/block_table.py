@@ -26,6 +26,8 @@ Invariants
 * ``live`` counts used slots whose mask is non-zero; ``used`` counts used slots.
 * The caller guarantees room before an inserting kernel runs (``reserve``), so probing always
   terminates on an empty slot.
+* ``arrays`` is always ``(keys, state, masks, shift)``, the kernels' ``Table`` (asserted by
+  tests/unit/test_block_table.py).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from router_policies.block_kernels import (
     I64,
     U8,
     U64,
+    Table,
     k_deepest,
     k_has,
     k_keys_with,
@@ -68,7 +71,7 @@ def as_keys(keys: Any) -> U64:
 class BlockTable:
     """The arrays and their counters; methods map one-to-one to kernels and keep the counters."""
 
-    __slots__ = ("_newly", "bits", "keys", "live", "masks", "shift", "state", "used")
+    __slots__ = ("_newly", "arrays", "bits", "keys", "live", "masks", "shift", "state", "used")
 
     def __init__(self, bits: int = MIN_BITS, words: int = 1) -> None:
         self.bits = bits
@@ -76,6 +79,8 @@ class BlockTable:
         self.keys: U64 = np.zeros(1 << bits, dtype=np.uint64)
         self.state: U8 = np.zeros(1 << bits, dtype=np.uint8)
         self.masks: U64 = np.zeros((words, 1 << bits), dtype=np.uint64)
+        # the kernels' view of the four above; rebuilt wherever one of them is replaced
+        self.arrays: Table = (self.keys, self.state, self.masks, self.shift)
         self.used = 0
         self.live = 0
         self._newly: I64 = np.empty(64, dtype=np.int64)
@@ -93,25 +98,9 @@ class BlockTable:
         self.keys_of(0)
         self.unset(probe, 0)
         self.unset_slots(np.empty(0, dtype=np.int64), 0)
-        k_set(
-            self.keys.copy(),
-            self.state.copy(),
-            self.masks.copy(),
-            self.shift,
-            probe,
-            0,
-            np.uint64(1),
-            self._newly,
-        )
-        k_rehash(
-            self.keys,
-            self.state,
-            self.masks,
-            self.keys.copy(),
-            self.state.copy(),
-            self.masks.copy(),
-            self.shift,
-        )
+        scratch: Table = (self.keys.copy(), self.state.copy(), self.masks.copy(), self.shift)
+        k_set(scratch, probe, 0, np.uint64(1), self._newly)
+        k_rehash(self.arrays, (self.keys.copy(), self.state.copy(), self.masks.copy(), self.shift))
 
     @property
     def capacity(self) -> int:
@@ -130,6 +119,7 @@ class BlockTable:
             grown = np.zeros((words, self.capacity), dtype=np.uint64)
             grown[: self.words] = self.masks
             self.masks = grown
+            self.arrays = (self.keys, self.state, self.masks, self.shift)
 
     def reserve(self, incoming: int) -> None:
         """Guarantee that ``incoming`` more keys fit under ``MAX_LOAD``: drop dead keys, and
@@ -146,9 +136,11 @@ class BlockTable:
         new_state = np.zeros(1 << bits, dtype=np.uint8)
         new_masks = np.zeros((self.words, 1 << bits), dtype=np.uint64)
         shift = np.uint64(64 - bits)
-        moved = k_rehash(self.keys, self.state, self.masks, new_keys, new_state, new_masks, shift)
+        new: Table = (new_keys, new_state, new_masks, shift)
+        moved = k_rehash(self.arrays, new)
         self.keys, self.state, self.masks = new_keys, new_state, new_masks
         self.bits, self.shift = bits, shift
+        self.arrays = new
         self.used = self.live = moved
 
     def set(self, batch: U64, slot: int) -> I64:
@@ -157,16 +149,7 @@ class BlockTable:
         self.reserve(len(batch))
         if len(self._newly) < len(batch):
             self._newly = np.empty(max(len(batch), 2 * len(self._newly)), dtype=np.int64)
-        n, fresh, live = k_set(
-            self.keys,
-            self.state,
-            self.masks,
-            self.shift,
-            batch,
-            slot >> 6,
-            np.uint64(1 << (slot & 63)),
-            self._newly,
-        )
+        n, fresh, live = k_set(self.arrays, batch, slot >> 6, np.uint64(1 << (slot & 63)), self._newly)
         self.used += fresh
         self.live += live
         return self._newly[:n]
@@ -178,25 +161,21 @@ class BlockTable:
         """Take every key of ``batch`` from replica ``slot``; returns how many it held."""
         if slot >> 6 >= self.words:
             return 0
-        cleared, dead = k_unset(
-            self.keys, self.state, self.masks, self.shift, batch, slot >> 6, np.uint64(1 << (slot & 63))
-        )
+        cleared, dead = k_unset(self.arrays, batch, slot >> 6, np.uint64(1 << (slot & 63)))
         self.live -= dead
         return int(cleared)
 
     def has(self, batch: U64, slot: int) -> U8:
         if slot >> 6 >= self.words:
             return np.zeros(len(batch), dtype=np.uint8)
-        return k_has(
-            self.keys, self.state, self.masks, self.shift, batch, slot >> 6, np.uint64(1 << (slot & 63))
-        )
+        return k_has(self.arrays, batch, slot >> 6, np.uint64(1 << (slot & 63)))
 
     def mask_of(self, key: int) -> int:
-        words = k_mask_of(self.keys, self.state, self.masks, self.shift, np.uint64(key))
+        words = k_mask_of(self.arrays, np.uint64(key))
         return sum(int(m) << (64 * w) for w, m in enumerate(words.tolist()))
 
     def match(self, batch: U64) -> I64:
-        return k_match(self.keys, self.state, self.masks, self.shift, batch)
+        return k_match(self.arrays, batch)
 
     def deepest(self, batch: U64, slots: Iterable[int]) -> I64:
         """Per slot (of ``slots``; others 0), 1 + the position of the deepest key of ``batch``
@@ -207,7 +186,7 @@ class BlockTable:
                 only[s >> 6] |= np.uint64(1 << (s & 63))
         if batch.size == 0:
             return np.zeros(self.words * 64, dtype=np.int64)
-        return k_deepest(self.keys, self.state, self.masks, self.shift, batch, only)
+        return k_deepest(self.arrays, batch, only)
 
     def keys_of(self, slot: int) -> U64:
         if slot >> 6 >= self.words:

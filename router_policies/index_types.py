@@ -45,3 +45,18 @@ class MatchResult:
 
     blocks: Mapping[str, int]
     scores: Mapping[str, float]
+
+
+def check_replica_bound(config: IndexConfig, blocks: int, what: str) -> None:
+    """Raise ``IndexBoundError`` when ``blocks`` precise entries of one replica exceed its bound;
+    ``what`` starts the message (``"replica 'r0' would hold"``, ``"snapshot of 'r0' has"``)."""
+    if blocks > config.max_blocks_per_replica:
+        raise IndexBoundError(
+            f"{what} {blocks} blocks, over max_blocks_per_replica={config.max_blocks_per_replica}"
+        )
+
+
+def check_total_bound(config: IndexConfig, entries: int) -> None:
+    """Raise ``IndexBoundError`` when the index would hold more than ``max_total_blocks``."""
+    if entries > config.max_total_blocks:
+        raise IndexBoundError(f"index would exceed max_total_blocks={config.max_total_blocks}")

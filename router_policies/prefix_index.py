@@ -13,7 +13,8 @@ Two kinds of entries per replica:
 Storage: one ``BlockTable`` (``block_table.py``, numba-compiled) holds, per block key, the mask
 of replica slots holding it (17-40 bytes per key). Per replica, Python keeps only the precise
 count, the media of non-GPU precise entries and the approximate entries' LRU order
-(``approx_lru.py``).
+(``approx_lru.py``). The replicas it tracks and their mask bits: ``replica_slots.py``; bounds and
+errors: ``index_types.py``.
 
 Invariants
 * A replica's bit is set on ``key`` iff the replica holds ``key`` precisely or approximately; the
@@ -46,7 +47,15 @@ import numpy as np
 
 from router_policies import approx_lru
 from router_policies.block_table import BlockTable, as_keys
-from router_policies.index_types import IndexBoundError, IndexConfig, MatchResult, UnknownReplicaError
+from router_policies.index_types import (
+    IndexBoundError,
+    IndexConfig,
+    MatchResult,
+    UnknownReplicaError,
+    check_replica_bound,
+    check_total_bound,
+)
+from router_policies.replica_slots import ReplicaSlots
 
 __all__ = ["GPU", "IndexBoundError", "IndexConfig", "MatchResult", "PrefixIndex", "UnknownReplicaError"]
 
@@ -69,37 +78,21 @@ class PrefixIndex:
     def __init__(self, config: IndexConfig | None = None) -> None:
         self.config = config or IndexConfig()
         self._table = BlockTable()
-        self._replicas: dict[str, _Replica] = {}
-        self._by_slot: dict[int, str] = {}
-        self._free_slots: list[int] = []
-        self._next_slot = 0
+        self._slots: ReplicaSlots[_Replica] = ReplicaSlots(self.config.max_replicas)
+        self._replicas = self._slots.records  # the slots' own dict (read here, written there)
+        self._by_slot = self._slots.by_slot
         self._entries = 0  # precise + approximate entries over all replicas
         self._hybrid: set[int] = set()  # slots of hybrid replicas
 
     # ---------------------------------------------------------------- replicas
     def add_replica(self, replica: str) -> None:
-        if replica in self._replicas:
-            return
-        if self._free_slots:
-            slot = self._free_slots.pop()
-        else:
-            if self._next_slot >= self.config.max_replicas:
-                raise IndexBoundError(f"index already tracks max_replicas={self.config.max_replicas}")
-            slot = self._next_slot
-            self._next_slot += 1
-        self._replicas[replica] = _Replica(slot=slot)
-        self._by_slot[slot] = replica
+        self._slots.add(replica, _Replica)
 
     def remove_replica(self, replica: str) -> None:
-        rep = self._replicas.get(replica)
-        if rep is None:
-            return
-        self.clear_replica(replica)
-        self.clear_approximate(replica)
-        del self._replicas[replica]
-        del self._by_slot[rep.slot]
-        self._hybrid.discard(rep.slot)
-        self._free_slots.append(rep.slot)
+        if replica in self._replicas:
+            self.clear_replica(replica)
+            self.clear_approximate(replica)
+            self._hybrid.discard(self._slots.release(replica).slot)
 
     def set_hybrid(self, replica: str, hybrid: bool) -> None:
         """Whether ``replica`` is matched by its deepest held key (a hybrid-attention engine)."""
@@ -144,15 +137,12 @@ class PrefixIndex:
         newly = self._table.set(batch, rep.slot)
         added = len(newly)
         new = added + len(promoted)
-        if rep.precise_count + new > self.config.max_blocks_per_replica:
-            self._table.unset_slots(newly, rep.slot)
-            raise IndexBoundError(
-                f"replica {replica!r} would hold {rep.precise_count + new} blocks, "
-                f"over max_blocks_per_replica={self.config.max_blocks_per_replica}"
-            )
-        if self._entries + added > self.config.max_total_blocks:
-            self._table.unset_slots(newly, rep.slot)
-            raise IndexBoundError(f"index would exceed max_total_blocks={self.config.max_total_blocks}")
+        try:
+            check_replica_bound(self.config, rep.precise_count + new, f"replica {replica!r} would hold")
+            check_total_bound(self.config, self._entries + added)
+        except IndexBoundError:
+            self._table.unset_slots(newly, rep.slot)  # refused: the table as it was
+            raise
         for k in promoted:
             # a precise entry supersedes the approximate one
             del approx[k]
@@ -201,19 +191,14 @@ class PrefixIndex:
     def replace_replica(self, replica: str, entries: Mapping[int, str]) -> None:
         """Atomically replace the precise inventory of ``replica`` (a snapshot): on a bound error
         nothing changes."""
-        if len(entries) > self.config.max_blocks_per_replica:
-            raise IndexBoundError(
-                f"snapshot of {replica!r} has {len(entries)} blocks, "
-                f"over max_blocks_per_replica={self.config.max_blocks_per_replica}"
-            )
+        check_replica_bound(self.config, len(entries), f"snapshot of {replica!r} has")
         rep = self._rep(replica)
         current = set(self.precise_keys(replica))
         approx = rep.approx
         grow = sum(1 for k in entries if k not in current and k not in approx) - sum(
             1 for k in current if k not in entries
         )
-        if self._entries + grow > self.config.max_total_blocks:
-            raise IndexBoundError(f"index would exceed max_total_blocks={self.config.max_total_blocks}")
+        check_total_bound(self.config, self._entries + grow)
         self.remove(replica, [k for k in current if k not in entries])
         by_medium: dict[str, list[int]] = {}
         non_gpu = rep.non_gpu
@@ -306,9 +291,8 @@ class PrefixIndex:
     def expire(self, now: float, replica: str | None = None) -> int:
         """Drop approximate entries untouched for longer than the TTL."""
         deadline = now - self.config.approximate_ttl_s
-        reps = [self._replicas[replica]] if replica is not None else list(self._replicas.values())
         dropped = 0
-        for rep in reps:
+        for rep in self._slots.selected(replica):
             gone = approx_lru.pop_expired(rep.approx, deadline)
             self._drop_approximate(rep, gone)
             dropped += len(gone)

@@ -51,6 +51,26 @@ class Budgets:
     memo_cache_bytes: int = 32 * 1024 * 1024
 
 
+@dataclass(frozen=True, slots=True)
+class EncodeSettings:
+    """The featurizer's counts and thresholds (``proxy.tokenize_*`` fields of the same names)."""
+
+    cache_entries: int  # segment cache entries
+    threads: int = 2  # worker threads for long encodes
+    offload_chars: int = 16384  # uncached characters from which an encode leaves the event loop
+    defer_chars: int = 0  # uncached new characters from which encoding waits for routing (0: never)
+    seen_entries: int = 262144  # texts remembered as seen (they are encoded before routing)
+    defer_backlog_chars: int = 4_000_000  # characters waiting to be encoded after routing
+    budgets: Budgets = Budgets()
+
+
+def non_negative(**bounds: int | None) -> None:
+    """Raise ``ValueError`` naming the first bound below zero (None: unbounded, accepted)."""
+    for name, value in bounds.items():
+        if value is not None and value < 0:
+            raise ValueError(f"{name} must be >= 0")
+
+
 def text_bytes(text: str) -> int:
     """The bytes ``text`` occupies in memory."""
     return sys.getsizeof(text)

@@ -161,18 +161,28 @@ def _tool_calls(raw: Any, where: str) -> list[Any]:
     return calls
 
 
+def _objects(raw: Any, name: str) -> list[tuple[str, Any]]:
+    """``(where, item)`` of each item of the request field ``name``, which must be a list of
+    objects."""
+    if not isinstance(raw, list):
+        raise InvalidRequestError(f"'{name}' must be a list of {name}", param=name)
+    out = []
+    for i, item in enumerate(raw):
+        where = f"{name}[{i}]"
+        if not _is_object(item):
+            raise InvalidRequestError(f"{where} must be an object", param=where)
+        out.append((where, item))
+    return out
+
+
 def conversation_of(messages: Any, fmt: ContentFormat, *, lenient: bool = False) -> list[dict[str, Any]]:
     """vLLM's conversation; ``lenient`` skips media parts instead of raising Unrepresentable
     (for the approximate text only)."""
-    if not isinstance(messages, list):
-        raise InvalidRequestError("'messages' must be a list of messages", param="messages")
-    if not messages:
+    items = _objects(messages, "messages")
+    if not items:
         raise InvalidRequestError("'messages' must not be empty", param="messages")
     out: list[dict[str, Any]] = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not _is_object(m):
-            raise InvalidRequestError(f"{where} must be an object", param=where)
+    for where, m in items:
         role = m.get("role")
         if not isinstance(role, str):
             raise InvalidRequestError(f"{where}.role must be a string", param=f"{where}.role")
@@ -212,13 +222,8 @@ def conversation_of(messages: Any, fmt: ContentFormat, *, lenient: bool = False)
 def tools_of(raw: Any) -> list[dict[str, Any]] | None:
     if raw is None:
         return None
-    if not isinstance(raw, list):
-        raise InvalidRequestError("'tools' must be a list of tools", param="tools")
     tools: list[dict[str, Any]] = []
-    for i, tool in enumerate(raw):
-        where = f"tools[{i}]"
-        if not _is_object(tool):
-            raise InvalidRequestError(f"{where} must be an object", param=where)
+    for where, tool in _objects(raw, "tools"):
         fn = tool.get("function")
         if not _is_object(fn):
             raise InvalidRequestError(f"{where}.function must be an object", param=f"{where}.function")

@@ -31,48 +31,35 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
+from dataclasses import dataclass, field
 
-from gateway.features.budgets import text_bytes
+from gateway.features.budgets import non_negative, text_bytes
 from gateway.features.segment_encoder import EncodePlan, SegmentEncoder, TokenArray
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(slots=True, eq=False)  # eq=False: a job is itself, hashed by identity
 class DeferredJob:
     """One request's text to encode after routing. The proxy sets ``on_keys`` (``Router.record``
     of the attempt it committed, replaced on a retry); it is called (on the event loop) with the
     prompt's block keys when encoded."""
 
-    __slots__ = (
-        "add_special_tokens",
-        "bytes",
-        "chars",
-        "encoder",
-        "fingerprint",
-        "finished",
-        "keys_of",
-        "on_keys",
-        "plan",
-    )
+    encoder: SegmentEncoder
+    plan: EncodePlan
+    add_special_tokens: bool
+    fingerprint: int
+    keys_of: Callable[[TokenArray], list[int]]
+    on_keys: Callable[[list[int]], None] | None = field(default=None, init=False)
+    chars: int = field(init=False)
+    bytes: int = field(init=False)
+    finished: asyncio.Event = field(default_factory=asyncio.Event, init=False)
 
-    def __init__(
-        self,
-        encoder: SegmentEncoder,
-        plan: EncodePlan,
-        add_special_tokens: bool,
-        fingerprint: int,
-        keys_of: Callable[[TokenArray], list[int]],
-    ) -> None:
-        self.encoder = encoder
-        self.plan = plan
-        self.add_special_tokens = add_special_tokens
-        self.fingerprint = fingerprint
-        self.keys_of = keys_of
-        self.on_keys: Callable[[list[int]], None] | None = None
+    def __post_init__(self) -> None:
+        plan = self.plan
         self.chars = sum(len(k[2]) for k in plan.keys) if plan.whole is None else len(plan.whole)
         texts = [k[2] for k in plan.keys] if plan.whole is None else [plan.whole]
         self.bytes = sum(text_bytes(t) for t in texts)
-        self.finished = asyncio.Event()
 
 
 class DeferredEncodes:
@@ -88,10 +75,7 @@ class DeferredEncodes:
         encodes a waiting request takes over (default: the same); None encodes on the event loop.
         ``backlog_bytes``: the backlog's bound in bytes of text (None: characters only);
         ``after_encode(chars)`` runs on the encoding thread after each encode (memory release)."""
-        if backlog_chars < 0:
-            raise ValueError("backlog_chars must be >= 0")
-        if backlog_bytes is not None and backlog_bytes < 0:
-            raise ValueError("backlog_bytes must be >= 0")
+        non_negative(backlog_chars=backlog_chars, backlog_bytes=backlog_bytes)
         self.backlog_chars = backlog_chars
         self.backlog_bytes = backlog_bytes
         self.queued_chars = 0

@@ -9,7 +9,7 @@ by base model).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,13 +32,13 @@ class FeatureInfo:
     lora: str | None
     mode: Mode  # how the tokens were obtained: encoded here, by a replica, given as ids, or chars
     approximate: bool  # keys are character blocks, not engine tokens
-    fallback_reason: str | None  # why an exact mode fell back to characters
     prompt_tokens: int
-    segments: int  # segments the prompt was encoded in (0: not encoded here)
-    segments_cached: int
-    encoded_chars: int  # characters actually encoded for this request
-    offloaded: bool  # the encode ran on a worker thread
-    token_ids: TokenArray | None  # the prompt's tokens (None when approximate or deferred)
+    fallback_reason: str | None = None  # why an exact mode fell back to characters
+    segments: int = 0  # segments the prompt was encoded in (0: not encoded here)
+    segments_cached: int = 0
+    encoded_chars: int = 0  # characters actually encoded for this request
+    offloaded: bool = False  # the encode ran on a worker thread
+    token_ids: TokenArray | None = None  # the prompt's tokens (None when approximate or deferred)
     deferred_chars: int = 0  # trailing characters routed on an estimate, encoded later
     deferred: DeferredJob | None = None  # that later encode (its keys go to the router's commit)
 
@@ -88,6 +88,20 @@ def namespace_of(spec: PromptSpec) -> tuple[str, str | None, str | None, int]:
     return mc.name, spec.resolved.lora, spec.salt, mc.block_size
 
 
+def _features(
+    spec: PromptSpec, keys: Sequence[int], prompt_tokens: int, block_size: int, session_id: str | None
+) -> RequestFeatures:
+    r = spec.resolved
+    return RequestFeatures(
+        model=r.model.config.name,
+        block_keys=keys,
+        prompt_tokens=prompt_tokens,
+        block_size=block_size,
+        session_id=session_id,
+        lora=r.lora,
+    )
+
+
 def exact_features(
     spec: PromptSpec,
     tokens: TokenArray,
@@ -100,21 +114,15 @@ def exact_features(
     tokens' keys when the caller has them (``memo_cache``)."""
     r = spec.resolved
     mc = r.model.config
-    features = RequestFeatures(
-        model=mc.name,
-        block_keys=keys if keys is not None else keys_of(spec)(tokens),
-        prompt_tokens=how.prompt_tokens,
-        block_size=mc.block_size,
-        session_id=session_id,
-        lora=r.lora,
-    )
+    if keys is None:
+        keys = keys_of(spec)(tokens)
+    features = _features(spec, keys, how.prompt_tokens, mc.block_size, session_id)
     info = FeatureInfo(
         model=r.requested,
         base_model=mc.name,
         lora=r.lora,
         mode=how.mode,
         approximate=False,
-        fallback_reason=None,
         prompt_tokens=how.prompt_tokens,
         segments=how.segments,
         segments_cached=how.segments_cached,
@@ -134,26 +142,8 @@ def char_features(
     r = spec.resolved
     mc = r.model.config
     n = estimated_tokens(prompt.text)
-    features = RequestFeatures(
-        model=mc.name,
-        block_keys=char_block_keys(prompt.text, mc.char_block_size, mc.name, r.lora, spec.salt),
-        prompt_tokens=n,
-        block_size=max(1, round(mc.char_block_size / CHARS_PER_TOKEN)),
-        session_id=session_id,
-        lora=r.lora,
-    )
-    info = FeatureInfo(
-        model=r.requested,
-        base_model=mc.name,
-        lora=r.lora,
-        mode="chars",
-        approximate=True,
-        fallback_reason=prompt.fallback_reason,
-        prompt_tokens=n,
-        segments=0,
-        segments_cached=0,
-        encoded_chars=0,
-        offloaded=False,
-        token_ids=None,
-    )
+    keys = char_block_keys(prompt.text, mc.char_block_size, mc.name, r.lora, spec.salt)
+    block_size = max(1, round(mc.char_block_size / CHARS_PER_TOKEN))
+    features = _features(spec, keys, n, block_size, session_id)
+    info = FeatureInfo(r.requested, mc.name, r.lora, "chars", True, n, fallback_reason=prompt.fallback_reason)
     return features, info

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from gateway.config import GatewayConfig, ModelConfig
-from gateway.features.budgets import SEEN_ENTRY_BYTES, Budgets, text_bytes
+from gateway.features.budgets import SEEN_ENTRY_BYTES, Budgets, EncodeSettings, text_bytes
 from gateway.features.deferred import DeferredEncodes, DeferredJob
 from gateway.features.encode_executor import BACKGROUND_THREAD_NAME, EncodeExecutor, mark_background_thread
 from gateway.features.encode_planner import HEAD_MARGIN_CHARS, Defer, EncodePlanner
@@ -77,33 +77,27 @@ class Featurizer:
     def __init__(
         self,
         models: Sequence[ModelConfig],
+        settings: EncodeSettings,
         *,
-        cache_entries: int,
-        threads: int = 2,
-        offload_chars: int = 16384,
-        defer_chars: int = 0,
-        seen_entries: int = 262144,
-        defer_backlog_chars: int = 4_000_000,
         remote: UrlChooser | None = None,
         base_dir: Path | None = None,
-        budgets: Budgets | None = None,
     ) -> None:
-        b = budgets or Budgets()
+        b = settings.budgets
         self.memo = MemoCache(b.memo_cache_bytes)
         self.budgets = b
         # requests featurized per mode, and fallbacks to characters per reason class: for metrics
         self.mode_counts: dict[str, int] = {"local": 0, "remote": 0, "token_ids": 0, "chars": 0}
         self.fallback_counts: dict[str, int] = {}
-        self._cache = BoundedLRU(cache_entries, b.cache_bytes)
-        self.executor = EncodeExecutor(threads, offload_chars, b.inflight_bytes)
+        self._cache = BoundedLRU(settings.cache_entries, b.cache_bytes)
+        self.executor = EncodeExecutor(settings.threads, settings.offload_chars, b.inflight_bytes)
         self.deferred = DeferredEncodes(
-            defer_backlog_chars,
+            settings.defer_backlog_chars,
             self.executor.background_pool,
             self.executor.pool,
             backlog_bytes=b.defer_backlog_bytes,
             after_encode=self.executor.releaser.after_encode,
         )
-        self.planner = EncodePlanner(defer_chars, seen_entries, self.deferred)
+        self.planner = EncodePlanner(settings.defer_chars, settings.seen_entries, self.deferred)
         self._remote = RemoteTokenizer(remote) if remote is not None else None
         self.models = ModelRegistry(
             models, self._cache, remote_available=remote is not None, base_dir=base_dir, memo=self.memo
@@ -114,16 +108,13 @@ class Featurizer:
         cls, config: GatewayConfig, *, remote: UrlChooser | None = None, base_dir: Path | None = None
     ) -> Featurizer:
         p = config.proxy
-        return cls(
-            config.models,
+        settings = EncodeSettings(
             cache_entries=p.tokenize_cache_entries,
             threads=p.tokenize_threads,
             offload_chars=p.tokenize_offload_chars,
             defer_chars=p.tokenize_defer_chars,
             seen_entries=p.tokenize_seen_entries,
             defer_backlog_chars=p.tokenize_defer_backlog_chars,
-            remote=remote,
-            base_dir=base_dir,
             budgets=Budgets(
                 cache_bytes=p.tokenize_cache_bytes,
                 defer_backlog_bytes=p.tokenize_defer_backlog_bytes,
@@ -132,6 +123,7 @@ class Featurizer:
                 memo_cache_bytes=p.memo_cache_bytes,
             ),
         )
+        return cls(config.models, settings, remote=remote, base_dir=base_dir)
 
     # -- public ----------------------------------------------------------------------------------
 

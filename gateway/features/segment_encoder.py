@@ -36,7 +36,7 @@ import numpy.typing as npt
 import xxhash
 from tokenizers import Tokenizer
 
-from gateway.features.budgets import SEGMENT_ENTRY_OVERHEAD, text_bytes
+from gateway.features.budgets import SEGMENT_ENTRY_OVERHEAD, non_negative, text_bytes
 
 TokenArray = npt.NDArray[np.uint32]
 SegmentKey = tuple[str, str, str, str]  # (tokenizer, token before or "", segment text, token after or "")
@@ -50,10 +50,7 @@ class BoundedLRU:
     byte bound is not cached. Invariant: ``bytes <= max_bytes`` after every ``put``."""
 
     def __init__(self, capacity: int, max_bytes: int | None = None) -> None:
-        if capacity < 0:
-            raise ValueError("capacity must be >= 0")
-        if max_bytes is not None and max_bytes < 0:
-            raise ValueError("max_bytes must be >= 0")
+        non_negative(capacity=capacity, max_bytes=max_bytes)
         self.capacity = capacity
         self.max_bytes = max_bytes
         self.bytes = 0

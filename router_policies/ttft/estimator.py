@@ -103,7 +103,8 @@ class RobustRls:
         z /= norm
         s = self._scale
         clip = cfg.huber_k * s
-        e = rls_step(self._w, self._p, z, y_ms / norm, clip, cfg.forgetting, cfg.max_multiple, self._p0_trace)
+        consts = np.array((clip, cfg.forgetting, cfg.max_multiple, self._p0_trace))
+        e = rls_step(self._w, self._p, z, y_ms / norm, consts)
         clipped = min(max(e, -clip), clip)
         dev = 1.25 * abs(clipped)
         self._scale = max(cfg.min_scale, (1 - cfg.scale_rate) * s + cfg.scale_rate * dev)

@@ -25,12 +25,12 @@ def _compiled(fn: F) -> F:
 
 
 @_compiled
-def rls_step(
-    w: F64, p: F64, z: F64, target: float, clip: float, forgetting: float, max_w: float, p0_trace: float
-) -> float:  # noqa: E501
+def rls_step(w: F64, p: F64, z: F64, target: float, consts: F64) -> float:
     """One robust RLS step, in place on ``w`` (multiples) and ``p`` (covariance); ``z`` is the
-    normalised feature vector and ``target`` the normalised observation. Returns the residual
-    before the update (unclipped); ``clip`` bounds the residual that moves ``w``."""
+    normalised feature vector and ``target`` the normalised observation; ``consts``: (clip,
+    forgetting, max_w, p0_trace), ``clip`` bounding the residual that moves ``w``. Returns the
+    residual before the update (unclipped)."""
+    clip, forgetting, max_w, p0_trace = consts[0], consts[1], consts[2], consts[3]
     d = w.shape[0]
     pred = 0.0
     for i in range(d):
@@ -79,7 +79,7 @@ def dot_scaled(x: F64, ref: F64, w: F64) -> float:
 
 def step_reference(
     w: F64, p: F64, z: F64, target: float, consts: tuple[float, float, float, float]
-) -> tuple[F64, F64, float]:  # noqa: E501
+) -> tuple[F64, F64, float]:
     """The numpy formulation ``rls_step`` compiles (for the equivalence test): returns (w, p, e)."""
     clip, forgetting, max_w, p0_trace = consts
     e = target - float(np.dot(z, w))

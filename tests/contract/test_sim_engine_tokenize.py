@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from gateway.config import ModelConfig
-from gateway.features import Featurizer
+from gateway.features import EncodeSettings, Featurizer
 from tests.contract.test_token_contract import TOKENIZER, load_corpus
 
 pytestmark = pytest.mark.skipif(
@@ -88,7 +88,7 @@ def engine_tokens(url: str, kind: str, body: dict[str, Any]) -> list[int] | None
 
 
 def test_gateway_tokens_equal_sim_engine_tokenize(engine_url: str) -> None:
-    fz = Featurizer([ModelConfig(name=MODEL, tokenizer=str(TOKENIZER))], cache_entries=10_000)
+    fz = Featurizer([ModelConfig(name=MODEL, tokenizer=str(TOKENIZER))], EncodeSettings(cache_entries=10_000))
     compared = 0
     mismatches = []
     for item in load_corpus():

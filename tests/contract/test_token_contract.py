@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from gateway.config import ModelConfig
-from gateway.features import Featurizer
+from gateway.features import EncodeSettings, Featurizer
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -84,9 +84,7 @@ def corpus() -> list[dict[str, Any]]:
 def make_featurizer(cache_entries: int = 100_000, offload_chars: int = 16384) -> Featurizer:
     return Featurizer(
         [ModelConfig(name="kvgate-tiny", tokenizer=str(TOKENIZER), block_size=16)],
-        cache_entries=cache_entries,
-        threads=2,
-        offload_chars=offload_chars,
+        EncodeSettings(cache_entries=cache_entries, threads=2, offload_chars=offload_chars),
     )
 
 

@@ -24,7 +24,7 @@ from gateway.config import parse_config
 from gateway.fleet import Fleet
 from gateway.inventory_server import InventoryServer
 from proto.kvgate.v1 import inventory_pb2 as pb
-from replica_agent.gateway_client import GatewayClient, HelloInfo
+from replica_agent.gateway_client import GatewayClient, HelloInfo, Link, Sources
 from replica_agent.inventory import AgentInventory
 from replica_agent.outbox import Outbox
 from router_policies.prefix_index import IndexConfig, PrefixIndex
@@ -244,14 +244,8 @@ async def test_real_agent_with_another_replicas_token(rig: Rig, caplog: pytest.L
     inventory = AgentInventory("m", 16, max_blocks=100, sink=outbox)
     info = HelloInfo("r0", "", ["m"], 16, 100, "vllm", "0")
     client = GatewayClient(
-        f"127.0.0.1:{rig.port}",
-        inventory,
-        outbox,
-        lambda: info,
-        token=TOKENS["r1"],
-        seed=1,
-        backoff_initial_s=0.01,
-        backoff_max_s=0.02,
+        Link(f"127.0.0.1:{rig.port}", token=TOKENS["r1"], seed=1, backoff_initial_s=0.01, backoff_max_s=0.02),
+        Sources(inventory, outbox, lambda: info),
     )
     task = asyncio.create_task(client.run())
     try:

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from gateway.inventory_server import InventoryServer
 from proto.kvgate.v1 import inventory_pb2 as pb
 from replica_agent.engine_events import BlockStored, EngineHash
-from replica_agent.gateway_client import GatewayClient, HelloInfo
+from replica_agent.gateway_client import GatewayClient, HelloInfo, Link, Sources
 from router_policies.block_keys import block_keys
 from router_policies.prefix_index import PrefixIndex
 from tests.integration.fleet_recorder import RecordingFleet
@@ -31,15 +31,8 @@ def engine_agent(port: int, engine: Callable[[], pb.EngineState]) -> Agent:
     agent = Agent(port)
     hello = HelloInfo("r0", "http://127.0.0.1:9", ["m"], 2, 100, "vllm", "0")
     agent.client = GatewayClient(
-        f"127.0.0.1:{port}",
-        agent.inventory,
-        agent.outbox,
-        lambda: hello,
-        token=TOKEN,
-        seed=1,
-        backoff_initial_s=0.05,
-        backoff_max_s=0.2,
-        engine=engine,
+        Link(f"127.0.0.1:{port}", token=TOKEN, seed=1, backoff_initial_s=0.05, backoff_max_s=0.2),
+        Sources(agent.inventory, agent.outbox, lambda: hello, engine=engine),
     )
     return agent
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import shutil
 import subprocess
 from collections.abc import AsyncIterator, Callable
@@ -16,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.inventory_server import InventoryServer
 from replica_agent.engine_events import BlockRemoved, BlockStored
-from replica_agent.gateway_client import GatewayClient, HelloInfo
+from replica_agent.gateway_client import GatewayClient, HelloInfo, Link, Sources
 from replica_agent.inventory import AgentInventory
 from replica_agent.outbox import Outbox
 from router_policies.prefix_index import PrefixIndex
@@ -47,15 +48,8 @@ class Agent:
         hello = HelloInfo("r0", "http://127.0.0.1:9", ["m"], 2, 100, "vllm", "0")
         target = f"localhost:{port}" if tls_ca else f"127.0.0.1:{port}"
         self.client = GatewayClient(
-            target,
-            self.inventory,
-            self.outbox,
-            lambda: hello,
-            token=token,
-            tls_ca=tls_ca,
-            seed=1,
-            backoff_initial_s=0.05,
-            backoff_max_s=0.2,
+            Link(target, token=token, tls_ca=tls_ca, seed=1, backoff_initial_s=0.05, backoff_max_s=0.2),
+            Sources(self.inventory, self.outbox, lambda: hello),
         )
         self.task: asyncio.Task[None] | None = None
 
@@ -151,7 +145,7 @@ async def test_tls(tmp_path: Path, stopped: list[InventoryServer]) -> None:
     finally:
         await agent.stop()
     plain = Agent(port)  # plaintext against a TLS server: never connects
-    plain.client.target = f"localhost:{port}"
+    plain.client.link = dataclasses.replace(plain.client.link, target=f"localhost:{port}")
     plain.start()
     try:
         await until(lambda: plain.client.stats.failures >= 1)

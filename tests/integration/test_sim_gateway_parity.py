@@ -113,7 +113,7 @@ class _GatewaySide:
         self.now = t
 
     def route(self, rid: int, feats: RequestFeatures, out: int) -> tuple[Any, ...]:
-        choice = self.router.choose(self.state, feats, self.router.match(feats))
+        choice = self.router.choose(self.state, feats)
         # as the proxy's attempt does
         prefill = max(0, feats.prompt_tokens - choice.predicted_tokens)
         snap, replica = choice.snapshot, choice.record.id

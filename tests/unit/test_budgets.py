@@ -12,8 +12,15 @@ import numpy as np
 import pytest
 
 from gateway.config import ModelConfig, parse_config
-from gateway.features import Featurizer
-from gateway.features.budgets import SEGMENT_ENTRY_OVERHEAD, Budgets, ByteBudget, MemoryReleaser, text_bytes
+from gateway.features import EncodeSettings, Featurizer
+from gateway.features.budgets import (
+    SEGMENT_ENTRY_OVERHEAD,
+    Budgets,
+    ByteBudget,
+    MemoryReleaser,
+    non_negative,
+    text_bytes,
+)
 from gateway.features.deferred import DeferredEncodes, DeferredJob
 from gateway.features.segment_encoder import BoundedLRU, SegmentEncoder
 from gateway.features.tokenizer_files import load_tokenizer_files
@@ -120,10 +127,7 @@ def test_memory_releaser_is_rate_limited_and_ignores_small_encodes() -> None:
 def _featurizer(**budgets: int) -> Featurizer:
     return Featurizer(
         [ModelConfig(name="tiny", tokenizer=TINY, block_size=16)],
-        cache_entries=1000,
-        threads=1,
-        offload_chars=1000,
-        budgets=Budgets(**budgets),
+        EncodeSettings(cache_entries=1000, threads=1, offload_chars=1000, budgets=Budgets(**budgets)),
     )
 
 
@@ -232,3 +236,13 @@ async def test_a_chat_rendered_from_the_memo_is_the_rendering() -> None:
             await off.close()
     finally:
         await f.close()
+
+
+def test_negative_bounds_are_refused_by_name() -> None:
+    non_negative(a=0, b=None)
+    with pytest.raises(ValueError, match="max_bytes must be >= 0"):
+        BoundedLRU(10, max_bytes=-1)
+    with pytest.raises(ValueError, match="capacity must be >= 0"):
+        BoundedLRU(-1)
+    with pytest.raises(ValueError, match="backlog_bytes must be >= 0"):
+        DeferredEncodes(0, lambda: None, backlog_bytes=-1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -92,3 +93,26 @@ def test_a_config_without_models_is_refused(tmp_path: Path, text: str) -> None:
         load_config(p, env={})
     p.write_text(text + "models: [{name: m}]\n" if "models" not in text else "models: [{name: m}]\n")
     assert [m.name for m in load_config(p, env={}).models] == ["m"]
+
+
+@pytest.mark.parametrize(
+    ("config", "where", "message"),
+    [
+        ({"inventory": {"tls_cert": "c.pem"}}, "inventory", "tls_cert and tls_key go together"),
+        ({"inventory": {"tls_key": "k.pem"}}, "inventory", "tls_cert and tls_key go together"),
+        ({"auth": {"http_tls": {"cert": "c.pem"}}}, "http_tls", "cert and key go together"),
+        ({"auth": {"http_tls": {"key": "k.pem"}}}, "http_tls", "cert and key go together"),
+    ],
+)
+def test_a_certificate_and_its_key_go_together(config: dict[str, Any], where: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as err:
+        parse_config({"models": [{"name": "m"}], **config})
+    assert where in str(err.value)
+    both = parse_config(
+        {
+            "models": [{"name": "m"}],
+            "inventory": {"tls_cert": "c.pem", "tls_key": "k.pem"},
+            "auth": {"http_tls": {"cert": "c.pem", "key": "k.pem"}},
+        }
+    )
+    assert both.inventory.tls_key == "k.pem" and both.auth.http_tls.key == "k.pem"

@@ -6,8 +6,10 @@ of seen texts and the backlog of deferred encodes are bounded."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import threading
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from gateway.config import ModelConfig
-from gateway.features import Featurizer
+from gateway.features import EncodeSettings, Featurizer
 from gateway.features.deferred import DeferredEncodes, DeferredJob
 from gateway.features.novelty import SeenTexts
 from gateway.features.segment_encoder import BoundedLRU, SegmentEncoder
@@ -49,12 +51,18 @@ def text(seed: int, words: int) -> str:
 
 
 def make(defer_chars: int = 1000, **kw: Any) -> Featurizer:
-    return Featurizer(
-        [ModelConfig(name="tiny", tokenizer=TINY, block_size=16)],
-        cache_entries=kw.pop("cache_entries", 1000),
-        defer_chars=defer_chars,
-        **kw,
-    )
+    settings = EncodeSettings(cache_entries=kw.pop("cache_entries", 1000), defer_chars=defer_chars, **kw)
+    return Featurizer([ModelConfig(name="tiny", tokenizer=TINY, block_size=16)], settings)
+
+
+@contextlib.asynccontextmanager
+async def closing(*fzs: Featurizer) -> AsyncIterator[tuple[Featurizer, ...]]:
+    """The featurizers, closed (threads and backlog) when the block ends."""
+    try:
+        yield fzs
+    finally:
+        for fz in fzs:
+            await fz.close()
 
 
 def chat(*contents: str) -> dict[str, Any]:
@@ -66,9 +74,7 @@ def chat(*contents: str) -> dict[str, Any]:
 
 
 async def test_new_text_routes_on_the_exact_cached_prefix_and_is_encoded_after() -> None:
-    fz = make()
-    exact = make(defer_chars=0)
-    try:
+    async with closing(make(), make(defer_chars=0)) as (fz, exact):
         await fz.features("chat", chat(SYSTEM, "hi"))  # caches the system prompt's segment
         await fz.deferred.drain()
         body = chat(SYSTEM, text(1, 600))
@@ -89,15 +95,10 @@ async def test_new_text_routes_on_the_exact_cached_prefix_and_is_encoded_after()
         assert again_info.exact and again_info.cache_hit and again_info.encoded_chars == 0
         assert list(again.block_keys) == list(want.block_keys)
         assert again.prompt_tokens == want.prompt_tokens
-    finally:
-        await fz.close()
-        await exact.close()
 
 
 async def test_text_seen_before_is_encoded_before_routing() -> None:
-    fz = make(threads=1)
-    exact = make(defer_chars=0)
-    try:
+    async with closing(make(threads=1), make(defer_chars=0)) as (fz, exact):
         body = {"model": "tiny", "prompt": text(2, 700)}
         _, first = await fz.features("completions", body)
         # the same text again, before or after the deferred encode: exact either way
@@ -115,17 +116,12 @@ async def test_text_seen_before_is_encoded_before_routing() -> None:
         assert 1000 < third.encoded_chars < 1400 and third.deferred_chars > 2000
         assert common <= len(got.block_keys) < common + 8
         assert list(got.block_keys) == list(want.block_keys)[: len(got.block_keys)]
-    finally:
-        await fz.close()
-        await exact.close()
 
 
 async def test_a_burst_on_new_text_finds_the_first_requests_entries() -> None:
     """The second request of a burst takes the first one's waiting encode over: the first
     request's replica gets the whole prompt's keys before the second is matched."""
-    fz = make(threads=1)
-    exact = make(defer_chars=0)
-    try:
+    async with closing(make(threads=1), make(defer_chars=0)) as (fz, exact):
         doc = text(40, 800)
         first_body = chat(SYSTEM, doc)
         _, first = await fz.features("chat", first_body)
@@ -143,15 +139,10 @@ async def test_a_burst_on_new_text_finds_the_first_requests_entries() -> None:
         third.deferred.on_keys = later.append
         await fz.deferred.drain()
         assert len(later) == 1 and len(later[0]) > 20
-    finally:
-        await fz.close()
-        await exact.close()
 
 
 async def test_short_truncated_or_disabled_never_defer() -> None:
-    fz = make(defer_chars=5000)
-    off = make(defer_chars=0)
-    try:
+    async with closing(make(defer_chars=5000), make(defer_chars=0)) as (fz, off):
         _, short = await fz.features("completions", {"model": "tiny", "prompt": text(4, 300)})
         assert short.exact
         long = {"model": "tiny", "prompt": text(5, 2000)}
@@ -161,9 +152,6 @@ async def test_short_truncated_or_disabled_never_defer() -> None:
         assert disabled.exact
         _, sync = fz.features_sync("completions", {"model": "tiny", "prompt": text(6, 2000)})
         assert sync.exact
-    finally:
-        await fz.close()
-        await off.close()
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -177,9 +165,7 @@ def test_deferred_keys_are_a_prefix_of_the_exact_keys(
     turns: list[int], cached: int, shared: int, seed: int
 ) -> None:
     async def run() -> None:
-        fz = make(defer_chars=1)
-        exact = make(defer_chars=0)
-        try:
+        async with closing(make(defer_chars=1), make(defer_chars=0)) as (fz, exact):
             contents = [text(seed + i, n) for i, n in enumerate(turns)]
             # some leading messages were seen (and encoded) in an earlier turn
             if cached:
@@ -192,9 +178,6 @@ def test_deferred_keys_are_a_prefix_of_the_exact_keys(
             got, _ = await fz.features("chat", body)
             want, _ = await exact.features("chat", body)
             assert list(got.block_keys) == list(want.block_keys)[: len(got.block_keys)]
-        finally:
-            await fz.close()
-            await exact.close()
 
     asyncio.run(run())
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from gateway.config import ModelConfig
-from gateway.features import FeatureConfigError, Featurizer
+from gateway.features import EncodeSettings, FeatureConfigError, Featurizer
 from gateway.openai_errors import RequestError
 from gateway.request_errors import InvalidRequestError, UnknownModelError
 
@@ -24,7 +24,7 @@ def fz() -> Featurizer:
             ModelConfig(name="tiny", tokenizer=TINY, lora_adapters=["tiny-lora"]),
             ModelConfig(name="chars", tokenizer=None),
         ],
-        cache_entries=100,
+        EncodeSettings(cache_entries=100),
     )
 
 
@@ -127,24 +127,27 @@ def test_non_object_body_is_400(fz: Featurizer) -> None:
 
 def test_bad_configs_name_the_field(tmp_path: Path) -> None:
     with pytest.raises(FeatureConfigError, match=r"models\[0\]\.tokenizer"):
-        Featurizer([ModelConfig(name="m", tokenizer=str(tmp_path))], cache_entries=1)
+        Featurizer([ModelConfig(name="m", tokenizer=str(tmp_path))], EncodeSettings(cache_entries=1))
     with pytest.raises(FeatureConfigError, match=r"models\[0\]\.tokenizer: 'remote'"):
-        Featurizer([ModelConfig(name="m", tokenizer="remote")], cache_entries=1)
+        Featurizer([ModelConfig(name="m", tokenizer="remote")], EncodeSettings(cache_entries=1))
     with pytest.raises(FeatureConfigError, match=r"models\[1\]\.lora_adapters"):
-        Featurizer([ModelConfig(name="a"), ModelConfig(name="b", lora_adapters=["a"])], cache_entries=1)
+        Featurizer(
+            [ModelConfig(name="a"), ModelConfig(name="b", lora_adapters=["a"])],
+            EncodeSettings(cache_entries=1),
+        )
     with pytest.raises(FeatureConfigError, match=r"models\[0\]\.chat_template"):
         Featurizer(
             [ModelConfig(name="m", tokenizer=TINY, chat_template=str(tmp_path / "none.jinja"))],
-            cache_entries=1,
+            EncodeSettings(cache_entries=1),
         )
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(FeatureConfigError, match=r"models\[0\]\.tokenizer: cannot load"):
-        Featurizer([ModelConfig(name="m", tokenizer=str(tmp_path))], cache_entries=1)
+        Featurizer([ModelConfig(name="m", tokenizer=str(tmp_path))], EncodeSettings(cache_entries=1))
 
 
 def test_model_without_chat_template_refuses_chat(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_text((Path(TINY) / "tokenizer.json").read_text())
-    fz = Featurizer([ModelConfig(name="m", tokenizer=str(tmp_path))], cache_entries=1)
+    fz = Featurizer([ModelConfig(name="m", tokenizer=str(tmp_path))], EncodeSettings(cache_entries=1))
     with pytest.raises(InvalidRequestError) as err:
         fz.features_sync("chat", {"model": "m", "messages": OK_MESSAGES})
     assert err.value.param == "messages"

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from gateway.app import build_state
 from gateway.config import ModelConfig, parse_config
-from gateway.features import Featurizer
+from gateway.features import EncodeSettings, Featurizer
 from gateway.features.char_blocks import char_block_keys
 from gateway.request import request_of
 from router_policies.block_keys import block_keys
@@ -30,7 +30,7 @@ def make(**kw: Any) -> Featurizer:
         ModelConfig(name="tiny", tokenizer=TINY, block_size=16, lora_adapters=["sql-lora", "chat-lora"]),
         ModelConfig(name="plain", tokenizer=None, char_block_size=64, block_size=16),
     ]
-    return Featurizer(models, cache_entries=kw.pop("cache_entries", 1000), **kw)
+    return Featurizer(models, EncodeSettings(cache_entries=kw.pop("cache_entries", 1000), **kw))
 
 
 def test_lora_adapter_and_cache_salt_make_their_own_namespaces() -> None:
@@ -140,7 +140,10 @@ async def test_offloaded_encodes_equal_inline_ones_and_close_stops_threads() -> 
 
 
 async def test_offload_queue_is_bounded_by_the_thread_count() -> None:
-    fz = Featurizer([ModelConfig(name="tiny", tokenizer=TINY)], cache_entries=0, threads=1, offload_chars=0)
+    fz = Featurizer(
+        [ModelConfig(name="tiny", tokenizer=TINY)],
+        EncodeSettings(cache_entries=0, threads=1, offload_chars=0),
+    )
     try:
         bodies = [{"model": "tiny", "prompt": f"{i} " + LONG * 20} for i in range(24)]
         results = await asyncio.gather(*(fz.features("completions", b) for b in bodies))
@@ -212,7 +215,7 @@ async def test_remote_mode_uses_the_replicas_tokens(
     url, seen = tokenize_server
     fz = Featurizer(
         [ModelConfig(name="r", tokenizer="remote", block_size=16, lora_adapters=["ad"])],
-        cache_entries=10,
+        EncodeSettings(cache_entries=10),
         remote=lambda model: url if model == "r" else None,
     )
     try:
@@ -235,7 +238,7 @@ async def test_remote_mode_uses_the_replicas_tokens(
 async def test_remote_mode_falls_back_when_unreachable() -> None:
     fz = Featurizer(
         [ModelConfig(name="r", tokenizer="remote", tokenize_timeout_s=0.5)],
-        cache_entries=10,
+        EncodeSettings(cache_entries=10),
         remote=f"http://127.0.0.1:{_free_port()}",
     )
     try:

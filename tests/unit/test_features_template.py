@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from gateway.config import ModelConfig
-from gateway.features import Featurizer
+from gateway.features import EncodeSettings, Featurizer
 from gateway.features.chat_template import content_format, make_environment
 from gateway.request_errors import InvalidRequestError
 
@@ -58,7 +58,9 @@ def make_folder(tmp_path: Path, template: str | list[dict[str, str]]) -> Path:
 
 
 def featurizer(folder: Path) -> Featurizer:
-    return Featurizer([ModelConfig(name="m", tokenizer=str(folder))], cache_entries=1000, threads=1)
+    return Featurizer(
+        [ModelConfig(name="m", tokenizer=str(folder))], EncodeSettings(cache_entries=1000, threads=1)
+    )
 
 
 def reference_ids(folder: Path, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
@@ -209,7 +211,8 @@ def test_chat_template_jinja_file_and_config_override(tmp_path: Path) -> None:
     override = tmp_path / "override.jinja"
     override.write_text("OVERRIDE {{ messages[0].content }}")
     fz = Featurizer(
-        [ModelConfig(name="m", tokenizer=str(folder), chat_template=str(override))], cache_entries=10
+        [ModelConfig(name="m", tokenizer=str(folder), chat_template=str(override))],
+        EncodeSettings(cache_entries=10),
     )
     tok = fz.features_sync("chat", {"model": "m", "messages": msgs})[1].token_ids
     assert tok is not None

@@ -186,11 +186,11 @@ def test_router_choice_records_a_speculative_entry_with_the_right_ttl() -> None:
     router = Router(index, fleet)
     state = _state(cfg)
     feats = RequestFeatures(model="m", block_keys=[11, 12, 13], prompt_tokens=60, block_size=16)
-    choice = router.choose(state, feats, router.match(feats))
+    choice = router.choose(state, feats)
     first = choice.record.id
     assert choice.predicted_tokens == 0
     assert index.approximate_keys(first) == [13, 12, 11]
-    again = router.choose(state, feats, router.match(feats))
+    again = router.choose(state, feats)
     assert again.record.id == first and again.decision.matched_blocks == 3
     assert again.predicted_tokens == 48
     # decide (without commit) never touches the index nor the live policy
@@ -202,7 +202,7 @@ def test_router_choice_records_a_speculative_entry_with_the_right_ttl() -> None:
     fleet.agent_hello(_hello(other))
     fleet.agent_state(other, connected=True, degraded=False)
     feats2 = RequestFeatures(model="m", block_keys=[21, 22], prompt_tokens=40, block_size=16)
-    c2 = router.choose(state, feats2, router.match(feats2), exclude=frozenset({first}))
+    c2 = router.choose(state, feats2, exclude=frozenset({first}))
     assert c2.record.id == other and index.approximate_keys(other) == [22, 21]
     now = time.monotonic()
     index.expire(now + 6.0)
@@ -237,7 +237,7 @@ def test_router_raises_when_nothing_is_healthy() -> None:
     router = Router(index, Fleet(cfg, index))
     feats = RequestFeatures(model="m", block_keys=[], prompt_tokens=1, block_size=16)
     with pytest.raises(NoReplicaError):
-        router.choose(_state(cfg), feats, router.match(feats))
+        router.choose(_state(cfg), feats)
 
 
 def test_agent_replicas_long_gone_are_forgotten_static_ones_never() -> None:

@@ -45,9 +45,9 @@ def test_a_lora_request_goes_only_to_replicas_holding_the_adapter() -> None:
     fleet.agent_engine("c", _engine(()))
     feats = RequestFeatures("m", [1, 2], prompt_tokens=40, block_size=16, lora="sql")
     for _ in range(6):
-        assert router.choose(state, feats, router.match(feats)).record.id == "b"
+        assert router.choose(state, feats).record.id == "b"
     base = RequestFeatures("m", [1, 2], prompt_tokens=40, block_size=16)
-    assert {router.choose(state, base, router.match(base)).record.id for _ in range(6)} == {"a", "b", "c"}
+    assert {router.choose(state, base).record.id for _ in range(6)} == {"a", "b", "c"}
     # the holder unhealthy or already tried: the fallback ('any') takes every replica of the model
     assert router.decide(state, feats, router.match(feats), frozenset({"b"})).record.id in {"a", "c"}
     fleet.check_result("b", False)
@@ -60,7 +60,7 @@ def test_a_lora_request_goes_only_to_replicas_holding_the_adapter() -> None:
     fleet.agent_engine("b", _engine(()))
     fleet.agent_engine("c", _engine(("sql", "other")))
     for _ in range(4):
-        assert router.choose(state, feats, router.match(feats)).record.id == "c"
+        assert router.choose(state, feats).record.id == "c"
 
 
 def test_lora_fallback_none_refuses_when_no_holder_is_healthy() -> None:
@@ -81,16 +81,16 @@ def test_a_hybrid_replica_is_matched_by_its_deepest_key_and_speculates_only_the_
         fleet.check_result(r, False)
         fleet.check_result(r, False)
     feats = RequestFeatures("m", [11, 12, 13], prompt_tokens=60, block_size=16)
-    router.choose(state, feats, router.match(feats))
+    router.choose(state, feats)
     assert index.approximate_keys("a") == [13, 12, 11]  # plain: the whole prompt
     fleet.agent_engine("a", _engine(hybrid=True))
     rec = fleet.get("a")
     assert rec is not None and rec.identity.hybrid and rec.identity.adapters is None
     assert index.is_hybrid("a") and index.approximate_keys("a") == []  # recorded as plain: dropped
-    choice = router.choose(state, feats, router.match(feats))
+    choice = router.choose(state, feats)
     assert choice.predicted_tokens == 0 and index.approximate_keys("a") == [13]
     # the same prompt again: the bound is (60 - 1) // 16 = 3 blocks; its deepest key within it is 13
-    assert router.choose(state, feats, router.match(feats)).predicted_tokens == 48
+    assert router.choose(state, feats).predicted_tokens == 48
     # a request sharing the first blocks but not the last: no hit on a hybrid engine
     other = RequestFeatures("m", [11, 12, 21, 22], prompt_tokens=70, block_size=16)
     assert router.decide(state, other, router.match(other)).predicted_tokens == 0

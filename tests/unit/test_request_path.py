@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from gateway.config import GatewayConfig, ModelConfig, parse_config
-from gateway.features import Featurizer
+from gateway.features import EncodeSettings, Featurizer
 from gateway.fleet import Fleet
 from gateway.openai_errors import RequestError, error_response_of
 from gateway.request import endpoint_of, parse_request, request_of
@@ -140,7 +140,8 @@ def _chat(*contents: str) -> dict[str, Any]:
 
 async def test_explain_featurizes_without_side_effects() -> None:
     fz = Featurizer(
-        [ModelConfig(name="tiny", tokenizer=TINY, block_size=16)], cache_entries=1000, defer_chars=200
+        [ModelConfig(name="tiny", tokenizer=TINY, block_size=16)],
+        EncodeSettings(cache_entries=1000, defer_chars=200),
     )
     try:
         await fz.features("chat", _chat("hello there"))

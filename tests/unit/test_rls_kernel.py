@@ -19,7 +19,7 @@ def test_compiled_step_matches_the_numpy_reference_on_random_sequences() -> None
             z = rng.uniform(0, 2, d) * (rng.uniform(0, 1, d) > 0.3)
             target = float(rng.normal(1.0, 0.5))
             consts = (float(rng.uniform(0.05, 1.0)), 0.995, 100.0, p0_trace)
-            e = rls_step(w, p, z, target, *consts)
+            e = rls_step(w, p, z, target, np.array(consts))
             wr, pr, er = step_reference(wr, pr, z, target, consts)
             assert abs(e - er) <= 1e-9 * max(1.0, abs(er))
             np.testing.assert_allclose(w, wr, rtol=1e-9, atol=1e-12)

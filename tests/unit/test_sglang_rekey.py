@@ -20,7 +20,7 @@ from gateway.config import parse_config
 from gateway.fleet import Fleet
 from gateway.inventory_server import InventoryServer
 from replica_agent.agent import Agent, AgentConfig
-from replica_agent.gateway_client import GatewayClient
+from replica_agent.gateway_client import GatewayClient, Link, Sources
 from replica_agent.inventory import AgentInventory
 from replica_agent.subscriber import EventSubscriber
 from router_policies.prefix_index import PrefixIndex
@@ -66,15 +66,10 @@ async def test_page_size_1_is_rekeyed_at_the_gateways_block_size() -> None:
         ctx, f"tcp://127.0.0.1:{engine.pub_port}", f"tcp://127.0.0.1:{engine.replay_port}", inv
     )
     client = agent.client = GatewayClient(
-        f"127.0.0.1:{port}",
-        inv,
-        agent.outbox,
-        agent._hello,
-        state=agent._state,
-        seed=1,
-        backoff_initial_s=0.05,
-        backoff_max_s=0.2,
-        on_key_block_size=agent._gateway_block_size,
+        Link(f"127.0.0.1:{port}", seed=1, backoff_initial_s=0.05, backoff_max_s=0.2),
+        Sources(
+            inv, agent.outbox, agent._hello, state=agent._state, on_key_block_size=agent._gateway_block_size
+        ),
     )
     tasks = [asyncio.create_task(sub.run()), asyncio.create_task(client.run())]
     try:

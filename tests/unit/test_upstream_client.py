@@ -12,7 +12,10 @@ from multidict import CIMultiDict
 from gateway.upstream_client import BadResponse, ConnectError, Disconnected, UpstreamClient
 
 BODY = b'{"ok": true, "text": "' + b"x" * 300 + b'"}'
-LENGTH = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
+LENGTH = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+    len(BODY),
+    BODY,
+)
 CHUNKED = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
     b"5;ext=1\r\ndata:\r\n" + b"%x\r\n" % len(BODY) + BODY + b"\r\n0\r\nx-trailer: 1\r\n\r\n"
@@ -83,7 +86,11 @@ async def test_every_framing_in_pieces_of_every_size(serving, answer: bytes, pie
     # keep-alive: one connection for the three requests, unless the replica closes each
     assert server.connections == (3 if answer is UNTIL_CLOSE else 1) == client.opened
     req = server.requests[0]
-    assert req.startswith(b"POST /v1/x?q=1 HTTP/1.1\r\n") and b"x-test: 1\r\n" in req and req.endswith(b'{"a":1}')
+    assert (
+        req.startswith(b"POST /v1/x?q=1 HTTP/1.1\r\n")
+        and b"x-test: 1\r\n" in req
+        and req.endswith(b'{"a":1}')
+    )
     client.close()
 
 
