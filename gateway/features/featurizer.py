@@ -174,7 +174,8 @@ class Featurizer:
 
     async def featurize(self, req: ParsedRequest, *, explain: bool = False) -> Result:
         """The request path's features (raises ``RequestError``); ``explain``: no side effect."""
-        spec, prompt = self._read(req)
+        with self.memo.read_only(explain):  # the chat template's memo, used while reading
+            spec, prompt = self._read(req)
         if isinstance(prompt, Remote):
             prompt = await self._tokenize_remotely(req, spec)
         if isinstance(prompt, Text):

@@ -17,9 +17,10 @@ same output. Event-loop thread only.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -65,11 +66,26 @@ class MemoCache:
         self.hits = 0
         self.misses = 0
         self._data: OrderedDict[Hashable, tuple[object, int]] = OrderedDict()
+        self._frozen = False  # ``read_only``
 
     def __len__(self) -> int:
         return len(self._data)
 
+    @contextlib.contextmanager
+    def read_only(self, on: bool = True) -> Iterator[None]:
+        """Within: entries are read without counting or refreshing them, and nothing is kept
+        (``/admin/explain`` changes nothing). Synchronous code only: the event loop runs no
+        other request meanwhile."""
+        before, self._frozen = self._frozen, on or self._frozen
+        try:
+            yield
+        finally:
+            self._frozen = before
+
     def get(self, key: Hashable) -> object | None:
+        if self._frozen:
+            entry = self._data.get(key)
+            return entry[0] if entry is not None else None
         hit = self._data.get(key)
         if hit is None:
             self.misses += 1
@@ -81,7 +97,7 @@ class MemoCache:
     def put(self, key: Hashable, value: object, size: int) -> None:
         """Keep ``value`` (``size`` bytes, overhead included) unless it exceeds the bound; the
         least recently used entries go first. Invariant: ``bytes <= max_bytes``."""
-        if size > self.max_bytes:
+        if size > self.max_bytes or self._frozen:
             return
         old = self._data.pop(key, None)
         if old is not None:
