@@ -57,6 +57,8 @@ async def read_body(request: web.Request, limit: int, timeout_s: float | None = 
     """The request body, at most ``limit`` bytes, received whole within ``timeout_s`` (raises
     ``BodyTooLarge``, ``RequestError`` for a body that ended early, or 408 for a slow one)."""
     try:
+        if request.content.is_eof():  # the whole body is here already: no timer to arm
+            return await _read_body(request, limit)
         async with asyncio.timeout(timeout_s):
             return await _read_body(request, limit)
     except TimeoutError:
@@ -121,8 +123,9 @@ class Proxy:
         length = request.content_length
         need = pcfg.max_body_bytes if length is None else min(length, pcfg.max_body_bytes)
         try:
-            async with asyncio.timeout(pcfg.body_timeout_s):
-                await self._bodies.acquire(need)
+            if not self._bodies.try_acquire(need):  # no timer when there is room (most requests)
+                async with asyncio.timeout(pcfg.body_timeout_s):
+                    await self._bodies.acquire(need)
         except TimeoutError:
             raise RequestError(
                 "the gateway holds too many request bodies; retry later",

@@ -90,6 +90,14 @@ class ByteBudget:
         self.peak = 0
         self._waiters: list[asyncio.Future[None]] = []
 
+    def try_acquire(self, n: int) -> bool:
+        """``acquire`` when it would not wait (True); else nothing changes (False)."""
+        if self.held and self.held + n > self.limit:
+            return False
+        self.held += n
+        self.peak = max(self.peak, self.held)
+        return True
+
     async def acquire(self, n: int) -> None:
         while self.held and self.held + n > self.limit:
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
