@@ -5,7 +5,9 @@ Routers: kvgate (``kvgate serve``, kv_aware, the 32k benchmark tokenizer, so tok
 block keys are included), and, when ``.venv-bench`` holds them, sglang-router (cache_aware and
 round_robin) and vllm-router (cache_aware: its best policy without engine KV events, which fake
 backends do not publish). Scenarios: non-streaming and streaming, 2 KB and 8 KB prompts,
-concurrency 32 and 128 (closed loop), plus concurrency 1 (the unloaded added latency).
+concurrency 32 and 128 (closed loop), plus concurrency 1 (the unloaded added latency); and warm
+8 KB chats (a pool of 64 resent: the gateway's caches hit) at concurrency 1 and 32, where the
+headline CPU per request is read.
 
 Per router and scenario: requests/s, latency p50/p99, added latency (router minus direct at the
 same percentile), CPU seconds per 1,000 requests of the router's process tree (from /proc), and
@@ -108,8 +110,11 @@ def start_routers(
     return routers
 
 
+WARM_POOL = 64
+
+
 def _warmup(count: int, concurrency: int) -> int:
-    return min(count // 10 + concurrency, 200)
+    return max(min(count // 10 + concurrency, 200), WARM_POOL)
 
 
 def measure(
@@ -133,8 +138,14 @@ def measure(
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     scenarios = [
-        (stream, size, conc) for stream in (False, True) for size in args.sizes for conc in args.concurrency
+        (stream, size, conc, False)
+        for stream in (False, True)
+        for size in args.sizes
+        for conc in args.concurrency
     ]
+    # warm: the same 8 KB chats resent (a pool of WARM_POOL, every one seen in the warm-up): what
+    # the gateway's caches are for; the headline CPU per request (issue 15) is measured here
+    scenarios += [(False, 8192, conc, True) for conc in args.warm_concurrency]
     rows: list[dict[str, Any]] = []
     tmp = args.out.parent / "tmp" / "overhead"
     with ProcessGroup(tmp) as procs:
@@ -147,16 +158,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         backends = [int(p) for p in m.group(1).split(",")]
         routers = start_routers(procs, backends, tmp, peers=not args.no_peers, only=args.routers)
         time.sleep(1.0)  # first health rounds
-        for point, (stream, size, conc) in enumerate(scenarios):
+        for point, (stream, size, conc, warm) in enumerate(scenarios):
             count = args.requests if conc > 1 else max(args.requests // 4, 50)
-            # every request unique (a new user message after one of 16 shared system prompts), so
-            # that each one pays for tokenizing its new text, as a chat workload does; an agent
-            # workload that resends its transcript hits the gateway's segment cache far more
-            bodies = loadgen.chat_bodies(
-                count + _warmup(count, conc), size, stream, seed=args.seed * 1000 + point, model=MODEL
-            )
+            # unique: every request a new user message after one of 16 shared system prompts, so
+            # that each one pays for tokenizing its new text, as a chat workload does; warm: a
+            # pool of WARM_POOL such chats, resent (the warm-up sends each at least once)
+            n = WARM_POOL if warm else count + _warmup(count, conc)
+            bodies = loadgen.chat_bodies(n, size, stream, seed=args.seed * 1000 + point, model=MODEL)
             direct = measure(backends[0], None, bodies, count, conc, args.max_seconds)
             row: dict[str, Any] = {
+                "warm": warm,
                 "stream": stream,
                 "prompt_bytes": size,
                 "concurrency": conc,
@@ -179,6 +190,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def format_row(row: dict[str, Any]) -> str:
     head = (
+        f"{'warm  ' if row.get('warm') else ''}"
         f"{'stream' if row['stream'] else 'json  '} {row['prompt_bytes'] // 1024}KB c={row['concurrency']:<3} "
         f"direct {row['direct']['rps']:7.0f} rps p50 {row['direct']['p50_ms']:6.2f}ms"
     )
@@ -197,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=2000, help="measured requests per point")
     ap.add_argument("--sizes", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 128])
+    ap.add_argument("--warm-concurrency", type=int, nargs="*", default=[1, 32], help="warm 8 KB chat points")
     ap.add_argument("--backends", type=int, default=4)
     ap.add_argument("--max-seconds", type=float, default=60.0, help="time bound of one point")
     ap.add_argument("--seed", type=int, default=11)

@@ -17,7 +17,8 @@ Headline figures and how they are taken (conservative where a choice exists):
 * ``ttft_audit_median_abs_error``: kvgate's TTFT model, median absolute relative error of its
   predictions against observed first bytes (bench/live_metrics.py), the worst over the workloads;
 * ``new_replica_share``: the share of the next 300 requests a fourth replica joining three warm
-  ones receives (``bench/new_replica.py``).
+  ones receives (``bench/new_replica.py``);
+* the hop's figures: ``bench/hop_summary.py``.
 A figure whose inputs are missing is ``null``.
 
     .venv/bin/python -m bench.report [--results bench/results]
@@ -33,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.hop_summary import HOP_KEYS, hop_summary
+
 ROOT = Path(__file__).resolve().parent.parent
 SUMMARY_KEYS = (
     "overhead_p50_ms",
@@ -46,6 +49,7 @@ SUMMARY_KEYS = (
     "live_ttft_p50_vs_best_peer",
     "ttft_audit_median_abs_error",
     "new_replica_share",
+    *HOP_KEYS,
 )
 ROUTERS = ("kvgate", "sglang_cache_aware", "sglang_round_robin", "vllm_router_cache_aware")
 
@@ -58,7 +62,12 @@ def _overhead_point(
     ov: dict[str, Any], stream: bool = False, size: int = 8192, conc: int = 32
 ) -> dict[str, Any]:
     for row in ov["rows"]:
-        if row["stream"] == stream and row["prompt_bytes"] == size and row["concurrency"] == conc:
+        if (
+            not row.get("warm")
+            and row["stream"] == stream
+            and row["prompt_bytes"] == size
+            and row["concurrency"] == conc
+        ):
             return dict(row)
     return {}
 
@@ -68,8 +77,11 @@ def summarize(
     ov: dict[str, Any] | None,
     live: dict[str, Any] | None,
     new_replica: dict[str, Any] | None = None,
+    hop: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """``hop``: ``hop_summary``'s figures (bench/hop_summary.py)."""
     s: dict[str, Any] = dict.fromkeys(SUMMARY_KEYS)
+    s.update(hop or {})
     if ov:
         point = _overhead_point(ov)
         kv = point.get("kvgate")
@@ -174,7 +186,7 @@ def table(
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in ov["rows"]:
-            mode = "stream" if row["stream"] else "json"
+            mode = ("warm " if row.get("warm") else "") + ("stream" if row["stream"] else "json")
             size = f"{row['prompt_bytes'] // 1024} KB"
             d = row["direct"]
             out.append(
@@ -248,7 +260,7 @@ def plots(
             if row["concurrency"] == 1:
                 continue
             labels.append(
-                f"{'S' if row['stream'] else 'J'} {row['prompt_bytes'] // 1024}K c{row['concurrency']}"
+                f"{'W' if row.get('warm') else ''}{'S' if row['stream'] else 'J'} {row['prompt_bytes'] // 1024}K c{row['concurrency']}"
             )
             for n in ROUTERS:
                 per_router[n].append(row[n]["rps_per_core"] if n in row else 0.0)
@@ -258,7 +270,7 @@ def plots(
             ax.bar([x + i * width for x in range(len(labels))], per_router[n], width, label=n)
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(labels))], labels, fontsize=7)
         ax.set_ylabel("requests per router CPU-second")
-        ax.set_title("Router efficiency (J json, S stream; prompt size; concurrency)")
+        ax.set_title("Router efficiency (J json, S stream, W warm; prompt size; concurrency)")
         ax.legend(fontsize=7)
         save(fig, "overhead_rps_per_core.png")
     if live:
@@ -301,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     res = args.results
     index, ov, live = _load(res / "index.json"), _load(res / "overhead.json"), _load(res / "live.json")
-    summary = summarize(index, ov, live, _load(res / "new_replica.json"))
+    hop = hop_summary(ov, _load(res / "streaming.json"), _load(res / "workers.json"))
+    summary = summarize(index, ov, live, _load(res / "new_replica.json"), hop)
     (res / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (res / "table.md").write_text(table(index, ov, live, summary) + "\n")
     written = [] if args.no_plots else plots(res, index, ov, live)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from gateway.app import wire_shared_state
+from gateway.app_parts import wire_shared_state
 from gateway.config import GatewayConfig, parse_config
 from gateway.fleet import Fleet
 from gateway.inventory_ops import ops_of_events

@@ -32,7 +32,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import aiohttp
@@ -42,117 +42,35 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gateway.access_log import AccessLog, configure_logging
 from gateway.admin import Admin
-from gateway.agent_credentials import stream_access_of
 from gateway.api_keys import api_auth_middlewares
+from gateway.app_parts import build_inventory_server, build_state, env_token, wire_shared_state
 from gateway.asyncio_tasks import cancel_and_wait
 from gateway.config import GatewayConfig, load_config
 from gateway.features import Featurizer
 from gateway.features.budgets import MemoryCollector
-from gateway.features.remote_tokenizer import UrlChooser
 from gateway.fleet import Fleet
 from gateway.health import HealthChecker
 from gateway.http_server import HardenedRunner, raise_fd_limit
-from gateway.inventory_server import InventoryServer
 from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import error_response, openai_errors_middleware
 from gateway.operator_view import OperatorView, with_observer
-from gateway.proxy import Proxy
+from gateway.proxy import Proxy, ProxyParts
 from gateway.routing import Router, RoutingState
+from gateway.runtime_tuning import settle_heap
 from gateway.shared_state import SharedState
-from gateway.shared_state_context import SharedContext
-from gateway.shared_state_follower import Follower
-from gateway.shared_state_load import LoadExchange
-from gateway.shared_state_publisher import Publisher
 from gateway.status_page import StatusPage
 from gateway.tls import http_ssl_context
 from gateway.tracing import Tracing
+from gateway.upstream_client import UpstreamClient
 from gateway.workers_link import AppLink
 from router_policies.errors import UserInputError
 from router_policies.placement import EXPIRE_INTERVAL_S
 from router_policies.prefix_index import PrefixIndex
-from router_policies.registry import build_policy
 
 log = logging.getLogger("kvgate.app")
 
 _RESTART_ONLY = ("listen", "server", "index", "inventory", "shared_state", "auth")
 RETIRE_GRACE_S = 5.0
-
-
-def _featurizer_inputs(config: GatewayConfig) -> tuple[object, ...]:
-    """What a featurizer is built from: a reload that keeps these keeps the featurizer (and its
-    warm tokenization cache)."""
-    p = config.proxy
-    return (
-        config.models,
-        p.tokenize_cache_entries,
-        p.tokenize_threads,
-        p.tokenize_offload_chars,
-        p.tokenize_defer_chars,
-        p.tokenize_seen_entries,
-        p.tokenize_defer_backlog_chars,
-        p.tokenize_cache_bytes,
-        p.tokenize_defer_backlog_bytes,
-        p.tokenize_inflight_bytes,
-        p.max_prompt_chars,
-    )
-
-
-def build_state(
-    config: GatewayConfig,
-    remote: UrlChooser | None = None,
-    previous: RoutingState | None = None,
-) -> RoutingState:
-    """The policy and featurizer for ``config`` (raises ``UserInputError`` subclasses)."""
-    policy = build_policy(config.policy.name, config.policy.params_for(), seed=config.policy.seed)
-    if previous is not None and _featurizer_inputs(previous.config) == _featurizer_inputs(config):
-        featurizer = previous.featurizer
-    else:
-        featurizer = Featurizer.from_config(config, remote=remote)
-    return RoutingState(config=config, policy=policy, featurizer=featurizer)
-
-
-def wire_shared_state(
-    config: GatewayConfig,
-    index: PrefixIndex,
-    fleet: Fleet,
-    inventory: InventoryServer,
-    registry: CollectorRegistry,
-    instance_id: str | None = None,
-) -> SharedState:
-    """The shared-state parts (docs/shared-state.md), each the one writer of its state: the
-    publisher observes the inventory server, the follower writes the replicas owned elsewhere
-    (and stops the moment an agent for one connects here), the load exchange feeds the fleet."""
-    ctx = SharedContext.create(config.shared_state, registry, instance_id)
-    follower = Follower(ctx, index, fleet, inventory)
-    publisher = Publisher(ctx, inventory, index.config.max_replicas, on_owned=follower.stop_following)
-    inventory.observer = publisher
-    return SharedState(ctx, publisher, follower, LoadExchange(ctx, fleet, inventory))
-
-
-def build_inventory_server(
-    config: GatewayConfig,
-    env: Mapping[str, str],
-    index: PrefixIndex,
-    fleet: Fleet,
-    registry: CollectorRegistry,
-    configured: Callable[[], set[str]],
-) -> InventoryServer:
-    """The agents' gRPC server as the config sets it (``configured``: the config's replica ids)."""
-    return InventoryServer(
-        index,
-        fleet,
-        token=None,
-        access=stream_access_of(config, env, configured),
-        registry=registry,
-        block_bound_factor=config.inventory.block_bound_factor,
-        ack_every=config.inventory.ack_every,
-        tls_cert=config.inventory.tls_cert,
-        tls_key=config.inventory.tls_key,
-    )
-
-
-def _env_token(name: str | None, env: Mapping[str, str]) -> str | None:
-    return (env.get(name) or None) if name else None
 
 
 class GatewayApp:
@@ -200,10 +118,11 @@ class GatewayApp:
             config.operator, self.registry, lambda: [r.id for r in self.fleet.records()]
         )
         self.inventory.observer = with_observer(self.inventory.observer, self.operator.lifetime)
-        self._admin_token = _env_token(config.auth.admin_token_env, self._env)
+        self._admin_token = env_token(config.auth.admin_token_env, self._env)
         self._api_auth = api_auth_middlewares(config.auth.api_keys, self._env, self.registry)
         self._http_ssl = http_ssl_context(config.auth.http_tls)
         self._session: aiohttp.ClientSession | None = None
+        self._client: UpstreamClient | None = None  # the request path's (gateway/upstream_client.py)
         self._proxy: Proxy | None = None
         self._health: HealthChecker | None = None
         self._expire_task: asyncio.Task[None] | None = None
@@ -335,16 +254,18 @@ class GatewayApp:
             auto_decompress=False,  # bytes pass through as the replica sent them
             skip_auto_headers=("Accept-Encoding", "User-Agent"),
         )
-        self._proxy = Proxy(
-            lambda: self._state,
+        self._client = UpstreamClient()
+        parts = ProxyParts(
             self.router,
             self.fleet,
             self._session,
+            self._client,
             self.metrics,
             self.tracing,
             self.access_log,
             outcomes=self.operator,
         )
+        self._proxy = Proxy(lambda: self._state, parts)
         await self.operator.start()
         worker = self._link is not None and self._link.worker is not None
         if not worker:  # a worker's index and health come from the parent (gateway/local_hub.py)
@@ -376,6 +297,7 @@ class GatewayApp:
         await site.start()
         addrs = self._runner.addresses
         self.http_port = int(addrs[0][1]) if addrs else int(port)
+        settle_heap()  # start-up's objects out of the collector's walks (gateway/runtime_tuning.py)
 
     async def stop(self) -> None:
         self._draining = True
@@ -401,6 +323,9 @@ class GatewayApp:
         for task in list(self._retiring):
             await cancel_and_wait(task)
         await self._state.featurizer.close()
+        if self._client is not None:
+            self._client.close()
+            self._client = None
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -109,11 +109,19 @@ class CacheLifetime:
 
     # ------------------------------------------------------------------ queries
     def note_depths(self, keys: Sequence[int]) -> None:
-        """The request's block keys, in prompt order: key i is at depth i."""
+        """The request's block keys, in prompt order: key i is at depth i.
+
+        A chained key's depth is a property of the key (it hashes the whole prefix), so a key
+        already noted has the right depth, and so have its ancestors, noted by the same call or an
+        earlier one (unless the bound dropped them since: they were noted first). Only the keys
+        after the deepest known one are new: a resent prompt costs one lookup, not one a block."""
         depths = self._depths
-        for i, k in enumerate(keys):
-            if k not in depths:
-                depths[k] = i
+        n = len(keys)
+        i = n
+        while i and keys[i - 1] not in depths:
+            i -= 1
+        if i < n:
+            depths.update(zip(keys[i:], range(i, n), strict=True))
         while len(depths) > self._bound:
             depths.popitem(last=False)
 

@@ -60,6 +60,12 @@ class ProxyConfig(_Strict):
         description="Bytes the cache of tokenized messages may hold (texts and token ids); least "
         "recently used first out.",
     )
+    memo_cache_bytes: int = Field(
+        32 * 1024 * 1024,
+        ge=0,
+        description="Bytes the cache of chat-template outputs and block keys of prompts seen "
+        "before may hold (0: off); least recently used first out.",
+    )
     max_prompt_chars: int = Field(
         2_000_000,
         gt=0,

@@ -74,6 +74,8 @@ class _StateCollector(Collector):
             ("deferred_encoded", "Deferred encodes done (their segments are now cached)."),
             ("deferred_expedited", "Deferred encodes taken over by a request carrying the same new text."),
             ("deferred_dropped", "Deferred encodes dropped from a full backlog."),
+            ("memo_cache_hits", "Template outputs and prompt keys found in the memo cache."),
+            ("memo_cache_misses", "Template outputs and prompt keys computed (and remembered)."),
         ):
             c = CounterMetricFamily(f"kvgate_tokenize_{name}", what)
             c.add_metric([], cache.get(name, 0))

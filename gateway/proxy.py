@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import functools
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -41,9 +42,10 @@ from gateway.request_outcome import OutcomeSink
 from gateway.routing import Router, RoutingState
 from gateway.tracing import Tracing
 from gateway.upstream import Retry, Upstream
+from gateway.upstream_client import UpstreamClient
 from router_policies.policy import NoReplicaError, RequestFeatures
 
-__all__ = ["BodyTooLarge", "Proxy", "read_body"]
+__all__ = ["BodyTooLarge", "Proxy", "ProxyParts", "read_body"]
 
 
 class BodyTooLarge(RequestError):
@@ -55,6 +57,8 @@ async def read_body(request: web.Request, limit: int, timeout_s: float | None = 
     """The request body, at most ``limit`` bytes, received whole within ``timeout_s`` (raises
     ``BodyTooLarge``, ``RequestError`` for a body that ended early, or 408 for a slow one)."""
     try:
+        if request.content.is_eof():  # the whole body is here already: no timer to arm
+            return await _read_body(request, limit)
         async with asyncio.timeout(timeout_s):
             return await _read_body(request, limit)
     except TimeoutError:
@@ -80,28 +84,31 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
     return bytes(buf)
 
 
+@dataclass(frozen=True, slots=True)
+class ProxyParts:
+    """What the proxy uses, built by the composition root (``gateway.app``)."""
+
+    router: Router
+    fleet: Fleet
+    session: aiohttp.ClientSession  # for ``/v1/models`` (fans out to every replica)
+    client: UpstreamClient  # for the request path (gateway/upstream_client.py)
+    metrics: GatewayMetrics
+    tracing: Tracing
+    access_log: AccessLog
+    outcomes: OutcomeSink | None = None
+
+
 class Proxy:
-    def __init__(
-        self,
-        state: Callable[[], RoutingState],
-        router: Router,
-        fleet: Fleet,
-        session: aiohttp.ClientSession,
-        metrics: GatewayMetrics,
-        tracing: Tracing,
-        access_log: AccessLog,
-        outcomes: OutcomeSink | None = None,
-    ) -> None:
+    def __init__(self, state: Callable[[], RoutingState], parts: ProxyParts) -> None:
         self._state = state
-        self._router = router
-        self._fleet = fleet
-        self._session = session
-        self._upstream = Upstream(session, fleet, metrics)
-        self._upstream.outcomes = outcomes
-        self._metrics = metrics
-        self._tracing = tracing
-        self._access = access_log
-        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
+        self._router = parts.router
+        self._fleet = parts.fleet
+        self._session = parts.session
+        self._upstream = Upstream(parts.client, parts.fleet, parts.metrics)
+        self._upstream.outcomes = parts.outcomes
+        self._metrics = parts.metrics
+        self._tracing = parts.tracing
+        self._access = parts.access_log
         # request bodies held at once (server.* settings apply at start: a restart changes them)
         self._bodies = ByteBudget(state().config.server.max_inflight_body_bytes)
 
@@ -116,8 +123,9 @@ class Proxy:
         length = request.content_length
         need = pcfg.max_body_bytes if length is None else min(length, pcfg.max_body_bytes)
         try:
-            async with asyncio.timeout(pcfg.body_timeout_s):
-                await self._bodies.acquire(need)
+            if not self._bodies.try_acquire(need):  # no timer when there is room (most requests)
+                async with asyncio.timeout(pcfg.body_timeout_s):
+                    await self._bodies.acquire(need)
         except TimeoutError:
             raise RequestError(
                 "the gateway holds too many request bodies; retry later",
@@ -128,15 +136,6 @@ class Proxy:
             yield
         finally:
             self._bodies.release(need)
-
-    def _timeout(self, connect: float) -> aiohttp.ClientTimeout:
-        """The upstream client timeout: the connect one only (the first-byte and stream idle
-        timeouts are the upstream's own, see gateway/upstream.py)."""
-        t = self._timeouts.get(connect)
-        if t is None:
-            t = aiohttp.ClientTimeout(total=None, sock_connect=connect)
-            self._timeouts = {connect: t}  # one entry: the current config's
-        return t
 
     # ------------------------------------------------------------------ handlers
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -222,7 +221,6 @@ class Proxy:
         features, info = await self._features(ctx)
         td = ctx.elapsed()
         match = self._router.match(features)
-        ctx.timeout = self._timeout(pcfg.connect_timeout_s)
         tried: list[str] = []
         last_error = ""
         for attempt in range(pcfg.retries + 1):

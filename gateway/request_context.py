@@ -11,7 +11,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -62,7 +61,6 @@ class RequestContext:
     t0: float = field(default_factory=time.perf_counter)
     log: dict[str, Any] = field(default_factory=dict)  # the access-log record
     parsed: ParsedRequest | None = None
-    timeout: aiohttp.ClientTimeout | None = None  # upstream timeout, from the config
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0

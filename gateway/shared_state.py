@@ -2,7 +2,7 @@
 docs/architecture.md): the supervisor of the shared-state parts.
 
 Ownership: an agent's stream lands on one instance, the replica's *owner*. Four parts, each the
-one writer of its state, wired by the app (``gateway.app.wire_shared_state``):
+one writer of its state, wired by the app (``gateway.app_parts.wire_shared_state``):
 
 * ``Publisher`` (gateway/shared_state_publisher.py): the inventory server's observer; queues what
   this instance's agents said and publishes it to each replica's Redis stream.

@@ -43,6 +43,7 @@ from gateway.prediction_audit import (
 )
 from gateway.request_context import DROP_REQUEST, DROP_RESPONSE, Attempt, filter_headers
 from gateway.request_outcome import OutcomeSink, usage_in
+from gateway.upstream_client import ConnectError, ConnectTimeout, UpstreamClient, UpstreamResponse
 from router_policies.placement import Dispatch, Flight
 
 UPSTREAM_READ_ERRORS = (aiohttp.ClientError, OSError)
@@ -104,7 +105,7 @@ class Retry(Exception):
         self.reason = reason
 
 
-async def _read_bounded(up: aiohttp.ClientResponse, limit: int) -> tuple[bytes, bool]:
+async def _read_bounded(up: UpstreamResponse, limit: int) -> tuple[bytes, bool]:
     """The response body if it is at most ``limit`` bytes (True), else its first bytes (False)."""
     length = up.content_length
     if length is not None and length <= limit:
@@ -130,38 +131,32 @@ def _timed_out(a: Attempt) -> RequestError:
 
 
 class Upstream:
-    def __init__(self, session: aiohttp.ClientSession, fleet: Fleet, metrics: GatewayMetrics) -> None:
-        self._session = session
+    def __init__(self, client: UpstreamClient, fleet: Fleet, metrics: GatewayMetrics) -> None:
+        self._client = client
         self._fleet = fleet
         self._metrics = metrics
         self.outcomes: OutcomeSink | None = None  # the operator view (gateway/operator_view.py)
         self._watch = EjectionWatch()
 
-    async def _post(self, a: Attempt) -> aiohttp.ClientResponse:
-        """The replica's response headers; a failure to get them raises ``Retry`` or a 504."""
+    async def _post(self, a: Attempt) -> UpstreamResponse:
+        """The replica's response headers; a failure to get them raises ``Retry``."""
         ctx, rec = a.ctx, a.record
         assert ctx.parsed is not None
         try:
-            return await self._session.post(
+            return await self._client.post(
                 rec.url + ctx.request.path_qs,
-                data=ctx.parsed.raw,
-                headers=filter_headers(ctx.request.headers, DROP_REQUEST),
-                timeout=ctx.timeout,
+                ctx.parsed.raw,
+                filter_headers(ctx.request.headers, DROP_REQUEST),
+                ctx.state.config.proxy.connect_timeout_s,
             )
-        except aiohttp.ConnectionTimeoutError as exc:
-            self._fleet.proxy_failure(rec, f"connect timeout: {exc}", connect=True)
-            raise Retry("connect", f"{rec.id}: connect timeout") from None
-        except TimeoutError:
-            self._fleet.proxy_failure(rec, "timed out before the response headers")
-            raise _timed_out(a) from None
-        except aiohttp.ClientConnectorError as exc:
-            self._fleet.proxy_failure(rec, f"connect error: {exc}", connect=True)
-            raise Retry("connect", f"{rec.id}: connect error: {exc}") from None
+        except (ConnectTimeout, ConnectError) as exc:
+            self._fleet.proxy_failure(rec, str(exc), connect=True)
+            raise Retry("connect", f"{rec.id}: {exc}") from None
         except UPSTREAM_READ_ERRORS as exc:
             self._fleet.proxy_failure(rec, f"{type(exc).__name__}: {exc}")
             raise Retry("disconnect", f"{rec.id}: {type(exc).__name__}: {exc}") from None
 
-    async def _first(self, a: Attempt, up: aiohttp.ClientResponse, sse: bool) -> tuple[bytes, bool]:
+    async def _first(self, a: Attempt, up: UpstreamResponse, sse: bool) -> tuple[bytes, bool]:
         """The first body bytes (the whole body when it fits, True) before anything is sent."""
         rec = a.record
         try:
@@ -217,7 +212,7 @@ class Upstream:
         predicted = a.choice.predicted_tokens
         snap = a.choice.snapshot
         flight = self._fleet.dispatch(rec, Dispatch.of(snap, rec.id, features, predicted, out_tokens))
-        up: aiohttp.ClientResponse | None = None
+        up: UpstreamResponse | None = None
         done = False
         try:
             wait: FirstByteWait | None = None
@@ -232,7 +227,7 @@ class Upstream:
                         raise Retry("404", f"{rec.id}: 404 for LoRA adapter {features.lora!r}")
                     is_sse = up.headers.get("content-type", "").startswith("text/event-stream")
                     first, complete = await self._first(a, up, is_sse)
-            except TimeoutError:  # _post and _first turn aiohttp's own timeouts into RequestError
+            except TimeoutError:  # the first-byte wait ended (``_first`` turns its own into RequestError)
                 assert wait is not None
                 self._no_first_byte(a, wait)  # raises Retry or RequestError
             headers = filter_headers(up.headers, DROP_RESPONSE)
@@ -272,7 +267,7 @@ class Upstream:
         self,
         a: Attempt,
         flight: Flight,
-        up: aiohttp.ClientResponse,
+        up: UpstreamResponse,
         start: tuple[bytes, bool],
         headers: CIMultiDict[str],
     ) -> tuple[web.StreamResponse, bool]:

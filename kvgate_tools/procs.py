@@ -134,6 +134,7 @@ class ProcessGroup:
     log_dir: Path
     cwd: Path = REPO_ROOT
     started: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+    _log_start: dict[str, int] = field(default_factory=dict)  # a log's size when its child started
 
     def __enter__(self) -> ProcessGroup:
         return self
@@ -159,6 +160,8 @@ class ProcessGroup:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         full_env = {**(os.environ if env is None else env), **(extra_env or {})}
         with self.log_path(name).open("ab") as log:
+            # a restarted child appends to its log: ``wait_ready`` reads from here on only
+            self._log_start[name] = log.tell()
             proc = subprocess.Popen(
                 list(cmd),
                 stdout=subprocess.PIPE if stdout_pipe else log,
@@ -192,7 +195,9 @@ class ProcessGroup:
             if proc.poll() is not None:
                 raise RuntimeError(f"{name} exited with {proc.returncode}; see {log}:\n{self.tail(name)}")
             if ready.pattern is not None:
-                m = re.search(ready.pattern, log.read_text(errors="replace"))
+                with log.open("rb") as f:
+                    f.seek(self._log_start.get(name, 0))
+                    m = re.search(ready.pattern, f.read().decode(errors="replace"))
                 if m:
                     return m
             elif ready.url is None or http_ok(ready.url):

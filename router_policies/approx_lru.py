@@ -32,6 +32,8 @@ def touch(
     ``stamp``, except those the replica holds precisely (``held`` set and not in ``approx``).
     Returns the keys that are new entries (their bits must be set by the caller)."""
     rev = rev_arr.tolist()
+    if held.all() and approx.keys().isdisjoint(rev):
+        return []  # every key held precisely (a warm prompt): nothing to touch, in C-level checks
     fresh: list[int]
     if len(set(rev)) != len(rev):
         # repeated keys (never in a real chained prompt): the plain per-key walk

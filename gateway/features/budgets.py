@@ -48,6 +48,7 @@ class Budgets:
     defer_backlog_bytes: int | None = None
     inflight_bytes: int = 4 * 1024 * 1024
     max_prompt_chars: int | None = None
+    memo_cache_bytes: int = 32 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +89,14 @@ class ByteBudget:
         self.held = 0
         self.peak = 0
         self._waiters: list[asyncio.Future[None]] = []
+
+    def try_acquire(self, n: int) -> bool:
+        """``acquire`` when it would not wait (True); else nothing changes (False)."""
+        if self.held and self.held + n > self.limit:
+            return False
+        self.held += n
+        self.peak = max(self.peak, self.held)
+        return True
 
     async def acquire(self, n: int) -> None:
         while self.held and self.held + n > self.limit:

@@ -28,7 +28,10 @@ import jinja2.meta
 import jinja2.nodes
 import jinja2.parser
 import jinja2.utils
+import orjson
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from gateway.features.memo_cache import MemoCache, digest
 
 ContentFormat = Literal["string", "openai"]
 
@@ -188,9 +191,16 @@ class ChatTemplate:
     """One compiled template plus what it needs to render: the special-token variables."""
 
     def __init__(
-        self, source: str, special_tokens: Mapping[str, str], env: ImmutableSandboxedEnvironment
+        self,
+        source: str,
+        special_tokens: Mapping[str, str],
+        env: ImmutableSandboxedEnvironment,
+        memo: MemoCache | None = None,
     ) -> None:
         self.source = source
+        # outputs remembered (memo_cache.py) unless the template reads the clock
+        self._memo = memo if memo is not None and "strftime_now" not in source else None
+        self._tag = digest(orjson.dumps([source, sorted(special_tokens.items())]))
         try:
             self._template = env.from_string(source)
             self.variables = frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
@@ -203,6 +213,26 @@ class ChatTemplate:
         self,
         conversation: Sequence[Mapping[str, Any]],
         *,
+        tools: list[dict[str, Any]] | None,
+        documents: list[Any] | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        kwargs: Mapping[str, Any],
+    ) -> str:
+        """The prompt text, as transformers' ``apply_chat_template`` renders it (raises
+        ``TemplateRenderError``); from the memo when these inputs were rendered before."""
+        args = (conversation, tools, documents, add_generation_prompt, continue_final_message, kwargs)
+        if self._memo is None:
+            return self._render(*args)
+        try:
+            raw = orjson.dumps(args)
+        except TypeError:  # not JSON (cannot come from a request body): rendered, not kept
+            return self._render(*args)
+        return self._memo.text(("render", self._tag, digest(raw)), lambda: self._render(*args))
+
+    def _render(
+        self,
+        conversation: Sequence[Mapping[str, Any]],
         tools: list[dict[str, Any]] | None,
         documents: list[Any] | None,
         add_generation_prompt: bool,

@@ -82,6 +82,12 @@ def truncated(spec: PromptSpec, tokens: TokenArray) -> TokenArray:
     return tokens[len(tokens) - n :] if spec.truncation_side == "left" else tokens[:n]
 
 
+def namespace_of(spec: PromptSpec) -> tuple[str, str | None, str | None, int]:
+    """What a prompt's keys depend on besides its tokens: model, adapter, salt, block size."""
+    mc = spec.resolved.model.config
+    return mc.name, spec.resolved.lora, spec.salt, mc.block_size
+
+
 def _features(
     spec: PromptSpec, keys: Sequence[int], prompt_tokens: int, block_size: int, session_id: str | None
 ) -> RequestFeatures:
@@ -97,13 +103,19 @@ def _features(
 
 
 def exact_features(
-    spec: PromptSpec, tokens: TokenArray, how: Encoded, session_id: str | None
+    spec: PromptSpec,
+    tokens: TokenArray,
+    how: Encoded,
+    session_id: str | None,
+    keys: list[int] | None = None,
 ) -> tuple[RequestFeatures, FeatureInfo]:
     """Features keyed on engine tokens: all of the prompt's, or its exact prefix when the rest
-    is deferred (``how.prompt_tokens`` then counts the estimated rest too)."""
+    is deferred (``how.prompt_tokens`` then counts the estimated rest too). ``keys``: the
+    tokens' keys when the caller has them (``memo_cache``)."""
     r = spec.resolved
     mc = r.model.config
-    keys = keys_of(spec)(tokens)
+    if keys is None:
+        keys = keys_of(spec)(tokens)
     features = _features(spec, keys, how.prompt_tokens, mc.block_size, session_id)
     info = FeatureInfo(
         model=r.requested,

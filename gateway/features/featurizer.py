@@ -44,12 +44,14 @@ from gateway.features.feature_info import (
     char_features,
     exact_features,
     keys_of,
+    namespace_of,
     truncated,
 )
+from gateway.features.memo_cache import MemoCache
 from gateway.features.model_registry import ModelRegistry
 from gateway.features.prompt import Chars, Prompt, PromptSpec, Remote, Text, TokenIds, chars_of, read_prompt
 from gateway.features.remote_tokenizer import RemoteTokenizeError, RemoteTokenizer, UrlChooser
-from gateway.features.segment_encoder import BoundedLRU, EncodePlan, SegmentEncoder, TokenArray
+from gateway.features.segment_encoder import BoundedLRU, SegmentEncoder, TokenArray
 from gateway.openai_errors import RequestError
 from gateway.request import Endpoint, ParsedRequest, request_of
 from router_policies.policy import RequestFeatures
@@ -81,6 +83,7 @@ class Featurizer:
         base_dir: Path | None = None,
     ) -> None:
         b = settings.budgets
+        self.memo = MemoCache(b.memo_cache_bytes)
         self.budgets = b
         # requests featurized per mode, and fallbacks to characters per reason class: for metrics
         self.mode_counts: dict[str, int] = {"local": 0, "remote": 0, "token_ids": 0, "chars": 0}
@@ -97,7 +100,7 @@ class Featurizer:
         self.planner = EncodePlanner(settings.defer_chars, settings.seen_entries, self.deferred)
         self._remote = RemoteTokenizer(remote) if remote is not None else None
         self.models = ModelRegistry(
-            models, self._cache, remote_available=remote is not None, base_dir=base_dir
+            models, self._cache, remote_available=remote is not None, base_dir=base_dir, memo=self.memo
         )
 
     @classmethod
@@ -117,6 +120,7 @@ class Featurizer:
                 defer_backlog_bytes=p.tokenize_defer_backlog_bytes,
                 inflight_bytes=p.tokenize_inflight_bytes,
                 max_prompt_chars=p.max_prompt_chars,
+                memo_cache_bytes=p.memo_cache_bytes,
             ),
         )
         return cls(config.models, settings, remote=remote, base_dir=base_dir)
@@ -140,6 +144,8 @@ class Featurizer:
             "deferred_dropped": d.dropped,
             "deferred_backlog_chars": d.queued_chars,
             "seen_entries": len(self.planner.seen),
+            "memo_cache_hits": self.memo.hits,
+            "memo_cache_misses": self.memo.misses,
         }
 
     def memory_stats(self) -> dict[str, tuple[int, int]]:
@@ -147,6 +153,7 @@ class Featurizer:
         b, d, seen = self.budgets, self.deferred, self.planner.seen
         return {
             "segment_cache": (self._cache.bytes, b.cache_bytes or 0),
+            "memo_cache": (self.memo.bytes, b.memo_cache_bytes),
             "seen_texts": (len(seen) * SEEN_ENTRY_BYTES, seen.capacity * SEEN_ENTRY_BYTES),
             "deferred_backlog": (d.queued_bytes, b.defer_backlog_bytes or 0),
             "encodes_in_flight": (self.executor.inflight.held, b.inflight_bytes),
@@ -167,7 +174,8 @@ class Featurizer:
 
     async def featurize(self, req: ParsedRequest, *, explain: bool = False) -> Result:
         """The request path's features (raises ``RequestError``); ``explain``: no side effect."""
-        spec, prompt = self._read(req)
+        with self.memo.read_only(explain):  # the chat template's memo, used while reading
+            spec, prompt = self._read(req)
         if isinstance(prompt, Remote):
             prompt = await self._tokenize_remotely(req, spec)
         if isinstance(prompt, Text):
@@ -186,7 +194,8 @@ class Featurizer:
             tokens = enc.finish(
                 plan, enc.encode_missing(plan, add_special_tokens=ast), add_special_tokens=ast
             )
-            return self._count(self._encoded(req, spec, plan, tokens, False), prompt, False)
+            how = Encoded("local", 0, plan.segments, plan.cached_segments, plan.missing_chars)
+            return self._count(self._encoded(req, spec, tokens, how), prompt, False)
         return self._count(self._keyed(req, spec, prompt), prompt, False)
 
     async def features(
@@ -228,6 +237,12 @@ class Featurizer:
 
     async def _encode(self, req: ParsedRequest, spec: PromptSpec, prompt: Text, explain: bool) -> Result:
         enc = self._encoder(spec)
+        memo = self.memo.text_tokens(enc.namespace, prompt) if not explain else None
+        if memo is not None and memo.found is not None:
+            tokens, segments = memo.found
+            return self._count(
+                self._encoded(req, spec, tokens, Encoded("local", 0, segments, segments)), prompt, explain
+            )
         step = await self.planner.plan(enc, prompt, spec.truncate is not None, explain)
         if isinstance(step, Defer):
             return self._count(await self._defer(req, spec, prompt, step, explain), prompt, explain)
@@ -238,24 +253,23 @@ class Featurizer:
             nbytes=_bytes_of(prompt.text, plan.missing_chars),
         )
         tokens = enc.finish(plan, done, add_special_tokens=ast, record=not explain)
-        result = self._encoded(req, spec, plan, tokens, offloaded)
-        return self._count(result, prompt, explain)
+        if memo is not None:
+            memo.keep(tokens, plan.segments)
+        how = Encoded("local", 0, plan.segments, plan.cached_segments, plan.missing_chars, offloaded)
+        return self._count(self._encoded(req, spec, tokens, how, explain), prompt, explain)
 
-    @staticmethod
     def _encoded(
-        req: ParsedRequest, spec: PromptSpec, plan: EncodePlan, tokens: TokenArray, offloaded: bool
+        self, req: ParsedRequest, spec: PromptSpec, tokens: TokenArray, how: Encoded, explain: bool = False
     ) -> Result:
-        """Features of a prompt encoded here (``tokens``: all of them, from ``plan``)."""
+        """Features of a prompt encoded here (``tokens``: all of them; ``how``: how, its token
+        count set here); the keys come from the memo cache, which ``explain`` leaves as it is."""
         tokens = truncated(spec, tokens)
         how = Encoded(
-            "local",
-            len(tokens),
-            segments=plan.segments,
-            segments_cached=plan.cached_segments,
-            encoded_chars=plan.missing_chars,
-            offloaded=offloaded,
+            "local", len(tokens), how.segments, how.segments_cached, how.encoded_chars, how.offloaded
         )
-        return exact_features(spec, tokens, how, req.session_id)
+        compute = keys_of(spec)
+        keys = compute(tokens) if explain else self.memo.keys(namespace_of(spec), tokens, compute)
+        return exact_features(spec, tokens, how, req.session_id, keys)
 
     async def _defer(
         self, req: ParsedRequest, spec: PromptSpec, prompt: Text, step: Defer, explain: bool

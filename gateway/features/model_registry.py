@@ -14,6 +14,7 @@ from pathlib import Path
 
 from gateway.config import ModelConfig
 from gateway.features.chat_template import ChatTemplate, make_environment
+from gateway.features.memo_cache import MemoCache
 from gateway.features.segment_encoder import BoundedLRU, SegmentEncoder
 from gateway.features.tokenizer_files import FeatureConfigError, TokenizerFiles, load_tokenizer_files
 from gateway.request_errors import InvalidRequestError, UnknownModelError
@@ -81,8 +82,10 @@ class ModelRegistry:
         *,
         remote_available: bool,
         base_dir: Path | None = None,
+        memo: MemoCache | None = None,
     ) -> None:
         self._cache = cache
+        self._memo = memo  # chat templates' outputs remembered (memo_cache.py)
         self._base_dir = base_dir
         self._loaded: dict[Path, LocalTokenizer] = {}
         self._by_name: dict[str, Resolved] = {}
@@ -113,7 +116,7 @@ class ModelRegistry:
             if source is None:
                 continue
             try:
-                templates[source] = ChatTemplate(source, files.special_tokens, env)
+                templates[source] = ChatTemplate(source, files.special_tokens, env, self._memo)
             except ValueError as exc:
                 raise FeatureConfigError(f"{where}.tokenizer: {exc}") from None
         local = LocalTokenizer(

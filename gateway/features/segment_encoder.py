@@ -252,7 +252,7 @@ class SegmentEncoder:
         else:
             _, prev, seg, _ = plan.keys[plan.missing[0]]
             text = prev + seg[:chars]
-        enc = self.tokenizer.encode(text, add_special_tokens=False)
+        enc = self.tokenizer.encode_batch([text], add_special_tokens=False)[0]  # GIL released
         ids, words, offsets = enc.ids, enc.word_ids, enc.offsets
         lo = 0
         if prev:
@@ -299,7 +299,9 @@ class SegmentEncoder:
 
     def encode_missing(self, plan: EncodePlan, *, add_special_tokens: bool) -> list[TokenArray]:
         if plan.whole is not None:
-            ids = self.tokenizer.encode(plan.whole, add_special_tokens=add_special_tokens).ids
+            # encode_batch, not encode: tokenizers releases the GIL only in encode_batch (an
+            # 8 KB encode holds it ~3 ms, stalling the event loop; docs/performance.md)
+            ids = self.tokenizer.encode_batch([plan.whole], add_special_tokens=add_special_tokens)[0].ids
             return [np.asarray(ids, dtype=np.uint32)]
         if not plan.missing:
             return []

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from router_policies.ttft.rls_kernel import dot_scaled, rls_step
+
 # Smallest reference scale per coefficient (see params.COEFFICIENTS), where a prior is 0: 1 ms
 # per step; 0.01 ms per token, per decoding sequence; 0.1 ms per million attention pairs; 10 ms
 # per million KV tokens read per step; 0.001 ms per cached token; 1 ms per thousand tokens of
@@ -90,27 +92,20 @@ class RobustRls:
         return self._scale
 
     def predict(self, x: Sequence[float]) -> float:
-        return float(np.dot(np.asarray(x, dtype=np.float64) * self._ref, self._w))
+        return dot_scaled(np.asarray(x, dtype=np.float64), self._ref, self._w)
 
     def update(self, x: Sequence[float], y_ms: float) -> float:
-        """Fit one observation; returns its relative residual before the update (unclipped)."""
+        """Fit one observation; returns its relative residual before the update (unclipped).
+        The step itself is compiled (``rls_kernel.rls_step``: the same arithmetic, in place)."""
         cfg = self._cfg
         z = np.asarray(x, dtype=np.float64) * self._ref
         norm = max(float(np.dot(z, self._w)), cfg.min_norm_ms)
         z /= norm
-        e = y_ms / norm - float(np.dot(z, self._w))
         s = self._scale
-        clipped = min(max(e, -cfg.huber_k * s), cfg.huber_k * s)
-        p = self._p
-        pz = p @ z
-        gain = pz / (cfg.forgetting + float(z @ pz))
-        self._w = np.clip(self._w + gain * clipped, 0.0, cfg.max_multiple)
-        p = (p - np.outer(gain, pz)) / cfg.forgetting
-        p = (p + p.T) / 2
-        tr = float(np.trace(p))
-        if tr > self._p0_trace:
-            p *= self._p0_trace / tr
-        self._p = p
+        clip = cfg.huber_k * s
+        consts = np.array((clip, cfg.forgetting, cfg.max_multiple, self._p0_trace))
+        e = rls_step(self._w, self._p, z, y_ms / norm, consts)
+        clipped = min(max(e, -clip), clip)
         dev = 1.25 * abs(clipped)
         self._scale = max(cfg.min_scale, (1 - cfg.scale_rate) * s + cfg.scale_rate * dev)
         slow_rate = cfg.scale_rate / 10

@@ -26,6 +26,8 @@ def test_benchmarks_run_and_report_every_headline(tmp_path: Path) -> None:
         "32",
         "--backends",
         "2",
+        "--warm-concurrency",
+        "32",
         "--no-peers",
     ]
     assert overhead.main([*overhead_args, "--out", str(tmp_path / "overhead.json")]) == 0
@@ -42,9 +44,10 @@ def test_benchmarks_run_and_report_every_headline(tmp_path: Path) -> None:
         assert r["churn_events"] > 0 and r["churn_events_per_s"] > 0
 
     ov = json.loads((tmp_path / "overhead.json").read_text())
-    assert [(r["stream"], r["prompt_bytes"], r["concurrency"]) for r in ov["rows"]] == [
-        (False, 8192, 32),
-        (True, 8192, 32),
+    assert [(r["warm"], r["stream"], r["prompt_bytes"], r["concurrency"]) for r in ov["rows"]] == [
+        (False, False, 8192, 32),
+        (False, True, 8192, 32),
+        (True, False, 8192, 32),
     ]
     for row in ov["rows"]:
         for name in ("direct", "kvgate"):
@@ -64,6 +67,7 @@ def test_benchmarks_run_and_report_every_headline(tmp_path: Path) -> None:
         "events_per_s_per_core",
         "match_2048_us_at_10m",
         "bytes_per_block",
+        "cpu_ms_per_request",
     ):
         assert _number(summary[key]), key
     # no peer routers in the smoke run: the ratios to them are absent, not invented
@@ -71,6 +75,8 @@ def test_benchmarks_run_and_report_every_headline(tmp_path: Path) -> None:
         "rps_per_core_vs_sglang_cache_aware",
         "live_ttft_p99_vs_best_peer",
         "live_hit_rate_vs_best_peer",
+        "cpu_per_request_vs_sglang_cache_aware",
+        "unloaded_added_p99_ms",  # no concurrency-1 point in the smoke run
     ):
         assert summary[key] is None, key
     assert "| kvgate |" in (tmp_path / "table.md").read_text().replace("| json | 8 KB | 32 ", "| ")

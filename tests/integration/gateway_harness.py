@@ -22,7 +22,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from gateway.app import wire_shared_state
+from gateway.app_parts import wire_shared_state
 from gateway.config import GatewayConfig
 from gateway.fleet import Fleet
 from gateway.inventory_server import InventoryServer

@@ -16,7 +16,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as otlp
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as otlp_grpc
 
-from gateway.app import build_state
+from gateway.app_parts import build_state
 from gateway.config import parse_config
 from gateway.request import Endpoint
 from proto.kvgate.v1 import inventory_pb2 as pb

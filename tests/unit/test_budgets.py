@@ -159,7 +159,13 @@ async def test_memory_stats_report_every_holder_under_its_budget() -> None:
             req = request_of("completions", {"model": "tiny", "prompt": _text(i, 8000) + "<|im_end|>"})
             await f.featurize(req)
         stats = f.memory_stats()
-        assert set(stats) == {"segment_cache", "seen_texts", "deferred_backlog", "encodes_in_flight"}
+        assert set(stats) == {
+            "segment_cache",
+            "memo_cache",
+            "seen_texts",
+            "deferred_backlog",
+            "encodes_in_flight",
+        }
         held, bound = stats["segment_cache"]
         assert 0 < held <= bound == cache
         assert stats["encodes_in_flight"] == (0, 30_000)
@@ -176,6 +182,60 @@ def test_default_budgets_stay_well_under_the_chart_memory_limit() -> None:
     in_flight_transient = p.tokenize_inflight_bytes * 100
     total = p.tokenize_cache_bytes + seen + p.tokenize_defer_backlog_bytes + in_flight_transient
     assert total < 1024**3, total
+
+
+def test_memo_cache_is_exact_and_bounded_in_bytes() -> None:
+    from gateway.features.memo_cache import ENTRY_OVERHEAD, KEY_BYTES, MemoCache
+    from router_policies.block_keys import block_keys
+
+    calls: list[int] = []
+
+    def compute(tokens: np.ndarray) -> list[int]:
+        calls.append(len(tokens))
+        return block_keys(tokens, 4, "m")
+
+    ns = ("m", None, None, 4)
+    cache = MemoCache(max_bytes=(ENTRY_OVERHEAD + 8 * KEY_BYTES) * 2)
+    a = np.arange(32, dtype=np.uint32)
+    b = np.arange(1, 33, dtype=np.uint32)
+    assert cache.keys(ns, a, compute) == block_keys(a, 4, "m")
+    assert cache.keys(ns, a, compute) == block_keys(a, 4, "m") and len(calls) == 1  # a hit
+    assert cache.keys(("m", "lora", None, 4), a, compute) and len(calls) == 2  # another namespace
+    cache.keys(ns, b, compute)  # three entries of 8 keys: the least recently used goes
+    assert cache.bytes <= cache.max_bytes and len(cache) == 2
+    cache.keys(ns, a, compute)
+    assert len(calls) == 4  # ``a`` in ``ns`` was the one dropped, computed again
+    assert cache.text(("t", 1), lambda: "x" * 10_000) == "x" * 10_000  # larger than the bound
+    assert len(cache) == 2 and cache.bytes <= cache.max_bytes  # not kept
+    off = MemoCache(0)
+    off.keys(ns, a, compute)
+    assert len(off) == 0 and off.bytes == 0
+
+
+async def test_a_chat_rendered_from_the_memo_is_the_rendering() -> None:
+    f = _featurizer()
+    try:
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "system", "content": "s " * 50}, {"role": "user", "content": "hi"}],
+        }
+        first, _ = await f.featurize(request_of("chat", body))
+        hits = f.memo.hits
+        again, _ = await f.featurize(request_of("chat", body))
+        assert f.memo.hits >= hits + 2  # the rendering and the keys
+        assert again.block_keys == first.block_keys and again.prompt_tokens == first.prompt_tokens
+        other = {**body, "messages": [*body["messages"][:1], {"role": "user", "content": "ho"}]}
+        third, _ = await f.featurize(request_of("chat", other))
+        off = _featurizer(memo_cache_bytes=0)
+        try:  # the same features without the memo
+            for b, got in ((body, again), (other, third)):
+                plain, _ = await off.featurize(request_of("chat", b))
+                assert plain.block_keys == got.block_keys and plain.prompt_tokens == got.prompt_tokens
+            assert len(off.memo) == 0 and off.memo.bytes == 0
+        finally:
+            await off.close()
+    finally:
+        await f.close()
 
 
 def test_negative_bounds_are_refused_by_name() -> None:

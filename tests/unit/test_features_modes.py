@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from gateway.app import build_state
+from gateway.app_parts import build_state
 from gateway.config import ModelConfig, parse_config
 from gateway.features import EncodeSettings, Featurizer
 from gateway.features.char_blocks import char_block_keys

@@ -265,3 +265,22 @@ def test_transformers_tokenizer_loading_adjustments(tmp_path: Path) -> None:
         want = ref(text, add_special_tokens=False)["input_ids"]
         assert enc.encode(text, add_special_tokens=False).tolist() == want, repr(text)
     assert files.special_tokens["bos_token"] == "<s>"
+
+
+def test_request_path_encodes_leave_the_gil() -> None:
+    """tokenizers holds the GIL for a whole ``encode`` (an 8 KB text: ~3 ms of a stalled event
+    loop while a worker or the deferred thread encodes); ``encode_batch`` releases it. Outside the
+    constructor's probes, the segment encoder calls ``encode_batch`` only."""
+    import ast
+    import inspect
+
+    from gateway.features import segment_encoder
+
+    tree = ast.parse(inspect.getsource(segment_encoder.SegmentEncoder))
+    offenders = []
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef) and fn.name not in ("__init__", "_probe_affixes"):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Attribute) and node.attr == "encode":
+                    offenders.append(f"{fn.name}:{node.lineno}")
+    assert not offenders, offenders

@@ -1,0 +1,146 @@
+"""The proxy's HTTP/1.1 client (gateway/upstream_client.py) against a raw asyncio server that
+answers with prepared bytes, written in pieces of every size."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+from multidict import CIMultiDict
+
+from gateway.upstream_client import BadResponse, ConnectError, Disconnected, UpstreamClient
+
+BODY = b'{"ok": true, "text": "' + b"x" * 300 + b'"}'
+LENGTH = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+    len(BODY),
+    BODY,
+)
+CHUNKED = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    b"5;ext=1\r\ndata:\r\n" + b"%x\r\n" % len(BODY) + BODY + b"\r\n0\r\nx-trailer: 1\r\n\r\n"
+)
+UNTIL_CLOSE = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\n" + BODY
+
+
+class Server:
+    """Answers each request with ``answer`` written ``piece`` bytes at a time; counts connections."""
+
+    def __init__(self, answer: bytes, piece: int, close_after: bool = False) -> None:
+        self.answer, self.piece, self.close_after = answer, piece, close_after
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.writers.append(writer)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                self.requests.append(head + await reader.readexactly(length))
+                for i in range(0, len(self.answer), self.piece):
+                    writer.write(self.answer[i : i + self.piece])
+                    await writer.drain()
+                    await asyncio.sleep(0)
+                if self.close_after:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+
+async def _serve(server: Server) -> tuple[asyncio.AbstractServer, str]:
+    srv = await asyncio.start_server(server.handle, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    return srv, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def serving() -> AsyncIterator[Callable[[Server], asyncio.Future[str]]]:
+    started: list[asyncio.AbstractServer] = []
+
+    async def start(server: Server) -> str:
+        srv, url = await _serve(server)
+        started.append(srv)
+        return url
+
+    yield start  # type: ignore[misc]
+    for srv in started:
+        srv.close()
+
+
+@pytest.mark.parametrize("answer", [LENGTH, CHUNKED, UNTIL_CLOSE], ids=["length", "chunked", "close"])
+@pytest.mark.parametrize("piece", [1, 2, 7, 64, 100_000])
+async def test_every_framing_in_pieces_of_every_size(serving, answer: bytes, piece: int) -> None:  # type: ignore[no-untyped-def]
+    server = Server(answer, piece, close_after=answer is UNTIL_CLOSE)
+    url = await serving(server)
+    client = UpstreamClient()
+    for _ in range(3):
+        up = await client.post(url + "/v1/x?q=1", b'{"a":1}', CIMultiDict({"x-test": "1"}), 5.0)
+        assert up.status == 200
+        body = await up.read()
+        assert body == (b"data:" + BODY if answer is CHUNKED else BODY)
+        up.release()
+    # keep-alive: one connection for the three requests, unless the replica closes each
+    assert server.connections == (3 if answer is UNTIL_CLOSE else 1) == client.opened
+    req = server.requests[0]
+    assert (
+        req.startswith(b"POST /v1/x?q=1 HTTP/1.1\r\n")
+        and b"x-test: 1\r\n" in req
+        and req.endswith(b'{"a":1}')
+    )
+    client.close()
+
+
+async def test_a_response_not_read_to_its_end_is_not_reused(serving) -> None:  # type: ignore[no-untyped-def]
+    server = Server(CHUNKED, 10)
+    url = await serving(server)
+    client = UpstreamClient()
+    up = await client.post(url, b"{}", CIMultiDict(), 5.0)
+    await up.readany()  # the first piece only
+    up.release()
+    up = await client.post(url, b"{}", CIMultiDict(), 5.0)
+    assert await up.read() == b"data:" + BODY
+    up.release()
+    assert client.opened == 2
+    client.close()
+
+
+async def test_a_pooled_connection_closed_by_the_replica_is_replaced(serving) -> None:  # type: ignore[no-untyped-def]
+    server = Server(LENGTH, 1000)
+    url = await serving(server)
+    client = UpstreamClient()
+    up = await client.post(url, b"{}", CIMultiDict(), 5.0)
+    await up.read()
+    up.release()
+    for w in server.writers:  # the replica's idle timeout
+        w.close()
+    await asyncio.sleep(0.05)
+    up = await client.post(url, b"{}", CIMultiDict(), 5.0)
+    assert await up.read() == BODY
+    assert client.opened == 2
+    client.close()
+
+
+async def test_failures_are_connection_errors(serving) -> None:  # type: ignore[no-untyped-def]
+    client = UpstreamClient()
+    with pytest.raises(ConnectError):
+        await client.post("http://127.0.0.1:9/", b"{}", CIMultiDict(), 2.0)
+    url = await serving(Server(b"garbage\r\n\r\n", 100))
+    with pytest.raises(BadResponse):
+        await client.post(url, b"{}", CIMultiDict(), 2.0)
+    cut = LENGTH[: len(LENGTH) - 10]  # the replica dies before the body's end
+    url = await serving(Server(cut, 1000, close_after=True))
+    up = await client.post(url, b"{}", CIMultiDict(), 2.0)
+    with pytest.raises(Disconnected):
+        await up.read()
+    up.close()
+    bad_chunk = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n"
+    url = await serving(Server(bad_chunk, 100))
+    up = await client.post(url, b"{}", CIMultiDict(), 2.0)
+    with pytest.raises(BadResponse):
+        await up.read()
+    up.close()
+    client.close()
