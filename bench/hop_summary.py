@@ -1,6 +1,6 @@
 """The gateway hop's headline figures (issue 15) for ``summary.json``, from ``overhead.json``
-(``bench/overhead.py``), ``streaming.json`` (``bench/streaming.py``) and ``workers.json``
-(``bench/workers_scaling.py``); a figure whose input is missing is ``null``:
+(``bench/overhead.py``) and ``streaming.json`` (``bench/streaming.py``); a figure whose input is
+missing is ``null``:
 
 * ``cpu_ms_per_request``: kvgate's CPU milliseconds per request (its process tree, from /proc),
   warm 8 KB chats (a pool resent), non-streaming, concurrency 32;
@@ -9,8 +9,11 @@
   worse of unique chats (each one's new text tokenized) and warm ones;
 * ``cpu_per_chunk_vs_sglang_cache_aware``: CPU per relayed SSE chunk, kvgate over sglang-router
   cache_aware (``streaming.json``'s own summary);
-* ``workers2_throughput_vs_workers1`` and ``added_p50_c32_workers2_vs_sglang_cache_aware``:
-  ``workers.json``'s own summary.
+* ``workers2_throughput_vs_workers1``: requests/s of ``kvgate serve --workers 2`` over one
+  process, warm 8 KB chats at concurrency 32, same run and backends;
+* ``added_p50_c32_workers2_vs_sglang_cache_aware``: the added latency p50 at concurrency 32 (8 KB,
+  non-streaming) with two workers over sglang-router cache_aware's, the worse of unique and warm
+  chats.
 """
 
 from __future__ import annotations
@@ -39,9 +42,7 @@ def _point(ov: dict[str, Any], *, warm: bool, conc: int) -> dict[str, Any]:
     return {}
 
 
-def hop_summary(
-    ov: dict[str, Any] | None, streaming: dict[str, Any] | None, workers: dict[str, Any] | None
-) -> dict[str, Any]:
+def hop_summary(ov: dict[str, Any] | None, streaming: dict[str, Any] | None) -> dict[str, Any]:
     s: dict[str, Any] = dict.fromkeys(HOP_KEYS)
     if ov:
         warm = _point(ov, warm=True, conc=32)
@@ -59,8 +60,18 @@ def hop_summary(
         ]
         if unloaded:
             s["unloaded_added_p99_ms"] = round(max(unloaded), 3)
-    for source in (streaming, workers):
-        for k, v in ((source or {}).get("summary") or {}).items():
-            if k in s:
-                s[k] = v
+        w1, w2 = warm.get("kvgate"), warm.get("kvgate_workers2")
+        if w1 and w2 and w1["rps"]:
+            s["workers2_throughput_vs_workers1"] = round(w2["rps"] / w1["rps"], 3)
+        ratios = []
+        for w in (False, True):
+            p = _point(ov, warm=w, conc=32)
+            k2, sg = p.get("kvgate_workers2"), p.get("sglang_cache_aware")
+            if k2 and sg and sg["added_p50_ms"] > 0:
+                ratios.append(k2["added_p50_ms"] / sg["added_p50_ms"])
+        if ratios:
+            s["added_p50_c32_workers2_vs_sglang_cache_aware"] = round(max(ratios), 2)
+    for k, v in ((streaming or {}).get("summary") or {}).items():
+        if k in s:
+            s[k] = v
     return s

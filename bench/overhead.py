@@ -2,8 +2,8 @@
 each router, in one run, interleaved per scenario.
 
 Routers: kvgate (``kvgate serve``, kv_aware, the 32k benchmark tokenizer, so tokenization and
-block keys are included), and, when ``.venv-bench`` holds them, sglang-router (cache_aware and
-round_robin) and vllm-router (cache_aware: its best policy without engine KV events, which fake
+block keys are included) as one process and with ``--workers 2`` (``kvgate_workers2``), and,
+when ``.venv-bench`` holds them, sglang-router (cache_aware and round_robin) and vllm-router (cache_aware: its best policy without engine KV events, which fake
 backends do not publish). Scenarios: non-streaming and streaming, 2 KB and 8 KB prompts,
 concurrency 32 and 128 (closed loop), plus concurrency 1 (the unloaded added latency); and warm
 8 KB chats (a pool of 64 resent: the gateway's caches hit) at concurrency 1 and 32, where the
@@ -41,6 +41,9 @@ TOKENIZER = ROOT / "assets/tokenizers/kvgate-bench-32k"
 MODEL = "bench-model"
 DEFERRED_THREAD = BACKGROUND_THREAD_NAME.decode()
 PATH = "/v1/chat/completions"
+# kvgate as one process, and with two workers (``kvgate serve --workers 2``, docs/architecture.md
+# "Workers"): their CPU is their whole process tree's
+KVGATE_ROUTERS = (("kvgate", 1), ("kvgate_workers2", 2))
 
 
 def kvgate_config(backends: list[int], tokenizer: Path, policy: str = "kv_aware") -> dict[str, Any]:
@@ -62,16 +65,18 @@ def start_routers(
     routers: dict[str, tuple[int, int]] = {}
     urls = [f"http://127.0.0.1:{p}" for p in backends]
     want = set(only) if only else None
-    if want is None or "kvgate" in want:
-        cfg = tmp / "kvgate.yaml"
-        cfg.write_text(yaml.safe_dump(kvgate_config(backends, TOKENIZER)))
+    for name, workers in KVGATE_ROUTERS:
+        if want is not None and name not in want:
+            continue
+        cfg = tmp / f"{name}.yaml"
+        cfg.write_text(yaml.safe_dump({**kvgate_config(backends, TOKENIZER), "server": {"workers": workers}}))
         proc, m = procs.start(
-            "kvgate",
+            name,
             [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)],
             Ready(pattern=r"kvgate serve: http=[\d.]+:(\d+)"),
         )
         assert m is not None
-        routers["kvgate"] = (int(m.group(1)), proc.pid)
+        routers[name] = (int(m.group(1)), proc.pid)
     if not peers:
         return routers
     py = BENCH_VENV / "bin/python"

@@ -51,7 +51,7 @@ SUMMARY_KEYS = (
     "new_replica_share",
     *HOP_KEYS,
 )
-ROUTERS = ("kvgate", "sglang_cache_aware", "sglang_round_robin", "vllm_router_cache_aware")
+ROUTERS = ("kvgate", "kvgate_workers2", "sglang_cache_aware", "sglang_round_robin", "vllm_router_cache_aware")
 
 
 def _load(path: Path) -> dict[str, Any] | None:
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     res = args.results
     index, ov, live = _load(res / "index.json"), _load(res / "overhead.json"), _load(res / "live.json")
-    hop = hop_summary(ov, _load(res / "streaming.json"), _load(res / "workers.json"))
+    hop = hop_summary(ov, _load(res / "streaming.json"))
     summary = summarize(index, ov, live, _load(res / "new_replica.json"), hop)
     (res / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (res / "table.md").write_text(table(index, ov, live, summary) + "\n")
