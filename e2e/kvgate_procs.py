@@ -69,6 +69,8 @@ class Gateway:
             "health": {"interval_s": 0.5, "timeout_s": 2.0, "unhealthy_after": 2, "healthy_after": 1},
             "proxy": {"retries": 2, "connect_timeout_s": 1.0, "request_timeout_s": 120.0},
             "telemetry": {"access_log": True},
+            # one process: the checks read one process's metrics, admin views and access log
+            "server": {"workers": 1},
         }
 
     def start(self, policy: str) -> float:

@@ -119,6 +119,9 @@ class LocalFleet:
             "replicas": [{"id": e.replica_id, "url": e.url, "models": [o.model]} for e in self.engines],
             "health": {"interval_s": 0.5, "timeout_s": 1.0},
             "telemetry": {"access_log": False},
+            # one process: the demo, the what-if demo and the fault scenarios read one process's
+            # audit and admin views (with --workers each worker answers for itself)
+            "server": {"workers": 1},
         }
         for key, value in o.extra_config.items():
             if isinstance(value, dict) and isinstance(cfg.get(key), dict):
