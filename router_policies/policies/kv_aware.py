@@ -1,23 +1,18 @@
 """kv_aware: route to the replica where the request costs least (docs/architecture.md, "Routing on
 predicted milliseconds").
 
-The default rule, ``rule: tokens``, prices the cost in prompt tokens, per healthy replica r:
-
-    cost_r = pending_prefill_tokens_r + request_cost_tokens x load_r
-             + miss_weight x (prompt_tokens - matched_r) x spread_r
-
-(matched_r, spread_r and load_r as below). It stays the default until ``rule: ms`` meets every
-simulator bar: on the synthetic Mooncake trace ``ms`` keeps 0.88-0.93 of the oracle hit rate where
-the acceptance bar is 0.9, ``tests/sim/test_acceptance.py``.
-
-The opt-in rule ``rule: ms`` prices it in milliseconds: the predicted time to first token on r plus
-the delay its own prefill adds to the requests queued behind it, per healthy replica r:
+The default rule, ``rule: ms``, prices it in milliseconds: the predicted time to first token on r
+plus the delay its own prefill adds to the requests queued behind it, per healthy replica r:
 
     matched_r  = tokens of the request's leading blocks r holds (index match x block size);
                  set to 0 when matched_r < min_match_ratio x prompt_tokens, so that a tiny shared
                  head (a greeting, one system-prompt block) does not decide placement
-    model_r    = r's fitted TTFT model (ReplicaState.ttft, exported by the model owner,
+    own_r      = r's fitted TTFT model (ReplicaState.ttft, exported by the model owner,
                  router_policies.ttft.model); the prior ``prior`` until r has one
+    ref_r      = own_r's TTFT of a lone 8,192-token prompt on an idle replica (its speed)
+    model_r    = the model of the replica of median ref (the upper median) when ref_r is within
+                 ``same_speed`` (default 0.3) of that median's, else own_r; ref_r then that
+                 model's (``same_speed: 0``: always own_r)
     pred_r     = router_policies.ttft.features.predict(model_r, inputs_for(r, ...)): the terms
                  wait_r (the prefill queued ahead, with the decodes interleaved in every step
                  and the chunked-prefill budget), prefill_r (this request's own uncached
@@ -28,24 +23,29 @@ the delay its own prefill adds to the requests queued behind it, per healthy rep
     spread_r   = 1 + fill_weight x (fill_r - min over healthy replicas of fill)
     added_r    = the engine time this request's prefill adds on r for every request queued behind
                  it (its marginal work: its tokens and the share of steps they fill)
-    ref_r      = model_r's TTFT of a lone 8,192-token prompt on an idle replica (its speed)
     share_r    = (mean over healthy replicas of ref) / ref_r       (``behind: fleet``, the default;
                  ``load``: (1 + load_r) / (1 + mean load); ``local``: 1)
     behind_r   = (miss_weight - 1) x share_r       (requests expected to queue behind it on r)
     cost_r     = ttft_r + (spread_r x (1 + behind_r) - 1) x added_r
 
+The earlier rule, ``rule: tokens``, prices the cost in prompt tokens (matched_r, spread_r and
+load_r as here; miss_weight 4 by default):
+
+    cost_r = pending_prefill_tokens_r + request_cost_tokens x load_r
+             + miss_weight x (prompt_tokens - matched_r) x spread_r
+
 The replica with the smallest cost_r wins; ties rotate deterministically (a cursor started at the
 seed and advanced by ``commit``) so that an idle fleet spreads new prefixes. ``choose`` is pure;
 ``commit(decision)`` is called once the decision is used.
 
-Why milliseconds: the token rule (``rule: tokens``, still the default) prices every replica's
-queue in prompt tokens with a fixed ``request_cost_tokens`` per request ahead. It cannot see
-decode load (a step that interleaves many decodes reading a large KV is slower for every prefill
-chunk in it), nor that one replica is faster than another. pred_r sees both, and the model owner
-fits each replica's coefficients online from its observed first tokens.
+Why milliseconds: the token rule (``rule: tokens``) prices every replica's queue in prompt tokens
+with a fixed ``request_cost_tokens`` per request ahead. It cannot see decode load (a step that
+interleaves many decodes reading a large KV is slower for every prefill chunk in it), nor that one
+replica is faster than another. pred_r sees both, and the model owner fits each replica's
+coefficients online from its observed first tokens.
 
-Why miss_weight > 1 (default 4): ttft_r is this request's own time to first token, but its
-prefill (added_r) is also time that every request queued behind it on r waits. A greedy rule
+Why miss_weight > 1 (default 4 with the token rule): ttft_r is this request's own time to first
+token, but its prefill (added_r) is also time that every request queued behind it on r waits. A greedy rule
 (miss_weight = 1) leaves the replica holding a prefix as soon as that replica's queue is longer
 than the match, which scatters shared prefixes over the fleet and, under load, costs more
 recomputation than the queue it avoids. In queueing terms a unit of work at a server busy a
@@ -63,6 +63,26 @@ replica whose fit looked slow per token, which then looked slower). Measured in 
 (8 replicas, llama3-8b-h100 or 4 H100 + 4 A100 interleaved, load 0.8; TTFT p99): agent on the mixed
 fleet 12.3 s (local), 3.7 s (load), 2.8 s (fleet), 3.3 s with the token rule; the conversation
 trace on H100s 10.6 s (load), 8.3 s (fleet), 8.2 s (token rule).
+
+Why model_r (same_speed): fits of identical replicas differ, not in what they predict for the
+traffic they saw but in how they extrapolate (per-token costs traded for per-step or attention
+costs): in the simulator, two H100 replicas' fits predicted 703 and 1,066 ms for the same new
+19k-token prompt. Every new prompt (no replica holds it: about 74 % of the synthetic trace's requests)
+then went where the fit happened to look cheapest, not by queue and cache fill, and with ``behind:
+fleet`` the replica whose fit looked slow also looked cheap for the requests behind. Within 30 % of
+the median speed, replicas are taken as the same hardware and priced alike; a replica of another
+kind (an A100 beside H100s: 3x slower to prefill) stays outside it and keeps its own model.
+
+Why miss_weight 7 with rule ms: ttft_r prices the queue ahead at its true cost, with the causal
+attention of the long prompts in it and the per-step decode load, where the token rule counts its
+tokens only; with the same weight 4 the ms rule left a holder with a long queue more often than
+the token rule and kept 0.87 of the oracle hit rate on the synthetic trace at load 1.0 (the
+acceptance bar is 0.9). Sweep (tests/sim/test_acceptance.py's inputs, 8 H100s, with model_r;
+hit rate / oracle at loads 0.5 / 0.8 / 1.0): weight 4: 0.940 / 0.901 / 0.868; 6: 0.951 / 0.923 /
+0.891; 7: 0.952 / 0.934 / 0.916; 8: 0.963 / 0.926 / 0.921. TTFT p99 moved by less than 5 % on
+the synthetic trace; on the conversation window 7 gave 9.1 / 9.1 / 9.8 s (6: 13.8 s at 0.5, 8:
+16.3 s at 1.0: the longest prompts queued behind each other on their holders). Without model_r,
+weights 5 to 8 swung the synthetic hit rate between 0.89 and 0.94 from one load to the next.
 
 Why spread_r (fill_weight, default 0.5): the uncached tokens a request brings are new content that
 the chosen replica's cache must absorb, evicting what it holds. Load alone cannot see this: with
@@ -84,7 +104,7 @@ wait_ms, prefill_ms, read_ms, fetch_ms, added_ms and cost (the token rule: cost 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -97,17 +117,20 @@ from router_policies.policy import (
     require_healthy,
 )
 from router_policies.ttft.features import REFERENCE_INPUTS, predict
-from router_policies.ttft.params import NAMED_PRIORS
+from router_policies.ttft.params import NAMED_PRIORS, TtftParams
 from router_policies.ttft.snapshot import inputs_for
+
+MISS_WEIGHT_TOKENS = 4.0  # rule tokens (docstring: "Why miss_weight > 1")
+MISS_WEIGHT_MS = 7.0  # rule ms (docstring: "Why miss_weight 7 with rule ms")
 
 
 class KvAwareParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     rule: Literal["ms", "tokens"] = Field(
-        "tokens",
-        description="tokens: the prefill-token cost (the default while the ms rule misses the "
-        "simulator's hit-rate bar on the synthetic trace); ms: predicted TTFT in milliseconds.",
+        "ms",
+        description="ms: predicted TTFT in milliseconds (the default); tokens: the prefill-token "
+        "cost of earlier versions.",
     )
     prior: Literal["llama3-8b-h100", "small-cpu"] = Field(
         "llama3-8b-h100", description="TTFT model of a replica the model owner has not fitted yet."
@@ -122,11 +145,11 @@ class KvAwareParams(BaseModel):
     request_cost_tokens: float = Field(
         64.0, ge=0.0, description="rule tokens: prefill-token equivalent of each request on a replica."
     )
-    miss_weight: float = Field(
-        4.0,
+    miss_weight: float | None = Field(
+        None,
         ge=1.0,
         description="Weight of this request's own prefill: 1 for the request itself, plus the delay "
-        "it adds to the requests queued behind it.",
+        "it adds to the requests queued behind it (default: 4 with rule tokens, 7 with rule ms).",
     )
     behind: Literal["fleet", "load", "local"] = Field(
         "fleet",
@@ -140,6 +163,26 @@ class KvAwareParams(BaseModel):
         description="Extra cost of uncached tokens on a replica whose cache the index fills most, "
         "relative to the emptiest (0 disables): spreads new content over the fleet's caches.",
     )
+    same_speed: float = Field(
+        0.3,
+        ge=0.0,
+        description="rule ms: replicas whose fitted speed is within this fraction of the fleet "
+        "median are priced with the median replica's model (0: each with its own fit).",
+    )
+
+    def miss_weight_of_rule(self) -> float:
+        if self.miss_weight is not None:
+            return self.miss_weight
+        return MISS_WEIGHT_MS if self.rule == "ms" else MISS_WEIGHT_TOKENS
+
+
+class _Candidate(NamedTuple):
+    """One replica's figures for ``_cost`` (docstring: matched_r, spread_r, share_r, model_r)."""
+
+    matched: int
+    spread: float
+    share: float
+    model: TtftParams
 
 
 class KvAware:
@@ -149,13 +192,14 @@ class KvAware:
         self.params = params
         self._cursor = seed
         self._prior = NAMED_PRIORS[params.prior]
+        self._miss_weight = params.miss_weight_of_rule()
 
     def commit(self, _decision: Decision) -> None:
         """The decision was used: the next tie starts at the next replica."""
         self._cursor += 1
 
     def _cost(
-        self, r: ReplicaState, request: RequestFeatures, matched: int, spread: float, share: float
+        self, r: ReplicaState, request: RequestFeatures, c: _Candidate
     ) -> tuple[float, dict[str, float]]:
         p = self.params
         prompt = request.prompt_tokens
@@ -163,29 +207,43 @@ class KvAware:
             cost = (
                 r.pending_prefill_tokens
                 + p.request_cost_tokens * load_of(r)
-                + p.miss_weight * (prompt - matched) * spread
+                + self._miss_weight * (prompt - c.matched) * c.spread
             )
             return cost, {"cost": cost}
-        model = r.ttft if r.ttft is not None else self._prior
-        pred = predict(model, inputs_for(r, prompt, matched, request.block_size, model))
-        behind = (p.miss_weight - 1.0) * share
-        cost = pred.total_ms + (spread * (1.0 + behind) - 1.0) * pred.added_ms
+        pred = predict(c.model, inputs_for(r, prompt, c.matched, request.block_size, c.model))
+        behind = (self._miss_weight - 1.0) * c.share
+        cost = pred.total_ms + (c.spread * (1.0 + behind) - 1.0) * pred.added_ms
         terms = pred.as_terms()
         terms["cost"] = round(cost, 3)
         return cost, terms
 
-    def _behind_scale(self, healthy: list[ReplicaState], loads: list[int]) -> list[float]:
+    def _models(self, healthy: list[ReplicaState]) -> tuple[list[TtftParams], list[float]]:
+        """Per replica, the TTFT model it is priced with and that model's reference TTFT (its
+        speed): its own fit, or the fleet median's when within ``same_speed`` of it."""
+        own = [r.ttft if r.ttft is not None else self._prior for r in healthy]
+        refs = [predict(m, REFERENCE_INPUTS).total_ms for m in own]
+        tol = self.params.same_speed
+        if tol <= 0:
+            return own, refs
+        mid = sorted(range(len(own)), key=refs.__getitem__)[len(own) // 2]
+        models, out_refs = [], []
+        for m, ref in zip(own, refs, strict=True):
+            same = refs[mid] > 0 and abs(ref / refs[mid] - 1.0) <= tol
+            models.append(own[mid] if same else m)
+            out_refs.append(refs[mid] if same else ref)
+        return models, out_refs
+
+    def _behind_scale(self, refs: list[float], loads: list[int]) -> list[float]:
         """Per replica, the multiple of (miss_weight - 1) requests expected behind (docstring)."""
-        n = len(healthy)
+        n = len(refs)
         if self.params.behind == "load":
             mean_load = sum(loads) / n
             return [(1.0 + x) / (1.0 + mean_load) for x in loads]
         if self.params.behind == "fleet":
-            # speed as the fitted model's TTFT of one reference prompt on an idle replica: its
+            # speed as the model's TTFT of one reference prompt on an idle replica: its
             # predictions are well fitted even where single coefficients trade off
-            ref = [predict(r.ttft or self._prior, REFERENCE_INPUTS).total_ms for r in healthy]
-            mean = sum(ref) / n
-            return [mean / x if x > 0 else 1.0 for x in ref]
+            mean = sum(refs) / n
+            return [mean / x if x > 0 else 1.0 for x in refs]
         return [1.0] * n
 
     def choose(self, request: RequestFeatures, fleet: FleetSnapshot) -> Decision:
@@ -200,8 +258,12 @@ class KvAware:
         most_held = max(r.held_blocks for r in healthy)
         fills = [r.held_blocks / most_held if most_held else 0.0 for r in healthy]
         least_fill = min(fills)
-        # the token rule reads no share: skip the per-replica reference predictions
-        shares = [1.0] * n if p.rule == "tokens" else self._behind_scale(healthy, loads)
+        # the token rule reads no model: skip the per-replica reference predictions
+        if p.rule == "tokens":
+            models, shares = [self._prior] * n, [1.0] * n
+        else:
+            models, refs = self._models(healthy)
+            shares = self._behind_scale(refs, loads)
         best: ReplicaState | None = None
         best_cost = 0.0
         scores: dict[str, float] = {}
@@ -213,7 +275,7 @@ class KvAware:
             if matched < min_match:
                 matched = 0
             spread = 1.0 + p.fill_weight * (fills[idx] - least_fill)
-            cost, terms[r.id] = self._cost(r, request, matched, spread, shares[idx])
+            cost, terms[r.id] = self._cost(r, request, _Candidate(matched, spread, shares[idx], models[idx]))
             scores[r.id] = cost
             if loads[idx] > limit:
                 continue

@@ -1,5 +1,5 @@
 """A per-replica model of time to first token in milliseconds, learned online (the gateway
-fits it for every policy; kv_aware routes on it only with the opt-in ``rule: ms``).
+fits it for every policy; kv_aware routes on it with its default ``rule: ms``).
 
 ``params`` (the immutable per-replica value on ``ReplicaState.ttft``), ``features`` (the model
 and its prediction), ``estimator`` (robust recursive least squares), ``model`` (the owner that

@@ -27,7 +27,7 @@ needs:
 
 Coefficients are fitted as multiples ``w`` of reference scales (the prior, or a floor where the
 prior is 0), so that every direction is of order 1, and kept within ``[0, max_multiple]``.
-Memory: a d-vector and a d x d matrix (d = 7), whatever the number of observations.
+Memory: a d-vector and a d x d matrix (d = 8), whatever the number of observations.
 Deterministic: float64 arithmetic only, no randomness.
 """
 
@@ -43,8 +43,8 @@ from router_policies.ttft.rls_kernel import dot_scaled, rls_step
 # Smallest reference scale per coefficient (see params.COEFFICIENTS), where a prior is 0: 1 ms
 # per step; 0.01 ms per token, per decoding sequence; 0.1 ms per million attention pairs; 10 ms
 # per million KV tokens read per step; 0.001 ms per cached token; 1 ms per thousand tokens of
-# KV demand beyond capacity.
-REFERENCE_FLOORS = (1.0, 0.01, 0.1, 0.01, 10.0, 0.001, 1.0)
+# KV demand beyond capacity; 1 ms of per-request overhead.
+REFERENCE_FLOORS = (1.0, 0.01, 0.1, 0.01, 10.0, 0.001, 1.0, 1.0)
 
 
 @dataclass(frozen=True, slots=True)

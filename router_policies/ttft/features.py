@@ -21,12 +21,13 @@ One linear model in the coefficients of ``TtftParams`` (so that it can be fitted
          + (A + u x (c + (u + 1) / 2)) / 1e6 x attention_ms_per_mpair  (causal attention)
          + c x cached_ms_per_token
          + X x kv_wait_ms_per_ktoken
+         + overhead_ms                  (once per request: the hop, HTTP, the running step)
          + fetch_ms                                              (KV tiers: known, not fitted)
 
 Its terms, reported by ``predict``: ``wait_ms`` is the same formula for the work ahead alone
 (Q, no request of its own: 0 steps when Q = 0), ``prefill_ms`` the rest of the compute
 (this request's own prefill, with the steps it adds), ``read_ms`` the cached-token term and
-``fetch_ms`` the tiers. Beside TTFT, ``added_ms`` is the engine time this request's prefill adds
+``fetch_ms`` the tiers (``prefill_ms`` includes ``overhead_ms``). Beside TTFT, ``added_ms`` is the engine time this request's prefill adds
 for every request that will queue behind it: its marginal work, with the per-step costs counted
 for the fraction u / (B - n) of a step its tokens fill (a step that would run anyway is not its
 doing):
@@ -113,6 +114,7 @@ def feature_vector(inputs: TtftInputs, params: TtftParams, *, own: bool = True) 
         steps * inputs.kv_tokens / 1e6,
         float(c),
         max(0, inputs.kv_tokens + u + c - params.kv_capacity_tokens) / 1e3,
+        1.0 if own else 0.0,
     )
 
 

@@ -13,6 +13,10 @@ that a policy stays a pure function of the snapshot. Coefficients are millisecon
     cached_ms_per_token     each cached prompt token the prefill reads instead of computing
     kv_wait_ms_per_ktoken   per thousand tokens of KV demand beyond the cache's capacity: the
                             queue cannot be admitted until decoding requests finish and free it
+    overhead_ms             once per request: the time from dispatch to first byte that is not
+                            engine steps (the hop to the engine and back, HTTP, tokenization, the
+                            step already running when it arrives); 0 in the priors (the simulator
+                            has no hop), fitted live
 
 ``chunk_tokens`` (the engine's ``max_num_batched_tokens``), ``max_num_seqs`` and
 ``kv_capacity_tokens`` (its KV cache) are engine settings, not fitted: they come with the prior. ``kv_bytes_per_token`` prices the KV tiers.
@@ -57,6 +61,7 @@ COEFFICIENTS = (
     "kv_read_ms_per_mtoken",
     "cached_ms_per_token",
     "kv_wait_ms_per_ktoken",
+    "overhead_ms",
 )
 
 
@@ -69,6 +74,7 @@ class TtftParams:
     kv_read_ms_per_mtoken: float = 0.0
     cached_ms_per_token: float = 0.0
     kv_wait_ms_per_ktoken: float = 20.0
+    overhead_ms: float = 0.0
     chunk_tokens: int = 8192
     max_num_seqs: int = 256
     kv_capacity_tokens: int = 400_000

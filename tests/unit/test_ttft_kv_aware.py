@@ -10,7 +10,7 @@ from router_policies.registry import build_policy
 from router_policies.ttft.params import DEFAULT_PRIOR, NAMED_PRIORS, TtftParams
 
 BS = 64
-MS: dict[str, object] = {"rule": "ms"}  # the ms rule (opt-in: kv_aware.py says why)
+MS: dict[str, object] = {"rule": "ms"}  # the ms rule (the default; named so the tests say so)
 
 
 def req(blocks: int, prompt: int | None = None) -> RequestFeatures:
@@ -57,9 +57,10 @@ def test_terms_add_up_and_scores_are_costs() -> None:
             t["wait_ms"] + t["prefill_ms"] + t["read_ms"] + t["fetch_ms"], abs=0.01
         )
         assert d.scores[rid] == pytest.approx(t["cost"], abs=0.001)
-        # cost = ttft + (spread x (1 + (miss_weight - 1) x share) - 1) x added; spread 1 here, and
-        # share 1: both replicas run the same model, so neither is faster than the fleet mean
-        assert t["cost"] == pytest.approx(t["ttft_ms"] + 3 * t["added_ms"], abs=0.01)
+        # cost = ttft + (spread x (1 + (miss_weight - 1) x share) - 1) x added; spread 1 here,
+        # share 1 (both replicas run the same model, so neither is faster than the fleet mean) and
+        # miss_weight 7, the ms rule's default
+        assert t["cost"] == pytest.approx(t["ttft_ms"] + 6 * t["added_ms"], abs=0.01)
     assert d.terms["b"]["fetch_ms"] > 1.0 and d.terms["a"]["fetch_ms"] == 0.0
     assert d.terms["a"]["wait_ms"] > 0.0 and d.terms["b"]["wait_ms"] == 0.0
 
@@ -99,15 +100,33 @@ def test_the_delay_added_behind_is_weighed_at_fleet_speed() -> None:
     the added delay by each replica's speed relative to the fleet mean (1.5 and 0.75 here), so the
     slow one takes the prompt from a shorter queue on; "local" keeps it on the fast one longer."""
     slow = ReplicaState("slow", ttft=scaled(2.0))
+    ms4 = {**MS, "miss_weight": 4.0}  # (miss_weight - 1) = 3 requests behind at fleet speed
 
     def choice(queue: int, behind: str) -> str:
         f = FleetSnapshot((ReplicaState("fast", pending_prefill_tokens=queue), slow))
-        return build_policy("kv_aware", {**MS, "behind": behind}).choose(req(64), f).replica
+        return build_policy("kv_aware", {**ms4, "behind": behind}).choose(req(64), f).replica
 
     assert [choice(q, "fleet") for q in (0, 4000, 8000)] == ["fast", "fast", "slow"]
     assert [choice(q, "local") for q in (0, 4000, 8000)] == ["fast", "fast", "fast"]
     f = FleetSnapshot((ReplicaState("fast"), slow))
-    d = build_policy("kv_aware", MS).choose(req(64), f)
+    d = build_policy("kv_aware", ms4).choose(req(64), f)
     for rid, share in (("fast", 1.5), ("slow", 0.75)):
         t = d.terms[rid]
         assert t["cost"] == pytest.approx(t["ttft_ms"] + 3 * share * t["added_ms"], rel=1e-3)
+
+
+def test_replicas_of_about_the_same_speed_are_priced_with_one_model() -> None:
+    """Fits of identical replicas differ (a per-token cost traded for a per-step one, a little
+    noise): within ``same_speed`` of the fleet median, every replica is priced with the median
+    replica's model, so a new prompt goes by queue and cache, not by fit noise; a replica
+    outside it (other hardware) keeps its own model."""
+    near = [ReplicaState(f"r{i}", ttft=scaled(k)) for i, k in enumerate((0.9, 1.0, 1.2))]
+    far = ReplicaState("a100", ttft=scaled(3.0))
+    f = FleetSnapshot((*near, far))
+    d = build_policy("kv_aware", MS).choose(req(256), f)
+    assert d.terms["r0"] == d.terms["r1"] == d.terms["r2"]  # the median's model (scaled 1.2)
+    assert d.terms["a100"]["ttft_ms"] > 2 * d.terms["r0"]["ttft_ms"]
+    own = build_policy("kv_aware", {**MS, "same_speed": 0.0}).choose(req(256), f)
+    assert own.terms["r0"]["ttft_ms"] < own.terms["r1"]["ttft_ms"] < own.terms["r2"]["ttft_ms"]
+    # the default rule is ms, with miss_weight 7
+    assert build_policy("kv_aware", {}).choose(req(256), f).terms == d.terms
