@@ -43,6 +43,7 @@ def config(tmp: Path, http_port: int, inv_port: int) -> dict[str, Any]:
             {"id": "r1", "url": "http://127.0.0.1:10", "models": ["m"]},
         ],
         "telemetry": {"access_log": False},
+        "server": {"workers": 1},  # the refusal counters are read from one process's /metrics
         "auth": {
             "agent_token_env": "T_SHARED",
             "agent_tokens": {"r0": "T_R0", "r1": "T_R1"},
