@@ -10,7 +10,7 @@ from router_policies.registry import build_policy
 from router_policies.ttft.params import DEFAULT_PRIOR, NAMED_PRIORS, TtftParams
 
 BS = 64
-MS: dict[str, object] = {"rule": "ms"}  # the ms rule (the default; named so the tests say so)
+MS: dict[str, object] = {"rule": "ms"}  # the ms rule (opt-in; named so the tests say so)
 
 
 def req(blocks: int, prompt: int | None = None) -> RequestFeatures:
@@ -128,5 +128,6 @@ def test_replicas_of_about_the_same_speed_are_priced_with_one_model() -> None:
     assert d.terms["a100"]["ttft_ms"] > 2 * d.terms["r0"]["ttft_ms"]
     own = build_policy("kv_aware", {**MS, "same_speed": 0.0}).choose(req(256), f)
     assert own.terms["r0"]["ttft_ms"] < own.terms["r1"]["ttft_ms"] < own.terms["r2"]["ttft_ms"]
-    # the default rule is ms, with miss_weight 7
-    assert build_policy("kv_aware", {}).choose(req(256), f).terms == d.terms
+    # rule ms comes with miss_weight 7; the default rule is tokens (its terms: the cost only)
+    assert build_policy("kv_aware", {"rule": "ms", "miss_weight": 7}).choose(req(256), f).terms == d.terms
+    assert set(build_policy("kv_aware", {}).choose(req(256), f).terms["r0"]) == {"cost"}
