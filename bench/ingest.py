@@ -32,7 +32,7 @@ from typing import Any
 import msgpack
 from prometheus_client import CollectorRegistry
 
-from gateway.inventory_server import InventoryServer
+from gateway.inventory_server import InventoryServer, InventorySettings
 from gateway.inventory_sink import AgentEngine, AgentHello, AgentLoad
 from gateway.inventory_stream import StreamState
 from proto.kvgate.v1 import inventory_pb2 as pb
@@ -193,7 +193,11 @@ def stage_gateway(messages: list[bytes]) -> Callable[[], None]:
         async def go() -> None:
             index = PrefixIndex(IndexConfig(max_blocks_per_replica=10_000_000, max_total_blocks=20_000_000))
             server = InventoryServer(
-                index, _Fleet(), token=None, registry=CollectorRegistry(), ack_every=1_000_000
+                index,
+                _Fleet(),
+                token=None,
+                registry=CollectorRegistry(),
+                settings=InventorySettings(ack_every=1_000_000),
             )
             stream = StreamState(peer="bench", task=None)
             hello = pb.AgentMessage(seq=1, hello=pb.Hello(replica_id="r0", block_size=16, protocol_version=1))

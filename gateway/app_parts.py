@@ -14,7 +14,7 @@ from gateway.config import GatewayConfig
 from gateway.features import Featurizer
 from gateway.features.remote_tokenizer import UrlChooser
 from gateway.fleet import Fleet
-from gateway.inventory_server import InventoryServer
+from gateway.inventory_server import InventoryServer, InventorySettings
 from gateway.routing import RoutingState
 from gateway.shared_state import SharedState
 from gateway.shared_state_context import SharedContext
@@ -92,10 +92,12 @@ def build_inventory_server(
         token=None,
         access=stream_access_of(config, env, configured),
         registry=registry,
-        block_bound_factor=config.inventory.block_bound_factor,
-        ack_every=config.inventory.ack_every,
-        tls_cert=config.inventory.tls_cert,
-        tls_key=config.inventory.tls_key,
+        settings=InventorySettings(
+            block_bound_factor=config.inventory.block_bound_factor,
+            ack_every=config.inventory.ack_every,
+            tls_cert=config.inventory.tls_cert,
+            tls_key=config.inventory.tls_key,
+        ),
     )
 
 

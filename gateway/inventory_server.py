@@ -28,6 +28,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -60,13 +61,35 @@ def _read_files(*paths: str) -> tuple[bytes, ...]:
     return tuple(Path(p).read_bytes() for p in paths)
 
 
+@dataclass(frozen=True, slots=True)
+class InventorySettings:
+    """How the server runs its streams (``inventory.*`` in the config).
+
+    ``block_bound_factor``, ``ack_every``: see ``StreamRules``; acks not yet written coalesce into
+    the newest, so acking every message costs little under load.
+    ``tls_cert``/``tls_key``: PEM file paths to serve TLS instead of plaintext."""
+
+    block_bound_factor: float = 4.0
+    ack_every: int = 1
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    max_message_bytes: int = 16 * 1024 * 1024
+    clock: Callable[[], float] = time.time
+
+    def __post_init__(self) -> None:
+        if self.block_bound_factor < 0:
+            raise ValueError("block_bound_factor must be >= 0")
+        if self.ack_every <= 0:
+            raise ValueError("ack_every must be positive")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+
+
 class InventoryServer:
     """``Inventory.Sync`` server over ``index``, reporting agents to ``fleet``.
 
     ``token``: the bearer token agents must present (None: no authentication).
-    ``block_bound_factor``, ``ack_every``: see ``StreamRules``; acks not yet written coalesce into
-    the newest, so acking every message costs little under load.
-    ``tls_cert``/``tls_key``: PEM file paths to serve TLS instead of plaintext.
+    ``settings``: ``InventorySettings``.
     ``access``: per-replica credentials and registration rules (instead of ``token``, the one
     shared token; gateway/agent_credentials.py).
     """
@@ -78,20 +101,11 @@ class InventoryServer:
         *,
         token: str | None,
         registry: CollectorRegistry,
-        block_bound_factor: float = 4.0,
-        ack_every: int = 1,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
-        max_message_bytes: int = 16 * 1024 * 1024,
-        clock: Callable[[], float] = time.time,
+        settings: InventorySettings | None = None,
         access: StreamAccess | None = None,
     ) -> None:
-        if block_bound_factor < 0:
-            raise ValueError("block_bound_factor must be >= 0")
-        if ack_every <= 0:
-            raise ValueError("ack_every must be positive")
-        if (tls_cert is None) != (tls_key is None):
-            raise ValueError("tls_cert and tls_key go together")
+        s = settings or InventorySettings()
+        self.settings = s
         self.index = index
         self.fleet = fleet
         self.metrics = InventoryMetrics(registry)
@@ -99,11 +113,11 @@ class InventoryServer:
             access = StreamAccess(AgentCredentials.shared_only(token), RegistrationRules())
         elif token is not None:
             raise ValueError("token or access, not both")
-        rules = StreamRules(block_bound_factor, ack_every, clock, *access)
+        rules = StreamRules(s.block_bound_factor, s.ack_every, s.clock, *access)
         self._streams = Streams(index, fleet, self.metrics, rules)
         self._credentials = access.credentials
-        self._tls = (tls_cert, tls_key) if tls_cert and tls_key else None
-        self._max_message_bytes = max_message_bytes
+        self._tls = (s.tls_cert, s.tls_key) if s.tls_cert and s.tls_key else None
+        self._max_message_bytes = s.max_message_bytes
         self._server: grpc.aio.Server | None = None
 
     @property

@@ -13,7 +13,7 @@ import grpc.aio
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.inventory_server import InventoryServer
+from gateway.inventory_server import InventoryServer, InventorySettings
 from gateway.inventory_sink import AgentLoad
 from proto.kvgate.v1 import inventory_pb2 as pb
 from router_policies.prefix_index import IndexConfig, PrefixIndex
@@ -63,7 +63,11 @@ async def rig() -> AsyncIterator[Rig]:
     fleet = RecordingFleet(index)
     registry = CollectorRegistry()
     server = InventoryServer(
-        index, fleet, token=TOKEN, registry=registry, block_bound_factor=4.0, ack_every=1
+        index,
+        fleet,
+        token=TOKEN,
+        registry=registry,
+        settings=InventorySettings(block_bound_factor=4.0, ack_every=1),
     )
     port = await server.start("127.0.0.1:0")
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")

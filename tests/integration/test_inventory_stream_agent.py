@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.inventory_server import InventoryServer
+from gateway.inventory_server import InventoryServer, InventorySettings
 from replica_agent.engine_events import BlockRemoved, BlockStored
 from replica_agent.gateway_client import GatewayClient, HelloInfo, Link, Sources
 from replica_agent.inventory import AgentInventory
@@ -65,7 +65,8 @@ class Agent:
 
 async def serve(index: PrefixIndex, port: int, **tls: str) -> InventoryServer:
     fleet = RecordingFleet(index, ("r0",), block_size=2)
-    server = InventoryServer(index, fleet, token=TOKEN, registry=CollectorRegistry(), **tls)  # type: ignore[arg-type]
+    settings = InventorySettings(**tls)  # type: ignore[arg-type]
+    server = InventoryServer(index, fleet, token=TOKEN, registry=CollectorRegistry(), settings=settings)
     assert await server.start(f"127.0.0.1:{port}" if not tls else f"localhost:{port}") == port
     return server
 

@@ -31,11 +31,7 @@ SOURCE_DIRS = (
 
 # Known exceptions, each with its reason. The test fails when an entry no longer exceeds the
 # rule too, so that a fixed one leaves the list.
-TOO_MANY_PARAMETERS = {
-    # their one production caller is gateway/app.py (wiring owned elsewhere in session 4): the
-    # fix is a settings object built from config.proxy / config.inventory, changed with app.py
-    "gateway/inventory_server.py:InventoryServer.__init__",
-}
+TOO_MANY_PARAMETERS: frozenset[str] = frozenset()
 
 
 def _modules(dirs: tuple[str, ...]) -> Iterator[Path]:

@@ -40,7 +40,6 @@ def test_with_coefficients_equals_a_replace() -> None:
 
     values = tuple(float(i) + 0.5 for i in range(len(COEFFICIENTS)))
     fast = DEFAULT_PRIOR.with_coefficients(values, 3, 0.25)
-    slow = dataclasses.replace(
-        DEFAULT_PRIOR, **dict(zip(COEFFICIENTS, values, strict=True)), observations=3, error_ratio=0.25
-    )
+    fitted: dict[str, object] = dict(zip(COEFFICIENTS, values, strict=True))
+    slow = dataclasses.replace(DEFAULT_PRIOR, **fitted, observations=3, error_ratio=0.25)  # type: ignore[arg-type]
     assert fast == slow
