@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -186,6 +187,8 @@ def format_row(row: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     tmp = args.out.parent / "tmp" / "streaming"
+    # ProcessGroup appends to the logs its readiness patterns read: an old run's ports must go
+    shutil.rmtree(tmp, ignore_errors=True)
     with ProcessGroup(tmp) as procs:
         _, m = procs.start(
             "fake_backend",
