@@ -14,12 +14,15 @@ Per router and concurrency (closed loop, ``--rounds`` answers per connection):
   about concurrency / gap; a router that keeps up matches the direct figure);
 * ``cpu_us_per_chunk``: the CPU the router spends per relayed event, net of what it spends per
   request:  ((C_N - I * T_N) / R - (C_1 - I * T_1) / R) / (N - 1)  where C_N is the router
-  process tree's CPU during R requests of N events each, C_1 the same for R requests with the
-  same prompt sizes (other seeded prompts, so that neither run hits the other's caches) and one
-  event each, T the runs' wall times and I the router's idle CPU rate measured just before (its
-  health checks and timers, which run longer during the long run). CPU is read from the kernel's
+  process tree's CPU for R requests of N events each, C_1 the same for R requests with the same
+  prompt sizes (other seeded prompts, so that neither run hits the other's caches) and one event
+  each, I the router's idle CPU rate (its health checks and timers, measured once before any
+  request) and T the runs' windows. A run's window lasts until the router is back to its idle
+  rate, so that work it leaves behind (kvgate encodes new prompt text on a background thread
+  after routing) is charged to it, not to the next run. CPU is read from the kernel's
   per-process CPU clock (nanoseconds), not /proc's 10 ms ticks: a Rust router spends a few
-  milliseconds per thousand events;
+  milliseconds per thousand events. (One event per chunk: the backends write each event as its
+  own HTTP chunk, a router may merge events that arrive together);
 * client TTFT and the gap between consecutive events, p50/p99, and what the router adds to them
   (router minus direct at the same percentile, measured in the same run).
 
@@ -38,6 +41,7 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -86,30 +90,57 @@ def tree_cpu_s(pids: list[int]) -> float:
     return sum(_process_cpu_s(p) for p in pids)
 
 
-def measure(
-    port: int, pids: list[int], bodies: list[bytes], conc: int, args: argparse.Namespace, long: bool = False
-) -> dict[str, Any]:
-    """One closed-loop run of ``bodies``; the router tree's CPU seconds in ``cpu_s``. ``long``
-    answers start spread over one answer's duration (``loadgen.run_streams``'s stagger)."""
-    stagger = args.chunks * args.gap_ms / 1000 if long else 0.0
-    cpu0 = tree_cpu_s(pids)
-    res = uvloop.run(loadgen.run_streams("127.0.0.1", port, PATH, bodies, conc, args.max_seconds, stagger))
-    out: dict[str, Any] = res.summary()
-    out["cpu_s"] = tree_cpu_s(pids) - cpu0 if pids else 0.0
-    return out
+@dataclass(frozen=True)
+class Meter:
+    """A router's process tree and its idle CPU rate (CPU seconds per second, measured before any
+    request: its health checks and timers)."""
+
+    pids: list[int]
+    idle: float
 
 
 def idle_cpu_rate(pids: list[int], seconds: float) -> float:
-    """The router tree's CPU seconds per second with no request in flight."""
+    """The process tree's CPU seconds per second over ``seconds`` with no request in flight."""
     cpu0, t0 = tree_cpu_s(pids), time.perf_counter()
     time.sleep(seconds)
     return (tree_cpu_s(pids) - cpu0) / (time.perf_counter() - t0)
 
 
+def settle(meter: Meter, limit_s: float = 10.0, step_s: float = 0.25) -> None:
+    """Wait (at most ``limit_s``) until the router is back to its idle rate: work a run left behind
+    (kvgate encodes new prompt text on a background thread after routing) is charged to that run,
+    not to the next one."""
+    end = time.perf_counter() + limit_s
+    while time.perf_counter() < end and idle_cpu_rate(meter.pids, step_s) > 2 * meter.idle + 0.002:
+        pass
+
+
+def measure(
+    port: int,
+    meter: Meter | None,
+    bodies: list[bytes],
+    conc: int,
+    args: argparse.Namespace,
+    long: bool = False,
+) -> dict[str, Any]:
+    """One closed-loop run of ``bodies``; with a ``meter``, the router tree's CPU seconds from its
+    start until the router is idle again (``cpu_s``, over ``cpu_window_s``). ``long`` answers
+    start spread over one answer's duration (``loadgen.run_streams``'s stagger)."""
+    stagger = args.chunks * args.gap_ms / 1000 if long else 0.0
+    cpu0, t0 = (tree_cpu_s(meter.pids) if meter else 0.0), time.perf_counter()
+    res = uvloop.run(loadgen.run_streams("127.0.0.1", port, PATH, bodies, conc, args.max_seconds, stagger))
+    out: dict[str, Any] = res.summary()
+    if meter is not None:
+        settle(meter)
+        out["cpu_s"] = tree_cpu_s(meter.pids) - cpu0
+        out["cpu_window_s"] = time.perf_counter() - t0
+    return out
+
+
 def cpu_per_chunk_us(full: dict[str, Any], one: dict[str, Any], idle: float, chunks: int) -> float:
     """The module docstring's CPU per relayed event, in microseconds."""
-    per_full = (full["cpu_s"] - idle * full["wall_s"]) / max(full["ok"], 1)
-    per_one = (one["cpu_s"] - idle * one["wall_s"]) / max(one["ok"], 1)
+    per_full = (full["cpu_s"] - idle * full["cpu_window_s"]) / max(full["ok"], 1)
+    per_one = (one["cpu_s"] - idle * one["cpu_window_s"]) / max(one["ok"], 1)
     return float(1e6 * (per_full - per_one) / max(chunks - 1, 1))
 
 
@@ -119,24 +150,22 @@ def _bodies(args: argparse.Namespace, n: int, seed: int, tokens: int) -> list[by
 
 
 def _point(
-    args: argparse.Namespace, routers: dict[str, tuple[int, int]], backend: int, conc: int
+    args: argparse.Namespace, routers: dict[str, tuple[int, Meter]], backend: int, conc: int
 ) -> dict[str, Any]:
     n = conc * args.rounds
     seed = args.seed * 1000 + conc
     full_bodies = _bodies(args, n, seed, args.chunks)
     one_bodies = _bodies(args, n, seed + 1, 1)
     row: dict[str, Any] = {"concurrency": conc, "chunks": args.chunks, "gap_ms": args.gap_ms}
-    direct = row["direct"] = measure(backend, [], full_bodies, conc, args, long=True)
-    for name, (port, pid) in routers.items():
-        pids = tree_pids(pid)
+    direct = row["direct"] = measure(backend, None, full_bodies, conc, args, long=True)
+    for name, (port, meter) in routers.items():
         # connections opened and the first requests' one-off costs paid before measuring
-        measure(port, pids, _bodies(args, conc, seed + 2, 1), conc, args)
-        idle = idle_cpu_rate(pids, args.idle_seconds)
-        one = measure(port, pids, one_bodies, conc, args)
-        full = measure(port, pids, full_bodies, conc, args, long=True)
-        full["idle_cpu_per_s"] = idle
-        full["one_chunk"] = {k: one[k] for k in ("requests", "errors", "wall_s", "cpu_s")}
-        full["cpu_us_per_chunk"] = cpu_per_chunk_us(full, one, idle, args.chunks)
+        measure(port, meter, _bodies(args, conc, seed + 2, 1), conc, args)
+        one = measure(port, meter, one_bodies, conc, args)
+        full = measure(port, meter, full_bodies, conc, args, long=True)
+        full["idle_cpu_per_s"] = meter.idle
+        full["one_chunk"] = {k: one[k] for k in ("requests", "errors", "wall_s", "cpu_s", "cpu_window_s")}
+        full["cpu_us_per_chunk"] = cpu_per_chunk_us(full, one, meter.idle, args.chunks)
         for k in ("ttft_p50_ms", "ttft_p99_ms", "gap_p50_ms", "gap_p99_ms"):
             full["added_" + k] = full[k] - direct[k]
         row[name] = full
@@ -200,8 +229,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )  # fmt: skip
         assert m is not None
         backends = [int(p) for p in m.group(1).split(",")]
-        routers = start_routers(procs, backends, tmp, peers=not args.no_peers, only=args.routers)
+        started = start_routers(procs, backends, tmp, peers=not args.no_peers, only=args.routers)
         time.sleep(1.0)  # first health rounds
+        routers = {}
+        for name, (port, pid) in started.items():
+            pids = tree_pids(pid)
+            routers[name] = (port, Meter(pids, idle_cpu_rate(pids, args.idle_seconds)))
         for conc in args.concurrency:
             row = _point(args, routers, backends[0], conc)
             rows.append(row)
