@@ -4,9 +4,9 @@ uvloop process, a raw asyncio protocol (no framework), keep-alive, fixed answers
 Answers
 * ``POST /v1/chat/completions``, ``/v1/completions``, ``/generate``: a fixed JSON completion, or,
   when the body asks for ``"stream": true``, ``--chunks`` SSE events (``--chunks 0``: the
-  request's ``max_tokens`` (or ``max_completion_tokens``), one token per event), a usage event when it asks for
-  ``"include_usage": true``, and ``data: [DONE]`` in chunked transfer encoding, one HTTP chunk per
-  event. With ``--gap-ms 0`` the whole stream is written at once (the backend must never be the
+  request's ``max_tokens`` or ``max_completion_tokens``, one token per event), a usage event when
+  it asks for ``"include_usage": true``, and ``data: [DONE]`` in chunked transfer encoding, one
+  HTTP chunk per event. With ``--gap-ms 0`` the whole stream is written at once (the backend must never be the
   bottleneck); with ``--gap-ms G`` each listener is one engine decoding in steps of G ms: the first
   event leaves with the headers (no prefill time), then every step writes the next event of every
   stream in its batch (so the streams of one listener tick together, as a batch does in vLLM or

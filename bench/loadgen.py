@@ -6,6 +6,10 @@ request body from a seeded list, until ``count`` requests are done or ``max_seco
 first ``warmup`` requests are excluded from the statistics. Per request it records the status,
 the time to the first body byte (for a streamed answer: the first SSE chunk, i.e. client TTFT)
 and the time to the end of the answer.
+
+``run_streams`` is the same for long streamed answers, read by a protocol (no stream reader, so
+the client's cost per event stays small): it sends each body once and records, per answer, the
+arrival time of every SSE event (client TTFT, and the gaps between consecutive events).
 """
 
 from __future__ import annotations
