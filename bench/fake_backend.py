@@ -3,8 +3,14 @@ uvloop process, a raw asyncio protocol (no framework), keep-alive, fixed answers
 
 Answers
 * ``POST /v1/chat/completions``, ``/v1/completions``, ``/generate``: a fixed JSON completion, or,
-  when the body asks for ``"stream": true``, ``--chunks`` SSE events and ``data: [DONE]`` in
-  chunked transfer encoding, all written at once (the backend must never be the bottleneck);
+  when the body asks for ``"stream": true``, ``--chunks`` SSE events (``--chunks 0``: the
+  request's ``max_tokens`` or ``max_completion_tokens``, one token per event), a usage event when
+  it asks for ``"include_usage": true``, and ``data: [DONE]`` in chunked transfer encoding, one
+  HTTP chunk per event. With ``--gap-ms 0`` the whole stream is written at once (the backend must never be the
+  bottleneck); with ``--gap-ms G`` each listener is one engine decoding in steps of G ms: the first
+  event leaves with the headers (no prefill time), then every step writes the next event of every
+  stream in its batch (so the streams of one listener tick together, as a batch does in vLLM or
+  SGLang, and the backend pays one timer per step, not one per stream);
 * ``GET /health``, ``/health_generate``, ``/v1/models``, ``/get_model_info``,
   ``/get_server_info``, ``/metrics`` (vLLM gauges at zero): what routers probe at start-up;
 * anything else: 404 with an OpenAI error body.
@@ -18,14 +24,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
+import re
 import signal
 import sys
+from dataclasses import dataclass
 
 import uvloop
 
 _MAX_HEADER = 64 * 1024
 _MAX_BODY = 64 * 1024 * 1024
+MAX_STREAM_CHUNKS = 8192  # --chunks 0 takes max_tokens, capped here
+# routers may rename it: sglang-router sends max_completion_tokens, /generate has max_new_tokens
+_MAX_TOKENS = re.compile(rb'"max_(?:completion_|new_)?tokens"\s*:\s*(\d+)')
+_INCLUDE_USAGE = re.compile(rb'"include_usage"\s*:\s*true')
+_STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+    b"transfer-encoding: chunked\r\n\r\n"
+)
 
 
 def _response(status: str, body: bytes, ctype: bytes = b"application/json") -> bytes:
@@ -38,7 +55,9 @@ def _response(status: str, body: bytes, ctype: bytes = b"application/json") -> b
 class Answers:
     """Every response as prepared bytes."""
 
-    def __init__(self, model: str, chunks: int) -> None:
+    def __init__(self, model: str, chunks: int, gap_s: float = 0.0) -> None:
+        self.chunks = chunks  # 0: max_tokens of the request
+        self.gap_s = gap_s
         completion = {
             "id": "cmpl-bench",
             "object": "chat.completion",
@@ -54,21 +73,14 @@ class Answers:
             "usage": {"prompt_tokens": 0, "completion_tokens": 8, "total_tokens": 8},
         }
         self.complete = _response("200 OK", json.dumps(completion).encode())
-        events = b""
-        for i in range(chunks):
-            delta = {
-                "id": "cmpl-bench",
-                "object": "chat.completion.chunk",
-                "created": 0,
-                "model": model,
-                "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}],
-            }
-            events += _chunk(b"data: " + json.dumps(delta).encode() + b"\n\n")
-        events += _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
-        self.stream = (
-            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
-            b"transfer-encoding: chunked\r\n\r\n" + events
-        )
+        # frames[i]: the i-th token's event as one HTTP chunk (about 150 bytes, as vLLM's)
+        self.frames = [
+            _chunk(b"data: " + json.dumps(_delta(model, i)).encode() + b"\n\n")
+            for i in range(chunks or MAX_STREAM_CHUNKS)
+        ]
+        self.done = _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+        self.model = model
+        self.stream = _STREAM_HEAD + b"".join(self.frames) + self.done if chunks else b""  # fixed, unpaced
         models = {"object": "list", "data": [{"id": model, "object": "model", "owned_by": "bench"}]}
         info = {"model_path": model, "tokenizer_path": model, "is_generation": True}
         metrics = (
@@ -87,6 +99,94 @@ class Answers:
         err = {"error": {"message": "not found", "type": "not_found_error", "param": None, "code": 404}}
         self.not_found = _response("404 Not Found", json.dumps(err).encode())
 
+    def usage(self, tokens: int) -> bytes:
+        """The last event of a stream asked with ``include_usage``."""
+        doc = {
+            "id": "cmpl-bench",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": self.model,
+            "choices": [],
+            "usage": {"prompt_tokens": 0, "completion_tokens": tokens, "total_tokens": tokens},
+        }
+        return _chunk(b"data: " + json.dumps(doc).encode() + b"\n\n")
+
+    def stream_for(self, body: bytes) -> tuple[int, bytes]:
+        """(events, the stream's end: usage event if asked, [DONE], last chunk) of a request."""
+        n = self.chunks
+        if not n:
+            m = _MAX_TOKENS.search(body)
+            n = min(max(int(m.group(1)), 1), MAX_STREAM_CHUNKS) if m else 1
+        end = self.usage(n) + self.done if _INCLUDE_USAGE.search(body) else self.done
+        return n, end
+
+
+def _delta(model: str, i: int) -> dict[str, object]:
+    return {
+        "id": "cmpl-bench",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": model,
+        "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}],
+    }
+
+
+@dataclass(slots=True)
+class _Paced:
+    """One paced stream in an engine's batch."""
+
+    transport: asyncio.WriteTransport
+    next: int  # index of the next event to write
+    events: int
+    end: bytes  # written with the last event
+
+
+class Engine:
+    """One listener's decode loop for paced streams: every ``gap_s`` (while any stream is
+    active) writes the next event of each active stream; a stream whose client went away is
+    dropped. One timer per step for the whole batch."""
+
+    def __init__(self, answers: Answers) -> None:
+        self.answers = answers
+        self.batch: list[_Paced] = []
+        self.next_step = 0.0
+        self.running = False
+
+    def add(self, transport: asyncio.WriteTransport, body: bytes) -> None:
+        a = self.answers
+        n, end = a.stream_for(body)
+        if n == 1:
+            transport.write(_STREAM_HEAD + a.frames[0] + end)
+            return
+        transport.write(_STREAM_HEAD + a.frames[0])
+        self.batch.append(_Paced(transport, 1, n, end))
+        if not self.running:
+            self.running = True
+            loop = asyncio.get_running_loop()
+            self.next_step = loop.time() + a.gap_s
+            loop.call_at(self.next_step, self.step)
+
+    def step(self) -> None:
+        frames = self.answers.frames
+        keep = []
+        for s in self.batch:
+            if s.transport.is_closing():
+                continue
+            if s.next + 1 >= s.events:
+                s.transport.write(frames[s.next] + s.end)
+                continue
+            s.transport.write(frames[s.next])
+            s.next += 1
+            keep.append(s)
+        self.batch = keep
+        if not keep:
+            self.running = False
+            return
+        loop = asyncio.get_running_loop()
+        # fixed-rate steps; a late step is not made up for by a burst
+        self.next_step = max(self.next_step + self.answers.gap_s, loop.time())
+        loop.call_at(self.next_step, self.step)
+
 
 def _chunk(data: bytes) -> bytes:
     return f"{len(data):x}\r\n".encode() + data + b"\r\n"
@@ -95,8 +195,9 @@ def _chunk(data: bytes) -> bytes:
 class BackendProtocol(asyncio.Protocol):
     """One connection: parses pipelined HTTP/1.1 requests from a buffer (bounded) and answers."""
 
-    def __init__(self, answers: Answers) -> None:
+    def __init__(self, answers: Answers, engine: Engine) -> None:
         self.answers = answers
+        self.engine = engine
         self.buf = bytearray()
         self.transport: asyncio.WriteTransport | None = None
 
@@ -150,9 +251,22 @@ class BackendProtocol(asyncio.Protocol):
         a = self.answers
         if method == "POST":
             stream = b'"stream":true' in body.replace(b" ", b"")
-            self.transport.write(a.stream if stream else a.complete)
+            if not stream:
+                self.transport.write(a.complete)
+            elif a.gap_s > 0:
+                self.engine.add(self.transport, body)
+            elif a.chunks:
+                self.transport.write(a.stream)
+            else:
+                self._unpaced(body)
         else:
             self.transport.write(a.get.get(path, a.not_found))
+
+    def _unpaced(self, body: bytes) -> None:
+        assert self.transport is not None
+        a = self.answers
+        n, end = a.stream_for(body)
+        self.transport.write(_STREAM_HEAD + b"".join(a.frames[:n]) + end)
 
     def _close(self) -> None:
         if self.transport is not None:
@@ -179,9 +293,14 @@ def _dechunk(buf: bytearray, pos: int) -> tuple[bytes, int] | None:
 
 async def serve(ports: list[int], host: str, answers: Answers) -> None:
     loop = asyncio.get_running_loop()
-    servers = [
-        await loop.create_server(lambda: BackendProtocol(answers), host, port, backlog=1024) for port in ports
-    ]
+    servers = []
+    for port in ports:
+        engine = Engine(answers)  # one per listener: each is its own engine
+        servers.append(
+            await loop.create_server(
+                functools.partial(BackendProtocol, answers, engine), host, port, backlog=1024
+            )
+        )
     bound = [s.sockets[0].getsockname()[1] for s in servers]
     print("fake_backend: ports=" + ",".join(str(p) for p in bound), flush=True)
     stop = asyncio.Event()
@@ -198,9 +317,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ports", type=int, nargs="+", default=[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--model", default="bench-model")
-    ap.add_argument("--chunks", type=int, default=16, help="SSE events per streamed answer")
+    ap.add_argument(
+        "--chunks", type=int, default=16, help="SSE events per streamed answer (0: the request's max_tokens)"
+    )
+    ap.add_argument("--gap-ms", type=float, default=0.0, help="decode step: ms between a stream's events")
     args = ap.parse_args(argv)
-    uvloop.run(serve(args.ports, args.host, Answers(args.model, args.chunks)))
+    uvloop.run(serve(args.ports, args.host, Answers(args.model, args.chunks, args.gap_ms / 1000)))
     return 0
 
 

@@ -6,11 +6,16 @@ request body from a seeded list, until ``count`` requests are done or ``max_seco
 first ``warmup`` requests are excluded from the statistics. Per request it records the status,
 the time to the first body byte (for a streamed answer: the first SSE chunk, i.e. client TTFT)
 and the time to the end of the answer.
+
+``run_streams`` is the same for long streamed answers, read by a protocol (no stream reader, so
+the client's cost per event stays small): it sends each body once and records, per answer, the
+arrival time of every SSE event (client TTFT, and the gaps between consecutive events).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import time
 from dataclasses import dataclass, field
@@ -55,14 +60,29 @@ class RunResult:
         }
 
 
+@dataclass(frozen=True)
+class Answer:
+    """What the requests ask for: ``max_tokens``, and ``stream_options.include_usage`` (a
+    streamed answer that ends with a usage event)."""
+
+    max_tokens: int = 8
+    include_usage: bool = False
+
+
 def chat_bodies(
-    n: int, prompt_bytes: int, stream: bool, seed: int, model: str = "bench-model", sessions: int = 16
+    n: int,
+    prompt_bytes: int,
+    stream: bool,
+    seed: int,
+    model: str = "bench-model",
+    answer: Answer = Answer(),
 ) -> list[bytes]:
     """``n`` chat requests of about ``prompt_bytes`` of text each: a system prompt shared by the
-    requests of one of ``sessions`` sessions (a quarter of the size) and a user message cut at a
-    seeded offset of the local corpus."""
+    requests of one of 16 sessions (a quarter of the size) and a user message cut at a seeded
+    offset of the local corpus."""
     import orjson
 
+    sessions = 16
     rng = random.Random(seed)
     text = CORPUS.read_text(encoding="utf-8")
     sys_len = prompt_bytes // 4
@@ -80,9 +100,11 @@ def chat_bodies(
                 {"role": "system", "content": systems[rng.randrange(sessions)]},
                 {"role": "user", "content": text[off : off + user_len]},
             ],
-            "max_tokens": 8,
+            "max_tokens": answer.max_tokens,
             "stream": stream,
         }
+        if stream and answer.include_usage:
+            body["stream_options"] = {"include_usage": True}
         bodies.append(orjson.dumps(body))
     return bodies
 
@@ -179,4 +201,169 @@ async def run(
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     result.wall_s = time.perf_counter() - (started or t0)
+    return result
+
+
+@dataclass
+class StreamSample:
+    """One streamed answer: status, time to its first SSE event (client TTFT), to its end, and
+    the gaps between consecutive events (0 between events that arrived in one read)."""
+
+    status: int
+    ttft_s: float
+    total_s: float
+    events: int
+    gaps_s: list[float]
+
+
+class _StreamConn(asyncio.Protocol):
+    """One keep-alive connection that reads chunked SSE answers as they arrive (a protocol, not a
+    stream reader, so that the client's cost per event stays small next to the router's)."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.waiter: asyncio.Future[StreamSample] | None = None
+        self.t0 = 0.0
+        self.status = 0  # 0: reading the head
+        self.length = -1  # content-length of a non-chunked answer (an error)
+        self.times: list[float] = []  # arrival time of each event
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(ConnectionError(f"connection lost mid-answer: {exc}"))
+
+    def send(self, req: bytes) -> asyncio.Future[StreamSample]:
+        assert self.transport is not None and (self.waiter is None or self.waiter.done())
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.status, self.length, self.times = 0, -1, []
+        self.t0 = time.perf_counter()
+        self.transport.write(req)
+        return self.waiter
+
+    def data_received(self, data: bytes) -> None:
+        now = time.perf_counter()
+        buf = self.buf
+        buf += data
+        if not self.status:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = bytes(buf[:end])
+            del buf[: end + 4]
+            self.status = int(head[9:12])
+            for line in head.split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    self.length = int(value)
+        if self.length >= 0:  # an error answer, read whole
+            if len(buf) >= self.length:
+                del buf[: self.length]
+                self._finish(now)
+            return
+        pos = 0
+        while True:
+            eol = buf.find(b"\r\n", pos)
+            if eol < 0:
+                break
+            size = int(buf[pos:eol].split(b";")[0], 16)
+            if len(buf) < eol + 2 + size + 2:
+                break
+            if size == 0:
+                pos = eol + 4  # the last chunk, no trailers
+                del buf[:pos]
+                self._finish(now)
+                return
+            n = buf.count(b"\n\n", eol + 2, eol + 2 + size)
+            self.times.extend([now] * n)
+            pos = eol + 2 + size + 2
+        del buf[:pos]
+
+    def _finish(self, now: float) -> None:
+        t = self.times
+        first = t[0] - self.t0 if t else now - self.t0
+        gaps = [b - a for a, b in itertools.pairwise(t)]
+        assert self.waiter is not None
+        self.waiter.set_result(StreamSample(self.status, first, now - self.t0, len(t), gaps))
+
+
+@dataclass
+class StreamRunResult:
+    samples: list[StreamSample] = field(default_factory=list)
+    wall_s: float = 0.0
+    errors: int = 0
+
+    def summary(self) -> dict[str, float]:
+        ok = [s for s in self.samples if s.status == 200]
+        ttft = np.array([s.ttft_s for s in ok] or [0.0]) * 1e3
+        total = np.array([s.total_s for s in ok] or [0.0]) * 1e3
+        gaps = np.array([g for s in ok for g in s.gaps_s] or [0.0]) * 1e3
+        events = sum(s.events for s in ok)
+        return {
+            "requests": len(self.samples),
+            "ok": len(ok),
+            "errors": self.errors + len(self.samples) - len(ok),
+            "wall_s": self.wall_s,
+            "events": events,
+            "events_per_s": events / self.wall_s if self.wall_s else 0.0,
+            "ttft_p50_ms": float(np.percentile(ttft, 50)),
+            "ttft_p99_ms": float(np.percentile(ttft, 99)),
+            "gap_p50_ms": float(np.percentile(gaps, 50)),
+            "gap_p99_ms": float(np.percentile(gaps, 99)),
+            "total_p50_ms": float(np.percentile(total, 50)),
+        }
+
+
+async def run_streams(
+    host: str,
+    port: int,
+    path: str,
+    bodies: list[bytes],
+    concurrency: int,
+    max_seconds: float,
+    stagger_s: float = 0.0,
+) -> StreamRunResult:
+    """Send every body of ``bodies`` once (streamed answers), ``concurrency`` at a time on
+    keep-alive connections; stops starting new ones after ``max_seconds``. Connection k starts
+    ``k * stagger_s / concurrency`` late, so that streams of equal length do not all start (and
+    end, and restart) at once."""
+    loop = asyncio.get_running_loop()
+    reqs = [request_bytes(f"{host}:{port}", path, b) for b in bodies]
+    result = StreamRunResult()
+    next_i = 0
+    deadline = time.perf_counter() + max_seconds
+
+    async def connect() -> _StreamConn:
+        _, conn = await loop.create_connection(_StreamConn, host, port)
+        return conn
+
+    async def worker(k: int) -> None:
+        nonlocal next_i
+        conn = await connect()
+        await asyncio.sleep(k * stagger_s / concurrency)
+        try:
+            while next_i < len(reqs) and time.perf_counter() < deadline:
+                i = next_i
+                next_i += 1
+                try:
+                    sample = await conn.send(reqs[i])
+                except ConnectionError:
+                    result.errors += 1
+                    conn = await connect()
+                    continue
+                result.samples.append(sample)
+                if sample.status != 200:
+                    assert conn.transport is not None
+                    conn.transport.close()
+                    conn = await connect()
+        finally:
+            if conn.transport is not None:
+                conn.transport.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(k) for k in range(concurrency)))
+    result.wall_s = time.perf_counter() - t0
     return result

@@ -3,9 +3,11 @@
     .venv/bin/python -m bench.run_all [--quick] [--results bench/results] [--no-peers]
 
 Full: index at 1M and 10M blocks over 8 and 64 replicas; overhead at 2 KB / 8 KB, concurrency 1,
-32 and 128, streaming and not, 2,000 requests per point; live fleet of 4 engines, 300 requests of
+32 and 128, streaming and not, 2,000 requests per point; streamed 256-token answers at a 20 ms
+inter-token gap, concurrency 32, 128 and 256 (bench/streaming.py); live fleet of 4 engines, 300 requests of
 each workload (bench/live_workloads.py); the new-replica share (bench/new_replica.py). Quick: the
-same parts at small sizes (8 KB prompts only, 200 requests per point,
+same parts at small sizes (8 KB prompts only, 200 requests per point, one streamed answer per
+connection at concurrency 32 and a 10 ms gap,
 16 live requests of the agent workload only on 2 engines — process start-up dominates there;
 about two minutes on 2 busy cores).
 """
@@ -17,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import index_bench, live, new_replica, overhead, report
+from bench import index_bench, live, new_replica, overhead, report, streaming
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--results", type=Path, default=ROOT / "bench/results")
     ap.add_argument("--no-peers", action="store_true", help="kvgate only (no .venv-bench routers)")
-    ap.add_argument("--parts", nargs="+", default=["index", "overhead", "live", "new_replica"])
+    ap.add_argument("--parts", nargs="+", default=["index", "overhead", "streaming", "live", "new_replica"])
     args = ap.parse_args(argv)
     res = args.results
     res.mkdir(parents=True, exist_ok=True)
@@ -47,6 +49,12 @@ def main(argv: list[str] | None = None) -> int:
                 if q
                 else []
             )
+            + (["--no-peers"] if args.no_peers else [])
+        )
+    if "streaming" in args.parts:
+        streaming.main(
+            ["--out", str(res / "streaming.json")]
+            + (["--quick"] if q else [])
             + (["--no-peers"] if args.no_peers else [])
         )
     if "live" in args.parts:

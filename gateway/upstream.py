@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import NoReturn
@@ -43,6 +44,7 @@ from gateway.prediction_audit import (
 )
 from gateway.request_context import DROP_REQUEST, DROP_RESPONSE, Attempt, filter_headers
 from gateway.request_outcome import OutcomeSink, usage_in
+from gateway.stream_relay import IdleWatch
 from gateway.upstream_client import ConnectError, ConnectTimeout, UpstreamClient, UpstreamResponse
 from router_policies.placement import Dispatch, Flight
 
@@ -280,20 +282,26 @@ class Upstream:
         first, sse = start
         idle_s = ctx.state.config.proxy.stream_idle_timeout_s
         resp = web.StreamResponse(status=up.status, headers=headers)
-        await resp.prepare(request)
+        writer = await resp.prepare(request)
+        assert writer is not None
         # the tail is kept only when the audit or the outcome sink will read it
         wanted = sse and up.status == 200 and (a.audited or self.outcomes is not None)
         tail = SseTail(first) if wanted else None
         chunk = first
         sent = 0
         complete = False
+        # one idle timer per stream (gateway/stream_relay.py), not a timeout context per chunk
+        watch = IdleWatch(up.content, idle_s)
+        # the payload writer's own write (``resp.write`` only adds a layer of checks to it)
+        read, write, now = up.content.readany, writer.write, asyncio.get_running_loop().time
         try:
             while chunk:
-                await resp.write(chunk)
+                await write(chunk)
                 sent += len(chunk)
                 try:
-                    async with asyncio.timeout(idle_s):
-                        chunk = await up.content.readany()
+                    watch.since = now()
+                    chunk = await read()
+                    watch.since = math.inf
                 except (TimeoutError, *UPSTREAM_READ_ERRORS) as exc:
                     timed_out = isinstance(exc, TimeoutError)
                     what = "timed out" if timed_out else f"failed ({type(exc).__name__})"
@@ -308,7 +316,7 @@ class Upstream:
                     await resp.write(sse_error_event(status, f"replica {rec.id} {what} mid-stream", code))
                     await resp.write_eof()
                     break
-                if chunk and tail is not None:
+                if tail is not None:
                     tail.feed(chunk)
             else:
                 complete = True
@@ -322,6 +330,8 @@ class Upstream:
                 await resp.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             ctx.log["error"] = "client disconnected"
+        finally:
+            watch.close()
         ctx.log["bytes_out"] = sent
         self._metrics.e2e_by(rec.id).observe(ctx.elapsed())
         return resp, complete

@@ -76,6 +76,12 @@ class UpstreamResponse:
             answered = self._head_done.done() or bool(self._buf)
             self._fail(Disconnected(f"replica closed the connection{f': {exc}' if exc else ''}", answered))
 
+    def set_exception(self, exc: BaseException) -> None:
+        """Fail the read in progress, and every later one, with ``exc`` (the stream relay's idle
+        watch: gateway/stream_relay.py)."""
+        self._keep = False
+        self._fail(exc)
+
     def _fail(self, exc: BaseException) -> None:
         if self._exc is None:
             self._exc = exc
