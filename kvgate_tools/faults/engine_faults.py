@@ -31,11 +31,16 @@ from kvgate_tools.faults.common import (
     wait_exact,
     wait_until,
 )
-from kvgate_tools.faults.fleet_faults import FIRST_BYTE_TIMEOUT_S, FleetCtx, busiest, clean, family_prompts
+from kvgate_tools.faults.fleet_faults import (
+    FIRST_BYTE_TIMEOUT_S,
+    PINNED_WORKERS,
+    FleetCtx,
+    busiest,
+    clean,
+)
 from kvgate_tools.procs import free_port
 
 RETRY_SERVICE_S = 2.0  # the retried attempt's own answer, on top of the first-byte timeout
-PINNED_WORKERS = 3  # clients sending prompts only the sick replica holds
 Sickness = tuple[Callable[[], object], Callable[[], object]]  # (make sick, heal)
 
 
@@ -173,19 +178,11 @@ def sick_engine(ctx: FleetCtx, name: str, sick: Callable[[int], Sickness]) -> Re
     f = ctx.fleet
     i = busiest(ctx)
     rid = f.engines[i].replica_id
-    pinned_prompts = family_prompts(name, PINNED_WORKERS, seed=i)
-    pinned = ctx.pin(i, pinned_prompts, PINNED_WORKERS)
+    pinned_load, pinned = ctx.pinned_load(i, name, Tally())
     make_sick, heal = sick(i)
     ejected = False
     retries = metric_sum(f, "kvgate_retries_total")
-    with contextlib.ExitStack() as stack:
-        s = stack.enter_context(ctx.sampler())
-        load = stack.enter_context(ctx.load())
-        stack.enter_context(
-            ctx.load(
-                workers=PINNED_WORKERS, prompts=lambda n: pinned_prompts(PINNED_WORKERS + n), tally=load.tally
-            )
-        )
+    with ctx.sampler() as s, ctx.load(tally=pinned_load.tally) as load, pinned_load:
         time.sleep(1.0)
         make_sick()
         end = time.monotonic() + 6.0

@@ -30,6 +30,7 @@ from kvgate_tools.faults.common import (
     Sampler,
     Tally,
     chat_body,
+    metric_sum,
     replica_flag,
     send,
     wait_exact,
@@ -46,6 +47,7 @@ SHORT_REPLAY = 20  # r1's replay buffer, in event batches
 # (1,024 blocks, about the issue's engine), 260 (2,048), 550 (4,096). The issue's bound, 200
 # requests, is checked on a cache of the issue's size.
 R1_CACHE_BLOCKS = 1024
+PINNED_WORKERS = 3  # clients sending prompts only the faulty replica holds
 NO_REPLAY_BOUND = 200  # requests through the gateway, the issue's bound
 STREAM_TOKENS = 256  # streams of about 2 s on the sim-engine, so that a kill cuts some
 CLIENT_BOUND_S = 30.0  # a request unanswered this long is lost
@@ -117,6 +119,17 @@ class FleetCtx:
             return Call(url, body, timeout_s=CLIENT_BOUND_S)
 
         return Load(make, workers or self.workers, tally)
+
+    def pinned_load(self, i: int, tag: str, tally: Tally, max_tokens: int = 8) -> tuple[Load, bool]:
+        """``PINNED_WORKERS`` clients sending prompts of system prompts only replica ``i`` holds
+        (``pin``), so that requests reach it whatever kv_aware makes of the fleet's load; and
+        whether the pinning was seen in the gateway's index."""
+        prompts = family_prompts(tag, PINNED_WORKERS, seed=i)
+        pinned = self.pin(i, prompts, PINNED_WORKERS)
+        load = self.load(
+            max_tokens, workers=PINNED_WORKERS, prompts=lambda n: prompts(PINNED_WORKERS + n), tally=tally
+        )
+        return load, pinned
 
     def pin(self, i: int, prompts: Prompts, families: int) -> bool:
         """Make replica ``i`` the one holder of ``prompts``' families: one request of each straight
@@ -230,10 +243,16 @@ def agent_restart_no_replay(ctx: FleetCtx) -> Result:
 
 def engine_kill_midstream(ctx: FleetCtx) -> Result:
     """SIGKILL the busiest engine while streams run on it, restart it on the same ports; streams end with a
-    clear error, whole answers are retried; exact again <= 2 s after its /health answers."""
+    clear error, whole answers are retried; exact again <= 2 s after its /health answers. Beside the
+    fleet's load, ``PINNED_WORKERS`` clients send prompts only that replica holds (``FleetCtx.pin``),
+    so that requests are on it when it dies: the run must see some cut or retried."""
     f = ctx.fleet
     i = busiest(ctx)
-    with ctx.sampler() as s, ctx.load(max_tokens=STREAM_TOKENS) as load:
+    rid = f.engines[i].replica_id
+    tally = Tally()
+    pinned_load, pinned = ctx.pinned_load(i, "killed", tally, STREAM_TOKENS)
+    retries = metric_sum(f, "kvgate_retries_total")
+    with ctx.sampler() as s, ctx.load(max_tokens=STREAM_TOKENS, tally=tally) as load, pinned_load:
         time.sleep(3.0)
         ctx.crash(f.engine_proc(i), 1.5)
         f.start_engine(i)
@@ -241,10 +260,14 @@ def engine_kill_midstream(ctx: FleetCtx) -> Result:
     # from /health, or from the end of the requests still in flight then (whichever is later): an
     # index compared with an engine still serving requests races them
     rec = wait_exact(f, [i], 10.0)
-    ok = clean(load.tally) and up is not None and rec is not None and rec <= 2.0
+    cut = load.tally.counts["clear_error"]
+    retried = metric_sum(f, "kvgate_retries_total") - retries
+    hit = cut + retried > 0  # requests were on the engine when it died
+    ok = clean(load.tally) and pinned and hit and up is not None and rec is not None and rec <= 2.0
     notes = (
-        f"{f.engines[i].replica_id} killed; {load.tally.counts['clear_error']} streams cut with an error event; "
-        f"healthy {up if up is None else round(up, 2)} s after its restart; reconverge_s counted from "
-        "then or the end of the requests in flight then"
+        f"{rid} killed (the one holder of {PINNED_WORKERS} pinned system prompts: {pinned}); {cut} streams "
+        f"cut with an error event, {retried:.0f} attempts retried elsewhere; healthy "
+        f"{up if up is None else round(up, 2)} s after its restart; reconverge_s counted from then or the "
+        "end of the requests in flight then"
     )
     return Result("engine_killed_midstream_restarted", load.tally, rec, s.peak_rss_mb, ok, notes)
