@@ -3,8 +3,11 @@
 back, and not), an engine killed mid-stream and restarted on its ports.
 
 The fleet is shared by the fleet, event and engine scenarios, run one after another; each leaves
-every process running and healthy. Replica r1's engine keeps only ``SHORT_REPLAY`` event batches,
-so a restarted agent's replay cannot reach back to its engine's start.
+every process running and healthy. Replica r1's engine keeps only ``SHORT_REPLAY`` event batches
+(so a restarted agent's replay cannot reach back to its engine's start) and ``R1_CACHE_BLOCKS``
+cache blocks.
+A scenario aimed at one replica pins traffic on it (``FleetCtx.pinned_load``): kv_aware keeps
+each prompt family where it is held, so the fleet's load alone may never reach that replica.
 """
 
 from __future__ import annotations
