@@ -35,7 +35,8 @@ whatif-demo: $(STAMP)
 	$(BIN)/python -m kvgate_tools.whatif_demo --out out
 
 # Issue 13's fault and abuse table on real processes -> out/faults.json, exit 1 if any scenario
-# fails (docs/faults.md); SOAK_S sets the soak's length (~5 min of scenarios plus the soak).
+# fails (docs/faults.md); SOAK_S sets the soak's length (~4 min of scenarios plus the soak). Needs
+# only the venv `make test` uses (redis-server from the dev extra); run by .ci/run.
 SOAK_S ?= 600
 faults: $(STAMP)
 	$(BIN)/python -m kvgate_tools.faults.run --out out/faults.json --soak-s $(SOAK_S)

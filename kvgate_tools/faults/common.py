@@ -20,6 +20,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Self
@@ -36,13 +37,16 @@ class Tally:
 
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     max_latency_s: float = 0.0
+    served: Counter[str] = field(default_factory=Counter)  # 200s by the replica that answered
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, kind: str, latency_s: float = 0.0) -> None:
+    def add(self, kind: str, latency_s: float = 0.0, replica: str | None = None) -> None:
         assert kind in KINDS, kind
         with self.lock:
             self.counts[kind] += 1
             self.max_latency_s = max(self.max_latency_s, latency_s)
+            if replica:
+                self.served[replica] += 1
 
     @property
     def sent(self) -> int:
@@ -134,9 +138,11 @@ def send(call: Call, tally: Tally) -> str:
         headers={**JSON_HEADERS, **call.headers},
     )
     start = time.monotonic()
+    replica = None
     try:
         with urllib.request.urlopen(req, timeout=call.timeout_s) as resp:
             kind = classify_body(resp.status, resp.read(), stream)
+            replica = resp.headers.get("x-kvgate-replica")
     except urllib.error.HTTPError as exc:
         kind = classify_body(exc.code, exc.read(), stream=False)
     except TimeoutError:
@@ -144,7 +150,7 @@ def send(call: Call, tally: Tally) -> str:
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         timed_out = isinstance(getattr(exc, "reason", None), TimeoutError)
         kind = "lost" if timed_out else "broken"
-    tally.add(kind, time.monotonic() - start)
+    tally.add(kind, time.monotonic() - start, replica)
     return kind
 
 
@@ -277,12 +283,17 @@ def wait_exact(
     return wait_until(lambda: exact(fleet, replicas, gateways), timeout_s)
 
 
-def replica_healthy(fleet: LocalFleet, replica: str) -> bool | None:
+def replica_flag(fleet: LocalFleet, replica: str, flag: str) -> bool | None:
+    """A boolean field of the replica in the gateway's /admin/replicas (None: not answered)."""
     with contextlib.suppress(urllib.error.URLError, OSError, ValueError):
         for r in fleet.replicas():
             if r.get("id") == replica:
-                return bool(r.get("healthy"))
+                return bool(r.get(flag))
     return None
+
+
+def replica_healthy(fleet: LocalFleet, replica: str) -> bool | None:
+    return replica_flag(fleet, replica, "healthy")
 
 
 def metric_sum(fleet: LocalFleet, name: str) -> float:

@@ -31,13 +31,17 @@ from kvgate_tools.faults.common import (
     wait_exact,
     wait_until,
 )
-from kvgate_tools.faults.fleet_faults import FIRST_BYTE_TIMEOUT_S, FleetCtx, busiest, clean
+from kvgate_tools.faults.fleet_faults import (
+    FIRST_BYTE_TIMEOUT_S,
+    PINNED_WORKERS,
+    FleetCtx,
+    busiest,
+    clean,
+)
 from kvgate_tools.procs import free_port
 
-RETRY_SERVICE_S = 2.0
-Sickness = tuple[
-    Callable[[], object], Callable[[], object]
-]  # (make sick, heal)  # the retried attempt's own answer, on top of the first-byte timeout
+RETRY_SERVICE_S = 2.0  # the retried attempt's own answer, on top of the first-byte timeout
+Sickness = tuple[Callable[[], object], Callable[[], object]]  # (make sick, heal)
 
 
 def post_faults(url: str, body: dict[str, Any]) -> Any:
@@ -165,14 +169,20 @@ def events_corrupted(ctx: FleetCtx) -> Result:
 
 def sick_engine(ctx: FleetCtx, name: str, sick: Callable[[int], Sickness]) -> Result:
     """Load while the busiest replica is sick for 6 s: ejected (seen unhealthy), restored after it
-    heals (healthy again within 10 s), every request answered within the first-byte bound."""
+    heals (healthy again within 10 s), every request answered within the first-byte bound.
+
+    kv_aware routes by what replicas hold, so the fleet's load alone may send the sick replica
+    nothing in its 6 s. Beside it, ``PINNED_WORKERS`` clients send prompts of system prompts that
+    only the sick replica holds (``FleetCtx.pin``): they go to it until it fails them, so every
+    run has requests waiting on the sick engine, which must be failed over and eject it."""
     f = ctx.fleet
     i = busiest(ctx)
     rid = f.engines[i].replica_id
+    pinned_load, pinned = ctx.pinned_load(i, name, Tally())
     make_sick, heal = sick(i)
     ejected = False
     retries = metric_sum(f, "kvgate_retries_total")
-    with ctx.sampler() as s, ctx.load() as load:
+    with ctx.sampler() as s, ctx.load(tally=pinned_load.tally) as load, pinned_load:
         time.sleep(1.0)
         make_sick()
         end = time.monotonic() + 6.0
@@ -184,11 +194,13 @@ def sick_engine(ctx: FleetCtx, name: str, sick: Callable[[int], Sickness]) -> Re
         time.sleep(1.0)
     t: Tally = load.tally
     bound = FIRST_BYTE_TIMEOUT_S + RETRY_SERVICE_S
-    ok = clean(t) and ejected and restored is not None and t.max_latency_s <= bound
+    ok = clean(t) and pinned and ejected and restored is not None and t.max_latency_s <= bound
     retried = metric_sum(f, "kvgate_retries_total") - retries
     notes = (
-        f"{rid} sick; ejected={ejected}; healthy again after {restored if restored is None else round(restored, 2)} s; "
-        f"{retried:.0f} attempts retried elsewhere; max latency {t.max_latency_s:.2f} s (bound {bound})"
+        f"{rid} sick (the one holder of {PINNED_WORKERS} pinned system prompts: {pinned}; "
+        f"{t.served[rid]} answers from it); ejected={ejected}; healthy again after "
+        f"{restored if restored is None else round(restored, 2)} s; {retried:.0f} attempts retried elsewhere; "
+        f"max latency {t.max_latency_s:.2f} s (bound {bound})"
     )
     return Result(name, t, restored, s.peak_rss_mb, ok, notes)
 
