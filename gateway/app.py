@@ -56,7 +56,6 @@ from gateway.openai_errors import error_response, openai_errors_middleware
 from gateway.operator_view import OperatorView, with_observer
 from gateway.proxy import Proxy, ProxyParts
 from gateway.routing import Router, RoutingState
-from gateway.runtime_tuning import settle_heap
 from gateway.shared_state import SharedState
 from gateway.status_page import StatusPage
 from gateway.tls import http_ssl_context
@@ -297,7 +296,6 @@ class GatewayApp:
         await site.start()
         addrs = self._runner.addresses
         self.http_port = int(addrs[0][1]) if addrs else int(port)
-        settle_heap()  # start-up's objects out of the collector's walks (gateway/runtime_tuning.py)
 
     async def stop(self) -> None:
         self._draining = True
