@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jinja2
 import jinja2.ext
@@ -187,6 +187,17 @@ def _transformers_message_view(message: Mapping[str, Any]) -> dict[str, Any]:
     return msg
 
 
+class RenderInputs(NamedTuple):
+    """What a rendering depends on besides the template (its memo key is these, as JSON)."""
+
+    conversation: Sequence[Mapping[str, Any]]
+    tools: list[dict[str, Any]] | None
+    documents: list[Any] | None
+    add_generation_prompt: bool
+    continue_final_message: bool
+    kwargs: Mapping[str, Any]
+
+
 class ChatTemplate:
     """One compiled template plus what it needs to render: the special-token variables."""
 
@@ -221,24 +232,19 @@ class ChatTemplate:
     ) -> str:
         """The prompt text, as transformers' ``apply_chat_template`` renders it (raises
         ``TemplateRenderError``); from the memo when these inputs were rendered before."""
-        args = (conversation, tools, documents, add_generation_prompt, continue_final_message, kwargs)
+        args = RenderInputs(
+            conversation, tools, documents, add_generation_prompt, continue_final_message, kwargs
+        )
         if self._memo is None:
-            return self._render(*args)
+            return self._render(args)
         try:
             raw = orjson.dumps(args)
         except TypeError:  # not JSON (cannot come from a request body): rendered, not kept
-            return self._render(*args)
-        return self._memo.text(("render", self._tag, digest(raw)), lambda: self._render(*args))
+            return self._render(args)
+        return self._memo.text(("render", self._tag, digest(raw)), lambda: self._render(args))
 
-    def _render(
-        self,
-        conversation: Sequence[Mapping[str, Any]],
-        tools: list[dict[str, Any]] | None,
-        documents: list[Any] | None,
-        add_generation_prompt: bool,
-        continue_final_message: bool,
-        kwargs: Mapping[str, Any],
-    ) -> str:
+    def _render(self, args: RenderInputs) -> str:
+        conversation, tools, documents, add_generation_prompt, continue_final_message, kwargs = args
         chat = [_transformers_message_view(m) for m in conversation]
         final_text: str | None = None
         if continue_final_message:

@@ -94,13 +94,18 @@ async def test_every_framing_in_pieces_of_every_size(serving, answer: bytes, pie
     client.close()
 
 
-async def test_a_response_not_read_to_its_end_is_not_reused(serving) -> None:  # type: ignore[no-untyped-def]
-    server = Server(CHUNKED, 10)
+async def _first_request(server: Server, serving, read_all: bool) -> tuple[UpstreamClient, str]:  # type: ignore[no-untyped-def]
+    """A client that made one request to ``server`` and released it (read whole or not)."""
     url = await serving(server)
     client = UpstreamClient()
     up = await client.post(url, b"{}", CIMultiDict(), 5.0)
-    await up.readany()  # the first piece only
+    await (up.read() if read_all else up.readany())
     up.release()
+    return client, url
+
+
+async def test_a_response_not_read_to_its_end_is_not_reused(serving) -> None:  # type: ignore[no-untyped-def]
+    client, url = await _first_request(Server(CHUNKED, 10), serving, read_all=False)
     up = await client.post(url, b"{}", CIMultiDict(), 5.0)
     assert await up.read() == b"data:" + BODY
     up.release()
@@ -110,11 +115,7 @@ async def test_a_response_not_read_to_its_end_is_not_reused(serving) -> None:  #
 
 async def test_a_pooled_connection_closed_by_the_replica_is_replaced(serving) -> None:  # type: ignore[no-untyped-def]
     server = Server(LENGTH, 1000)
-    url = await serving(server)
-    client = UpstreamClient()
-    up = await client.post(url, b"{}", CIMultiDict(), 5.0)
-    await up.read()
-    up.release()
+    client, url = await _first_request(server, serving, read_all=True)
     for w in server.writers:  # the replica's idle timeout
         w.close()
     await asyncio.sleep(0.05)
