@@ -75,12 +75,19 @@ class Fleet:
     cache_blocks: int = CACHE_BLOCKS
     rng: random.Random = field(default_factory=lambda: random.Random(7))
 
+    def __post_init__(self) -> None:
+        # four independent picks can coincide (a gateway once found its inventory port taken by
+        # the engine's HTTP listener): pick again until they are distinct
+        taken: set[int] = set()
+        for name in ("http_port", "events_port", "replay_port", "inventory_port"):
+            while getattr(self, name) in taken:
+                setattr(self, name, low_free_port())
+            taken.add(getattr(self, name))
+        self.group = ProcessGroup(self.tmp, cwd=REPO)
+
     @property
     def engine_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
-
-    def __post_init__(self) -> None:
-        self.group = ProcessGroup(self.tmp, cwd=REPO)
 
     def _spawn(
         self, args: list[str], name: str, env: dict[str, str] | None = None
