@@ -169,9 +169,11 @@ def start_router(
     fleet: list[tuple[str, str]],
     tmp: Path,
     kvgate_params: dict[str, Any] | None = None,
+    kvgate_workers: int = 1,
 ) -> tuple[str, str]:
     """Start router ``name`` in front of ``fleet``; returns (base url, policy actually used).
-    ``kvgate_params``: kv_aware's parameters in kvgate's config."""
+    ``kvgate_params``: kv_aware's parameters in kvgate's config; ``kvgate_workers``: its
+    ``server.workers`` (1 by default: the audit and TTFT figures are read from one process)."""
     urls = [u for u, _ in fleet]
     if name == "kvgate_kv_aware":
         cfg = {
@@ -180,6 +182,7 @@ def start_router(
             "models": [{"name": MODEL, "tokenizer": str(TOKENIZER), "block_size": 16}],
             "replicas": [{"id": f"r{i}", "url": u, "models": [MODEL]} for i, u in enumerate(urls)],
             "telemetry": {"access_log": False, "log_level": "WARNING"},
+            "server": {"workers": kvgate_workers},
         }
         path = tmp / "kvgate.yaml"
         path.write_text(yaml.safe_dump(cfg))
@@ -257,7 +260,7 @@ def one_run(
     audit: dict[str, Any] = {}
     with ProcessGroup(tmp) as procs:
         fleet = start_fleet(procs, args.replicas, args, w)
-        url, policy = start_router(procs, router, fleet, tmp, args.kvgate_params)
+        url, policy = start_router(procs, router, fleet, tmp, args.kvgate_params, args.kvgate_workers)
         urls = [u for u, _ in fleet]
         h0, q0, b0 = engine_state(urls)
         results, wall = uvloop.run(replay(url, reqs, args.speedup, args.timeout))
@@ -322,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/live.json")
     ap.add_argument("--kvgate-params", type=json.loads, default={}, help="kv_aware parameters (JSON object)")
+    ap.add_argument(
+        "--kvgate-workers", type=int, default=1, help="kvgate's server.workers (its audit read from one: 1)"
+    )
     args = ap.parse_args(argv)
     if args.workloads is None:
         args.workloads = (

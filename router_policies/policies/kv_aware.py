@@ -43,11 +43,13 @@ Why the token rule stays the default: with ``same_speed`` and miss_weight 7 the 
 every simulator acceptance bar (tests/sim/test_acceptance.py; hit rate / oracle 0.952 / 0.934 /
 0.916 at loads 0.5 / 0.8 / 1.0 against the token rule's 0.959 / 0.900 / 0.906) with TTFT p99 within
 5 % of the token rule's on identical replicas and 0.51-0.88x of it on a mixed H100 + A100 fleet.
-Live (bench/live.py, 4 sim-engines, kvgate alone, back to back) it was better on kv_pressure (p99
-56.9 ms against 98.6) and much worse on decode_heavy (1,481 ms against 569): there the fits' errors
-stay above 0.5, the profile prior takes over, and its KV-wait term counts a prefix shared by the
-running requests once per request (first tokens predicted at 100-200 ms, observed at 15-50 ms).
-Until that is fixed a router that can be 2.6x worse on one workload is not the default.
+Live (bench/live.py, 4 sim-engines) the evidence does not show it better: kvgate alone, back to
+back, it was better on kv_pressure (p99 56.9 ms against 98.6) and worse on decode_heavy (1,481 ms
+against 569), whose p99 swings from run to run with either rule (the token rule: 569-1,783 ms in
+four runs of 2026-12-01); on decode_heavy the fits' errors stay above 0.5, the profile prior takes
+over, and its KV-wait term counts a prefix shared by the running requests once per request (first
+tokens predicted at 100-200 ms, observed at 15-50 ms). Until the live comparison favours it, the
+rule proven on real vLLM (``make e2e-vllm``) stays the default.
 
 Why milliseconds: the token rule (``rule: tokens``) prices every replica's queue in prompt tokens
 with a fixed ``request_cost_tokens`` per request ahead. It cannot see decode load (a step that
