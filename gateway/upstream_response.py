@@ -108,6 +108,10 @@ class UpstreamResponse:
         code = status[:3]
         if not version.startswith("HTTP/1.") or not code.isdigit():
             raise BadResponse(f"bad status line {lines[0][:100]!r}")
+        if 100 <= int(code) < 200:  # an interim answer (100 Continue, 103 Early Hints): skipped
+            self._buf = bytearray(rest)
+            self._head()
+            return
         self.status = int(code)
         for line in lines[1:]:
             name, sep, value = line.partition(":")
@@ -125,7 +129,7 @@ class UpstreamResponse:
     def _body_mode(self) -> None:
         te = self.headers.get("transfer-encoding", "").lower()
         cl = self.headers.get("content-length")
-        if self.status in (204, 304) or 100 <= self.status < 200:
+        if self.status in (204, 304):
             self._mode, self.done = "length", True
         elif te:
             if te.rsplit(",", 1)[-1].strip() != "chunked":

@@ -21,6 +21,7 @@ CHUNKED = (
     b"5;ext=1\r\ndata:\r\n" + b"%x\r\n" % len(BODY) + BODY + b"\r\n0\r\nx-trailer: 1\r\n\r\n"
 )
 UNTIL_CLOSE = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\n" + BODY
+INTERIM = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n" + LENGTH
 
 
 class Server:
@@ -71,7 +72,9 @@ async def serving() -> AsyncIterator[Callable[[Server], asyncio.Future[str]]]:
         srv.close()
 
 
-@pytest.mark.parametrize("answer", [LENGTH, CHUNKED, UNTIL_CLOSE], ids=["length", "chunked", "close"])
+@pytest.mark.parametrize(
+    "answer", [LENGTH, CHUNKED, UNTIL_CLOSE, INTERIM], ids=["length", "chunked", "close", "interim"]
+)
 @pytest.mark.parametrize("piece", [1, 2, 7, 64, 100_000])
 async def test_every_framing_in_pieces_of_every_size(serving, answer: bytes, piece: int) -> None:  # type: ignore[no-untyped-def]
     server = Server(answer, piece, close_after=answer is UNTIL_CLOSE)
