@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import xxhash
 
+from gateway.features.byte_lru import ByteLRU
 from gateway.features.segment_encoder import TokenArray
 
 if TYPE_CHECKING:
@@ -57,19 +57,35 @@ class TextTokens:
         self.cache.put(self.key, (tokens, segments), ENTRY_OVERHEAD + tokens.nbytes)
 
 
+def _entry_size(_key: Hashable, entry: tuple[object, int]) -> int:
+    return entry[1]
+
+
 class MemoCache:
     def __init__(self, max_bytes: int) -> None:
         if max_bytes < 0:
             raise ValueError("max_bytes must be >= 0")
         self.max_bytes = max_bytes
-        self.bytes = 0
-        self.hits = 0
-        self.misses = 0
-        self._data: OrderedDict[Hashable, tuple[object, int]] = OrderedDict()
+        # entries are (value, its bytes); bounded in bytes only (0: off)
+        self._lru = ByteLRU[Hashable, tuple[object, int]](
+            sys.maxsize if max_bytes else 0, max_bytes, _entry_size
+        )
         self._frozen = False  # ``read_only``
 
     def __len__(self) -> int:
-        return len(self._data)
+        return len(self._lru)
+
+    @property
+    def bytes(self) -> int:
+        return self._lru.bytes
+
+    @property
+    def hits(self) -> int:
+        return self._lru.hits
+
+    @property
+    def misses(self) -> int:
+        return self._lru.misses
 
     @contextlib.contextmanager
     def read_only(self, on: bool = True) -> Iterator[None]:
@@ -83,31 +99,14 @@ class MemoCache:
             self._frozen = before
 
     def get(self, key: Hashable) -> object | None:
-        if self._frozen:
-            entry = self._data.get(key)
-            return entry[0] if entry is not None else None
-        hit = self._data.get(key)
-        if hit is None:
-            self.misses += 1
-            return None
-        self._data.move_to_end(key)
-        self.hits += 1
-        return hit[0]
+        entry = self._lru.peek(key) if self._frozen else self._lru.get(key)
+        return entry[0] if entry is not None else None
 
     def put(self, key: Hashable, value: object, size: int) -> None:
-        """Keep ``value`` (``size`` bytes, overhead included) unless it exceeds the bound; the
-        least recently used entries go first. Invariant: ``bytes <= max_bytes``."""
-        if size > self.max_bytes or self._frozen:
-            return
-        old = self._data.pop(key, None)
-        if old is not None:
-            self.bytes -= old[1]
-        self._data[key] = (value, size)
-        self.bytes += size
-        while self.bytes > self.max_bytes:
-            _, (_, dropped) = self._data.popitem(last=False)
-            self.bytes -= dropped
-        assert self.bytes <= self.max_bytes
+        """Keep ``value`` (``size`` bytes, overhead included) unless it exceeds the bound or the
+        memo is read-only; the least recently used entries go first."""
+        if not self._frozen:
+            self._lru.put(key, (value, size))
 
     def keys(
         self, namespace: KeyNamespace, tokens: TokenArray, compute: Callable[[TokenArray], list[int]]

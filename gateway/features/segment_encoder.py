@@ -27,7 +27,6 @@ Threading: ``plan`` and ``finish`` touch the cache and run on the event loop thr
 from __future__ import annotations
 
 import re
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -36,7 +35,8 @@ import numpy.typing as npt
 import xxhash
 from tokenizers import Tokenizer
 
-from gateway.features.budgets import SEGMENT_ENTRY_OVERHEAD, non_negative, text_bytes
+from gateway.features.budgets import SEGMENT_ENTRY_OVERHEAD, text_bytes
+from gateway.features.byte_lru import ByteLRU
 
 TokenArray = npt.NDArray[np.uint32]
 SegmentKey = tuple[str, str, str, str]  # (tokenizer, token before or "", segment text, token after or "")
@@ -44,59 +44,16 @@ SegmentKey = tuple[str, str, str, str]  # (tokenizer, token before or "", segmen
 _EMPTY: TokenArray = np.zeros(0, dtype=np.uint32)
 
 
-class BoundedLRU:
-    """Least-recently-used map holding at most ``capacity`` entries (0 disables it) and at most
-    ``max_bytes`` bytes of texts and token ids (None: no byte bound). An entry larger than the
-    byte bound is not cached. Invariant: ``bytes <= max_bytes`` after every ``put``."""
+class BoundedLRU(ByteLRU[SegmentKey, TokenArray]):
+    """The segment cache: segments' token ids by (namespace, context, text, context), bounded in
+    entries and in bytes of texts and token ids (byte_lru.py)."""
 
     def __init__(self, capacity: int, max_bytes: int | None = None) -> None:
-        non_negative(capacity=capacity, max_bytes=max_bytes)
-        self.capacity = capacity
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self._data: OrderedDict[SegmentKey, TokenArray] = OrderedDict()
-        self.hits = 0
-        self.misses = 0
-        self.evictions = 0
-
-    def __len__(self) -> int:
-        return len(self._data)
+        super().__init__(capacity, max_bytes, BoundedLRU.entry_bytes)
 
     @staticmethod
     def entry_bytes(key: SegmentKey, value: TokenArray) -> int:
         return text_bytes(key[2]) + value.nbytes + SEGMENT_ENTRY_OVERHEAD
-
-    def peek(self, key: SegmentKey) -> TokenArray | None:
-        """The entry, without counting a hit or miss and without refreshing it."""
-        return self._data.get(key)
-
-    def get(self, key: SegmentKey) -> TokenArray | None:
-        value = self._data.get(key)
-        if value is None:
-            self.misses += 1
-            return None
-        self._data.move_to_end(key)
-        self.hits += 1
-        return value
-
-    def put(self, key: SegmentKey, value: TokenArray) -> None:
-        size = self.entry_bytes(key, value)
-        if self.capacity == 0 or (self.max_bytes is not None and size > self.max_bytes):
-            return
-        old = self._data.pop(key, None)
-        if old is not None:
-            self.bytes -= self.entry_bytes(key, old)
-        self._data[key] = value
-        self.bytes += size
-        limit = self.max_bytes
-        while len(self._data) > self.capacity or (limit is not None and self.bytes > limit):
-            k, v = self._data.popitem(last=False)
-            self.bytes -= self.entry_bytes(k, v)
-            self.evictions += 1
-
-    def clear(self) -> None:
-        self._data.clear()
-        self.bytes = 0
 
 
 @dataclass
