@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -66,6 +66,15 @@ __all__ = [
 ]
 
 Result = tuple[RequestFeatures, FeatureInfo]
+
+
+class EncodeStats(NamedTuple):
+    """How a prompt encoded here was encoded (``Encoded``'s fields after its token count)."""
+
+    segments: int
+    segments_cached: int
+    encoded_chars: int = 0
+    offloaded: bool = False
 
 
 def _bytes_of(text: str, chars: int) -> int:
@@ -194,8 +203,8 @@ class Featurizer:
             tokens = enc.finish(
                 plan, enc.encode_missing(plan, add_special_tokens=ast), add_special_tokens=ast
             )
-            how = Encoded("local", 0, plan.segments, plan.cached_segments, plan.missing_chars)
-            return self._count(self._encoded(req, spec, tokens, how), prompt, False)
+            stats = EncodeStats(plan.segments, plan.cached_segments, plan.missing_chars)
+            return self._count(self._encoded(req, spec, tokens, stats), prompt, False)
         return self._count(self._keyed(req, spec, prompt), prompt, False)
 
     async def features(
@@ -241,7 +250,7 @@ class Featurizer:
         if memo is not None and memo.found is not None:
             tokens, segments = memo.found
             return self._count(
-                self._encoded(req, spec, tokens, Encoded("local", 0, segments, segments)), prompt, explain
+                self._encoded(req, spec, tokens, EncodeStats(segments, segments)), prompt, explain
             )
         step = await self.planner.plan(enc, prompt, spec.truncate is not None, explain)
         if isinstance(step, Defer):
@@ -255,18 +264,21 @@ class Featurizer:
         tokens = enc.finish(plan, done, add_special_tokens=ast, record=not explain)
         if memo is not None:
             memo.keep(tokens, plan.segments)
-        how = Encoded("local", 0, plan.segments, plan.cached_segments, plan.missing_chars, offloaded)
-        return self._count(self._encoded(req, spec, tokens, how, explain), prompt, explain)
+        stats = EncodeStats(plan.segments, plan.cached_segments, plan.missing_chars, offloaded)
+        return self._count(self._encoded(req, spec, tokens, stats, explain), prompt, explain)
 
     def _encoded(
-        self, req: ParsedRequest, spec: PromptSpec, tokens: TokenArray, how: Encoded, explain: bool = False
+        self,
+        req: ParsedRequest,
+        spec: PromptSpec,
+        tokens: TokenArray,
+        stats: EncodeStats,
+        explain: bool = False,
     ) -> Result:
-        """Features of a prompt encoded here (``tokens``: all of them; ``how``: how, its token
-        count set here); the keys come from the memo cache, which ``explain`` leaves as it is."""
+        """Features of a prompt encoded here (``tokens``: all of them; ``stats``: how); the keys
+        come from the memo cache, which ``explain`` leaves as it is."""
         tokens = truncated(spec, tokens)
-        how = Encoded(
-            "local", len(tokens), how.segments, how.segments_cached, how.encoded_chars, how.offloaded
-        )
+        how = Encoded("local", len(tokens), *stats)
         compute = keys_of(spec)
         keys = compute(tokens) if explain else self.memo.keys(namespace_of(spec), tokens, compute)
         return exact_features(spec, tokens, how, req.session_id, keys)
