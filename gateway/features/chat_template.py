@@ -238,7 +238,7 @@ class ChatTemplate:
         if self._memo is None:
             return self._render(args)
         try:
-            raw = orjson.dumps(args)
+            raw = orjson.dumps(tuple(args))  # orjson refuses tuple subclasses (a NamedTuple)
         except TypeError:  # not JSON (cannot come from a request body): rendered, not kept
             return self._render(args)
         return self._memo.text(("render", self._tag, digest(raw)), lambda: self._render(args))

@@ -246,3 +246,29 @@ def test_negative_bounds_are_refused_by_name() -> None:
         BoundedLRU(-1)
     with pytest.raises(ValueError, match="backlog_bytes must be >= 0"):
         DeferredEncodes(0, lambda: None, backlog_bytes=-1)
+
+
+def test_a_template_renders_once_for_the_same_inputs() -> None:
+    from gateway.features.chat_template import ChatTemplate, make_environment
+    from gateway.features.memo_cache import MemoCache
+
+    memo = MemoCache(1 << 20)
+    template = ChatTemplate(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}", {}, make_environment(), memo
+    )
+    conversation = [{"role": "user", "content": "hello"}]
+
+    def render(content: str = "hello") -> str:
+        convo = [{**conversation[0], "content": content}]
+        return template.render(
+            convo,
+            tools=None,
+            documents=None,
+            add_generation_prompt=True,
+            continue_final_message=False,
+            kwargs={},
+        )
+
+    assert render() == "<user>hello" and (memo.hits, memo.misses, len(memo)) == (0, 1, 1)
+    assert render() == "<user>hello" and memo.hits == 1  # the second time from the memo
+    assert render("other") == "<user>other" and (memo.misses, len(memo)) == (2, 2)
