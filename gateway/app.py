@@ -29,6 +29,7 @@ bounds, inventory, shared state, OTLP endpoint, auth variable names) are reporte
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import time
@@ -70,6 +71,16 @@ log = logging.getLogger("kvgate.app")
 
 _RESTART_ONLY = ("listen", "server", "index", "inventory", "shared_state", "auth")
 RETIRE_GRACE_S = 5.0
+
+
+def freeze_startup_heap() -> None:
+    """What exists once the app is built (modules, tokenizers, templates, config, the app) lives
+    as long as the process. Left tracked, every full collection walks all of it (~165k objects:
+    80-120 ms of a stalled event loop on a loaded 2-core host, measured on the live benchmark);
+    frozen, full collections walk only what requests create. Call before start, while nothing is
+    running (one process, or the parent of workers)."""
+    gc.collect()
+    gc.freeze()
 
 
 class GatewayApp:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import os
 import signal
 import sys
@@ -23,8 +22,8 @@ from typing import Any
 
 import uvloop
 
-from gateway.app import GatewayApp
-from gateway.config import load_config
+from gateway.app import GatewayApp, freeze_startup_heap
+from gateway.config import GatewayConfig, load_config
 from gateway.local_hub_client import HubClient
 from gateway.workers import serve_workers, worker_count
 from router_policies.errors import UserInputError
@@ -47,16 +46,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
 
 
-async def _serve(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
+async def _serve(args: argparse.Namespace, config: GatewayConfig | None = None) -> int:
+    """Serve as one process, or as a worker of ``--worker-of`` (``config``: already loaded)."""
+    config = config if config is not None else load_config(args.config)
     link = HubClient(args.worker_of, args.worker_index) if args.worker_of else None
     app = GatewayApp(config, config_path=args.config, link=link)
-    # What exists now (modules, tokenizers, templates, config, the app) lives as long as the
-    # process. Left tracked, every full collection walks all of it (~165k objects: 80-120 ms of a
-    # stalled event loop on a loaded 2-core host, measured on the live benchmark); frozen, full
-    # collections walk only what requests create. Done before start, while nothing is running.
-    gc.collect()
-    gc.freeze()
+    freeze_startup_heap()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -113,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         count = worker_count(args.workers, config)
         if count > 1:
             return uvloop.run(serve_workers(args, config, count))
+        return uvloop.run(_serve(args, config))  # loaded once
     return uvloop.run(_serve(args))
 
 

@@ -173,11 +173,14 @@ class Upstream:
             raise Retry("disconnect", f"{rec.id}: {type(exc).__name__} before the first byte") from None
 
     def _others(self, a: Attempt) -> bool:
-        """Whether a replica other than the attempt's is healthy and serves its model."""
+        """Whether a replica other than the attempt's is healthy and may take its request (the
+        same candidates as the router's: the model's, narrowed to an adapter's holders)."""
         if not a.may_retry:
             return False
-        model, rid = a.features.model, a.record.id
-        return any(r.healthy and r.id != rid for r in self._fleet.candidates(model))
+        f, rid = a.features, a.record.id
+        return any(
+            r.healthy and r.id != rid for r in self._fleet.candidates(f.model, f.lora, frozenset({rid}))
+        )
 
     def _no_first_byte(self, a: Attempt, wait: FirstByteWait) -> NoReturn:
         """The attempt's first-byte wait ended (too long, or its replica was ejected): fail it
@@ -224,7 +227,7 @@ class Upstream:
                     up = await self._post(a)
                     if up.status == 503 and a.may_retry:
                         raise Retry("503", f"{rec.id}: 503 Service Unavailable")
-                    if up.status == 404 and a.may_retry and features.lora is not None:
+                    if up.status == 404 and features.lora is not None and self._others(a):
                         # the adapter is not loaded there (the fleet's view was stale)
                         raise Retry("404", f"{rec.id}: 404 for LoRA adapter {features.lora!r}")
                     is_sse = up.headers.get("content-type", "").startswith("text/event-stream")

@@ -30,7 +30,7 @@ import ssl
 import time
 from collections import deque
 from typing import cast
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from multidict import CIMultiDict
 
@@ -54,8 +54,8 @@ MAX_IDLE_PER_HOST = 256
 Origin = tuple[str, int, bool]  # host, port, TLS
 
 
-def origin_of(url: str) -> Origin:
-    parts = urlsplit(url)
+def origin_of(parts: SplitResult) -> Origin:
+    url = parts.geturl()
     tls = parts.scheme == "https"
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"not an http(s) URL: {url!r}")
@@ -158,7 +158,7 @@ class UpstreamClient:
         response's status and headers arrived. ``headers`` must not hold Host, Content-Length,
         Transfer-Encoding or Connection (``filter_headers`` with ``DROP_REQUEST`` drops them)."""
         parts = urlsplit(url)
-        origin = origin_of(url)
+        origin = origin_of(parts)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         lines = [f"POST {target} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Length: {len(body)}\r\n"]
         lines.extend(f"{k}: {v}\r\n" for k, v in headers.items())

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import logging
 import math
 import os
@@ -43,7 +42,7 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import Counter, Gauge, generate_latest
 
-from gateway.app import GatewayApp
+from gateway.app import GatewayApp, freeze_startup_heap
 from gateway.asyncio_tasks import cancel_and_wait
 from gateway.config import GatewayConfig
 from gateway.fleet import Fleet
@@ -227,8 +226,7 @@ class Supervisor:
         restarts = Counter(
             "kvgate_worker_restarts", "Worker processes started again after exiting", registry=app.registry
         )
-        gc.collect()
-        gc.freeze()
+        freeze_startup_heap()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -183,7 +183,10 @@ class Featurizer:
 
     async def featurize(self, req: ParsedRequest, *, explain: bool = False) -> Result:
         """The request path's features (raises ``RequestError``); ``explain``: no side effect."""
-        with self.memo.read_only(explain):  # the chat template's memo, used while reading
+        if explain:
+            with self.memo.read_only():  # the chat template's memo, used while reading
+                spec, prompt = self._read(req)
+        else:
             spec, prompt = self._read(req)
         if isinstance(prompt, Remote):
             prompt = await self._tokenize_remotely(req, spec)
