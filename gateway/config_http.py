@@ -143,7 +143,8 @@ class ServerConfig(_Strict):
         le=1024,
         description="HTTP worker processes serving the API on the one port (SO_REUSEPORT), fed one "
         "index by the parent process, which holds the agents' streams (docs/architecture.md, "
-        "Workers). Unset: the cores the process may use; 1: one process, as before. "
+        "Workers). Unset: the cores the process may use (1 with shared_state.redis_url, which "
+        "workers refuse); 1: one process, as before. "
         "`kvgate serve --workers N` overrides it.",
     )
     drain_delay_s: float = Field(
