@@ -57,7 +57,6 @@ from gateway.local_hub_codec import (
 from gateway.local_hub_touch import TOUCH_WINDOW_S, Touch, TouchBatcher
 from gateway.shared_state_codec import CodecError, encode_hello, encode_ops, encode_snapshot
 from gateway.workers_metrics import merge_expositions
-from proto.contract import GPU
 from router_policies.prefix_index import PrefixIndex
 
 log = logging.getLogger("kvgate.workers")
@@ -161,7 +160,6 @@ class Hub:
         self._fleet = fleet
         self._hooks = hooks
         self._conns: dict[int, _Conn] = {}
-        self._non_gpu: dict[str, dict[int, str]] = {}  # precise entries off the GPU (rare), per replica
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._gathers: dict[int, _Gather] = {}
@@ -178,21 +176,9 @@ class Hub:
         pass  # relayed by OwnerFleet.agent_hello, before the link state that follows it
 
     def inventory_snapshot(self, replica: str, entries: Mapping[int, str]) -> None:
-        # bounded by the fleet: replicas gone from it are dropped here (snapshots are rare)
-        self._non_gpu = {r: m for r, m in self._non_gpu.items() if self._fleet.get(r) is not None}
-        self._non_gpu[replica] = {k: m for k, m in entries.items() if m != GPU}
         self.broadcast(encode_replica(b"S", replica, encode_snapshot(entries)))
 
     def inventory_ops(self, replica: str, ops: Sequence[Op]) -> None:
-        held = self._non_gpu.setdefault(replica, {})
-        for op in ops:
-            if op.kind == "c":
-                held.clear()
-            elif op.kind == "s" and op.medium != GPU:
-                held.update(dict.fromkeys(op.keys, op.medium))
-            elif held:
-                for k in op.keys:
-                    held.pop(k, None)
         self.broadcast(encode_replica(b"O", replica, encode_ops(ops)))
 
     # ------------------------------------------------------------------ fan-out
@@ -217,9 +203,8 @@ class Hub:
             out.append(encode_json(b"N", [rid, load.running, load.waiting, load.kv_usage, 0, 0]))
             if rec.health.checked:
                 out.append(encode_json(b"C", [rid, rec.health.healthy, rec.health.last_error]))
-            media = self._non_gpu.get(rid, {})
-            entries = {k: media.get(k, GPU) for k in index.precise_keys(rid)}
-            out.append(encode_replica(b"S", rid, encode_snapshot(entries)))
+            # the media as the index recorded them (the parent's index is the authority)
+            out.append(encode_replica(b"S", rid, encode_snapshot(index.precise_entries(rid))))
             out.append(encode_stamps(rid, index.approximate_expiry(rid)))
         out.append(encode_json(b"R", self._others_load(None)))
         out.append(frame(b"Y"))

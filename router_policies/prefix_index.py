@@ -210,9 +210,13 @@ class PrefixIndex:
         for medium, keys in by_medium.items():
             self.store(replica, keys, medium)
 
+    def precise_entries(self, replica: str) -> dict[int, str]:
+        """Its precise keys with their medium (the index's own record: GPU unless noted)."""
+        media = rep.non_gpu if (rep := self._replicas.get(replica)) else {}
+        return {k: media.get(k, GPU) for k in self.precise_keys(replica)}
+
     def precise_keys(self, replica: str) -> list[int]:
-        rep = self._replicas.get(replica)
-        if rep is None:
+        if (rep := self._replicas.get(replica)) is None:
             return []
         held = self._table.keys_of(rep.slot).tolist()
         approx = rep.approx
