@@ -230,10 +230,6 @@ class Hub:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    @property
-    def workers(self) -> list[int]:
-        return sorted(self._conns)
-
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None

@@ -294,7 +294,7 @@ def _replay_speculative(index: PrefixIndex, replica: str, keys: list[int], expir
     """Rebuild the parent's speculative entries of ``replica`` in the same eviction order: each run
     of entries stamped together is one touch (a touch orders its keys leaf first, so the run goes
     in reversed)."""
-    if replica not in index.stats():
+    if replica not in index.replicas:  # (stats() would build every replica's counts)
         return
     ttl, start = index.config.approximate_ttl_s, 0
     for i in range(1, len(keys) + 1):
