@@ -41,8 +41,8 @@ def threads_cpu_s(pid: int, name: str) -> float:
     return total
 
 
-def tree_cpu_s(root: int) -> float:
-    """CPU seconds used so far by ``root`` and its live descendants."""
+def _tree(root: int) -> dict[int, float]:
+    """CPU seconds so far of ``root`` and each of its live descendants, by pid."""
     parents: dict[int, int] = {}
     cpu: dict[int, float] = {}
     for entry in os.listdir("/proc"):
@@ -50,11 +50,21 @@ def tree_cpu_s(root: int) -> float:
             st = _stat(int(entry))
             if st is not None:
                 parents[int(entry)], cpu[int(entry)] = st
-    total = 0.0
+    out: dict[int, float] = {}
     for pid, c in cpu.items():
         p = pid
         while p and p != root:
             p = parents.get(p, 0)
         if p == root:
-            total += c
-    return total
+            out[pid] = c
+    return out
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds used so far by ``root`` and its live descendants."""
+    return sum(_tree(root).values())
+
+
+def tree_threads_cpu_s(root: int, name: str) -> float:
+    """``threads_cpu_s`` over ``root`` and its live descendants (a gateway's workers)."""
+    return sum(threads_cpu_s(pid, name) for pid in _tree(root))

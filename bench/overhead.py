@@ -31,7 +31,7 @@ import uvloop
 import yaml
 
 from bench import loadgen
-from bench.cpu_time import threads_cpu_s, tree_cpu_s
+from bench.cpu_time import tree_cpu_s, tree_threads_cpu_s
 from gateway.features.featurizer import BACKGROUND_THREAD_NAME
 from kvgate_tools.procs import ProcessGroup, Ready, free_port
 
@@ -140,15 +140,16 @@ def measure(
 ) -> dict[str, float]:
     warmup = _warmup(count, concurrency)
     cpu0 = tree_cpu_s(pid) if pid else 0.0
-    bg0 = threads_cpu_s(pid, DEFERRED_THREAD) if pid else 0.0
+    bg0 = tree_threads_cpu_s(pid, DEFERRED_THREAD) if pid else 0.0
     res = uvloop.run(loadgen.run("127.0.0.1", port, PATH, bodies, count, concurrency, max_s, warmup=warmup))
     cpu = (tree_cpu_s(pid) - cpu0) if pid else 0.0
-    background = (threads_cpu_s(pid, DEFERRED_THREAD) - bg0) if pid else 0.0
+    background = (tree_threads_cpu_s(pid, DEFERRED_THREAD) - bg0) if pid else 0.0
     out = res.summary()
     n = out["requests"] + warmup
     out["cpu_s"] = cpu
     out["cpu_s_per_1000"] = 1000 * cpu / n if pid else 0.0
-    # of which kvgate's lowest-priority thread encoding new text after routing (0 for others)
+    # of which kvgate's lowest-priority threads encoding new text after routing, in every process
+    # of its tree (0 for others)
     out["deferred_cpu_s_per_1000"] = 1000 * background / n if pid else 0.0
     out["rps_per_core"] = n / cpu if cpu > 0 else 0.0
     return out

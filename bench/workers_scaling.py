@@ -31,8 +31,7 @@ from typing import Any
 import yaml
 
 from bench import loadgen
-from bench.cpu_time import threads_cpu_s
-from bench.overhead import DEFERRED_THREAD, MODEL, TOKENIZER, _warmup, kvgate_config, measure
+from bench.overhead import MODEL, TOKENIZER, kvgate_config, measure
 from kvgate_tools.procs import ProcessGroup, Ready
 from proto.kvgate.v1 import inventory_pb2 as pb
 from tests.integration.gateway_harness import AGENT_TOKEN, http
@@ -58,7 +57,7 @@ def start_gateway(
     procs: ProcessGroup, tmp: Path, backends: list[int], workers: int, **extra: Any
 ) -> tuple[int, int, subprocess.Popen[bytes]]:
     """(http port, inventory port, process) of a fresh gateway with ``workers`` workers."""
-    name = f"kvgate-w{workers}-{extra.pop('tag', 'scaling')}"  # one log each: Ready reads it whole
+    name = f"kvgate-w{workers}-{extra.pop('tag', 'scaling')}"  # one log per gateway
     cfg = kvgate_config(backends, TOKENIZER)
     cfg["server"] = {"workers": workers}
     cfg["auth"] = {"agent_token_env": "KVGATE_BENCH_AGENT_TOKEN"}
@@ -85,18 +84,12 @@ def scaling(procs: ProcessGroup, tmp: Path, backends: list[int], args: argparse.
             bodies = loadgen.chat_bodies(
                 args.requests + 200, args.prompt_bytes, False, seed=args.seed + rep, model=MODEL
             )
-            tree = _tree(proc.pid)
-            deferred0 = sum(threads_cpu_s(p, DEFERRED_THREAD) for p in tree)
             run = measure(port, proc.pid, bodies, args.requests, args.concurrency, args.max_seconds)
-            # the lowest-priority thread encoding new text after routing, in every process: work a
-            # saturated gateway sheds (its bounded backlog drops), so CPU per request without it
-            # is the request path's
-            deferred = sum(threads_cpu_s(p, DEFERRED_THREAD) for p in tree) - deferred0
-            n = run["requests"] + _warmup(args.requests, args.concurrency)
-            run["deferred_cpu_ms_per_request"] = 1000 * deferred / n
-            run["request_path_cpu_ms_per_request"] = (
-                run["cpu_s_per_1000"] - run["deferred_cpu_ms_per_request"]
-            )
+            # measure counts the lowest-priority encode threads of every process: work a saturated
+            # gateway sheds (its bounded backlog drops), so CPU per request without it is the
+            # request path's
+            run["deferred_cpu_ms_per_request"] = run["deferred_cpu_s_per_1000"]
+            run["request_path_cpu_ms_per_request"] = run["cpu_s_per_1000"] - run["deferred_cpu_s_per_1000"]
             runs.append(run)
         best = max(runs, key=lambda r: r["rps"])
         best["cpu_ms_per_request"] = best["cpu_s_per_1000"]
@@ -197,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/workers.json")
     args = ap.parse_args(argv)
     tmp = args.out.parent / "tmp" / "workers"
-    shutil.rmtree(tmp, ignore_errors=True)  # a Ready pattern must not match an older run's log
+    shutil.rmtree(tmp, ignore_errors=True)  # each run's logs only
     result: dict[str, Any] = {"concurrency": args.concurrency, "prompt_bytes": args.prompt_bytes}
     with ProcessGroup(tmp) as procs:
         backends = start_fake_backends(procs, args.backends)

@@ -1,9 +1,9 @@
 """The compiled step of ``RobustRls.update`` (estimator.py states the method and its safeguards).
 
-One first byte costs one update; with numpy on 7-vectors it cost ~100 us of interpreter and
+One first byte costs one update; with numpy on the coefficient vectors it cost ~100 us of interpreter and
 array-call overhead on the request path (py-spy, docs/performance.md), the same arithmetic
-compiled is a few microseconds. Same float64 operations in the same order as the reference
-(``step_reference``, which the tests compare against on random sequences), in place on the
+compiled is a few microseconds. Same float64 operations in the same order as the numpy
+formulation (tests/unit/test_rls_kernel.py compares the two on random sequences), in place on the
 estimator's arrays.
 """
 
@@ -75,21 +75,3 @@ def dot_scaled(x: F64, ref: F64, w: F64) -> float:
     for i in range(x.shape[0]):
         s += x[i] * ref[i] * w[i]
     return s
-
-
-def step_reference(
-    w: F64, p: F64, z: F64, target: float, consts: tuple[float, float, float, float]
-) -> tuple[F64, F64, float]:
-    """The numpy formulation ``rls_step`` compiles (for the equivalence test): returns (w, p, e)."""
-    clip, forgetting, max_w, p0_trace = consts
-    e = target - float(np.dot(z, w))
-    clipped = min(max(e, -clip), clip)
-    pz = p @ z
-    gain = pz / (forgetting + float(z @ pz))
-    w = np.clip(w + gain * clipped, 0.0, max_w)
-    p = (p - np.outer(gain, pz)) / forgetting
-    p = (p + p.T) / 2
-    tr = float(np.trace(p))
-    if tr > p0_trace:
-        p = p * (p0_trace / tr)
-    return w, p, e

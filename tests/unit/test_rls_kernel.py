@@ -4,7 +4,25 @@ from __future__ import annotations
 
 import numpy as np
 
-from router_policies.ttft.rls_kernel import dot_scaled, rls_step, step_reference
+from router_policies.ttft.rls_kernel import F64, dot_scaled, rls_step
+
+
+def step_reference(
+    w: F64, p: F64, z: F64, target: float, consts: tuple[float, float, float, float]
+) -> tuple[F64, F64, float]:
+    """The numpy formulation ``rls_step`` compiles (for the equivalence test): returns (w, p, e)."""
+    clip, forgetting, max_w, p0_trace = consts
+    e = target - float(np.dot(z, w))
+    clipped = min(max(e, -clip), clip)
+    pz = p @ z
+    gain = pz / (forgetting + float(z @ pz))
+    w = np.clip(w + gain * clipped, 0.0, max_w)
+    p = (p - np.outer(gain, pz)) / forgetting
+    p = (p + p.T) / 2
+    tr = float(np.trace(p))
+    if tr > p0_trace:
+        p = p * (p0_trace / tr)
+    return w, p, e
 
 
 def test_compiled_step_matches_the_numpy_reference_on_random_sequences() -> None:
