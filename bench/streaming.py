@@ -216,7 +216,7 @@ def format_row(row: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     tmp = args.out.parent / "tmp" / "streaming"
-    # ProcessGroup appends to the logs its readiness patterns read: an old run's ports must go
+    # each run's logs only
     shutil.rmtree(tmp, ignore_errors=True)
     with ProcessGroup(tmp) as procs:
         _, m = procs.start(
