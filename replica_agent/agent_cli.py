@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import signal
+from dataclasses import fields
 
 from replica_agent.agent import Agent, AgentConfig
 from router_policies.errors import UserInputError
@@ -111,28 +112,14 @@ def _check(args: argparse.Namespace) -> AgentConfig:
                 tls_ca = f.read()
         except OSError as exc:
             raise UserInputError(f"--tls-ca: cannot read {args.tls_ca}: {exc.strerror}") from None
-    return AgentConfig(
-        replica_id=args.replica_id,
-        engine_url=args.engine_url,
-        events=args.events,
-        replay=args.replay,
-        gateway=args.gateway,
-        token=os.environ.get(args.token_env) or None if args.token_env else None,
-        tls_ca=tls_ca,
-        model=args.model,
-        block_size=args.block_size,
-        key_block_size=args.key_block_size,
-        capacity_blocks=args.capacity_blocks,
-        advertise_url=args.advertise_url,
-        topic=args.topic,
-        max_blocks=args.max_blocks,
-        load_interval_s=args.load_interval,
-        models_interval_s=args.models_interval,
-        seed=args.seed,
-        backoff_max_s=args.reconnect_max,
-        metrics_host=args.metrics_host,
-        metrics_port=args.metrics_port,
-    )
+    # the flags named as AgentConfig fields set them as they are; the rest are translated here
+    flags = {f.name: getattr(args, f.name) for f in fields(AgentConfig) if hasattr(args, f.name)}
+    flags["token"] = os.environ.get(args.token_env) or None if args.token_env else None
+    flags["tls_ca"] = tls_ca  # the PEM bytes, where the flag holds their path
+    flags["load_interval_s"] = args.load_interval
+    flags["models_interval_s"] = args.models_interval
+    flags["backoff_max_s"] = args.reconnect_max
+    return AgentConfig(**flags)
 
 
 async def _main(cfg: AgentConfig) -> None:

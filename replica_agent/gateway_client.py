@@ -16,7 +16,7 @@ import contextlib
 import logging
 import random
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import grpc
 import grpc.aio
@@ -37,6 +37,8 @@ SNAPSHOT_CHUNK = 16_384  # keys per SnapshotChunk (8 bytes each: ~128 KiB)
 
 @dataclass(slots=True)
 class HelloInfo:
+    """The agent's fields of the Hello message (same names; the client adds its versions)."""
+
     replica_id: str
     url: str
     models: list[str]
@@ -162,15 +164,7 @@ class GatewayClient:
             try:
                 await send(
                     hello=pb.Hello(
-                        replica_id=hello.replica_id,
-                        url=hello.url,
-                        models=hello.models,
-                        block_size=hello.block_size,
-                        capacity_blocks=hello.capacity_blocks,
-                        engine=hello.engine,
-                        engine_version=hello.engine_version,
-                        agent_version=AGENT_VERSION,
-                        protocol_version=PROTOCOL_VERSION,
+                        **asdict(hello), agent_version=AGENT_VERSION, protocol_version=PROTOCOL_VERSION
                     )
                 )
                 # wait for the gateway's verdict on the hello: a refusal then arrives as a clear

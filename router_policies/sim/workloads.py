@@ -67,6 +67,19 @@ class AgentSession:
 
 
 @dataclass(frozen=True, slots=True)
+class LogNormal:
+    """A count drawn log-normal (median, sigma), rounded and clamped to [lo, hi]."""
+
+    median: float
+    sigma: float
+    lo: int = 1
+    hi: int = 8000
+
+    def draw(self, rng: random.Random) -> int:
+        return max(self.lo, min(self.hi, round(rng.lognormvariate(math.log(self.median), self.sigma))))
+
+
+@dataclass(frozen=True, slots=True)
 class AgentSpec:
     tenants: int = 16
     sessions: int = 400
@@ -75,14 +88,9 @@ class AgentSpec:
     tool_schema_tokens: tuple[int, int] = (500, 2000)
     mean_turns: float = 12.0
     max_turns: int = 40
-    user_median: float = 300.0
-    user_sigma: float = 0.6
-    tool_result_median: float = 900.0
-    tool_result_sigma: float = 0.9
-    tool_result_max: int = 8000
-    reply_median: float = 200.0
-    reply_sigma: float = 0.8
-    reply_range: tuple[int, int] = (8, 2000)
+    user: LogNormal = LogNormal(300.0, 0.6)  # first user message, tokens
+    tool_result: LogNormal = LogNormal(900.0, 0.9)  # tokens, per turn
+    reply: LogNormal = LogNormal(200.0, 0.8, lo=8, hi=2000)  # tokens, per turn
     gap_median_s: float = 15.0
     gap_sigma: float = 1.0
     block_size: int = 64
@@ -93,16 +101,10 @@ class GroupsSpec:
     groups: int = 8
     prompts_per_group: int = 64
     prefix_tokens: int = 6000
-    suffix_median: float = 300.0
-    suffix_sigma: float = 0.7
-    output_median: float = 150.0
-    output_sigma: float = 0.8
+    suffix: LogNormal = LogNormal(300.0, 0.7, hi=20_000)  # tokens
+    output: LogNormal = LogNormal(150.0, 0.8, hi=4000)  # tokens
     rate_per_s: float = 4.0
     block_size: int = 64
-
-
-def _lognormal(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
-    return max(lo, min(hi, round(rng.lognormvariate(math.log(median), sigma))))
 
 
 def agent_sessions(spec: AgentSpec, seed: int) -> Iterator[AgentSession]:
@@ -131,23 +133,13 @@ def agent_sessions(spec: AgentSpec, seed: int) -> Iterator[AgentSession]:
         prev_reply: Segment | None = None
         for k in range(n_turns):
             if k == 0:
-                new: tuple[Segment, ...] = (
-                    Segment(
-                        "user",
-                        _lognormal(rng, spec.user_median, spec.user_sigma, 1, 8000),
-                        rng.getrandbits(62),
-                    ),
-                )
+                new: tuple[Segment, ...] = (Segment("user", spec.user.draw(rng), rng.getrandbits(62)),)
             else:
                 offset += rng.lognormvariate(math.log(spec.gap_median_s), spec.gap_sigma)
                 assert prev_reply is not None
-                tool = Segment(
-                    "tool_result",
-                    _lognormal(rng, spec.tool_result_median, spec.tool_result_sigma, 1, spec.tool_result_max),
-                    rng.getrandbits(62),
-                )
+                tool = Segment("tool_result", spec.tool_result.draw(rng), rng.getrandbits(62))
                 new = (prev_reply, tool)
-            out = _lognormal(rng, spec.reply_median, spec.reply_sigma, *spec.reply_range)
+            out = spec.reply.draw(rng)
             turns.append(AgentTurn(offset_s=offset, new_segments=new, output_tokens=out))
             prev_reply = Segment("assistant", out, rng.getrandbits(62))
         yield AgentSession(f"s{s}", tenant, start, heads[tenant], tuple(turns))
@@ -248,9 +240,9 @@ def group_requests(spec: GroupsSpec, seed: int) -> Trace:
     for i, g in enumerate(order):
         t += rng.expovariate(spec.rate_per_s)
         p = prefixes[g].copy()
-        n = _lognormal(rng, spec.suffix_median, spec.suffix_sigma, 1, 20_000)
+        n = spec.suffix.draw(rng)
         p.extend(segment_tokens(Segment("suffix", n, rng.getrandbits(62))))
-        out = _lognormal(rng, spec.output_median, spec.output_sigma, 1, 4000)
+        out = spec.output.draw(rng)
         t_ms = t * 1000.0
         rows.append((t_ms, i, 0, TraceRequest(t_ms, p.length, out, tuple(p.ids), f"g{g}")))
     return _finish("groups", spec.block_size, rows)
@@ -273,10 +265,8 @@ def _finish(name: str, block_size: int, rows: list[tuple[float, int, int, TraceR
 # a longer gap (median 40 s)
 DECODE_HEAVY = AgentSpec(
     sessions=300,
-    tool_result_median=300.0,
-    reply_median=1200.0,
-    reply_sigma=0.7,
-    reply_range=(64, 8000),
+    tool_result=LogNormal(300.0, 0.9),
+    reply=LogNormal(1200.0, 0.7, lo=64, hi=8000),
     gap_median_s=40.0,
 )
 
