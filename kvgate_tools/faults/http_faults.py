@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -215,6 +216,8 @@ BAD_CONFIGS = {
 
 
 def start_refused(tmp: Path, text: str) -> tuple[int | None, str]:
+    """Start a gateway on the config ``text``, no ``KVGATE_*`` variable overriding it; its exit
+    code and stderr."""
     path = tmp / "bad.yaml"
     path.write_text(text)
     proc = subprocess.run(
@@ -223,6 +226,7 @@ def start_refused(tmp: Path, text: str) -> tuple[int | None, str]:
         capture_output=True,
         timeout=60,
         text=True,
+        env={k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")},
     )
     return proc.returncode, proc.stderr.strip()
 

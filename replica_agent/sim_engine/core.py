@@ -65,6 +65,15 @@ class _Call:
 _Command = _Submit | _Abort | _Call
 
 
+@dataclass(frozen=True, slots=True)
+class CoreHooks:
+    """What the core reports as it runs, from its own task (the server wires them to its metrics)."""
+
+    on_first_token: Callable[[float], None]  # seconds from the request's arrival
+    on_finished: Callable[[RequestHandle], None]
+    on_preempted: Callable[[int], None]  # requests one step preempted
+
+
 class EngineCore:
     def __init__(
         self,
@@ -72,9 +81,7 @@ class EngineCore:
         registry: BlockRegistry,
         publisher: KvEventPublisher,
         max_pending: int,
-        on_first_token: Callable[[float], None],
-        on_finished: Callable[[RequestHandle], None],
-        on_preempted: Callable[[int], None],
+        hooks: CoreHooks,
     ) -> None:
         if max_pending <= 0:
             raise ValueError("max_pending must be positive")
@@ -82,9 +89,7 @@ class EngineCore:
         self._registry = registry
         self._publisher = publisher
         self._max_pending = max_pending
-        self._on_first_token = on_first_token
-        self._on_finished = on_finished
-        self._on_preempted = on_preempted
+        self._hooks = hooks
         self._block_size = model.config.block_size
         self._num_blocks = model.config.num_blocks
         # In the engine: submitted and neither finished nor aborted. Bounded by max_pending.
@@ -235,7 +240,7 @@ class EngineCore:
         if res.events:
             self._publisher.publish(self._registry.translate(res.events))
         if res.preempted:
-            self._on_preempted(len(res.preempted))
+            self._hooks.on_preempted(len(res.preempted))
         now = self.now()
         touched: list[RequestHandle] = []
         handles = self._handles
@@ -246,7 +251,7 @@ class EngineCore:
             h.cached_tokens = ft.cached_tokens
             h.produced += 1
             h.first_token_at = now
-            self._on_first_token(now - h.arrival)
+            self._hooks.on_first_token(now - h.arrival)
             touched.append(h)
         for rid, n in res.decoded:
             h = handles.get(rid)  # type: ignore[call-overload]
@@ -258,7 +263,7 @@ class EngineCore:
             if h is not None:
                 h.finished = True
                 self._registry.release(h.blocks.keys)
-                self._on_finished(h)
+                self._hooks.on_finished(h)
                 touched.append(h)
         for h in touched:
             h.changed.set()

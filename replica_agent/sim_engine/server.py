@@ -19,7 +19,7 @@ from aiohttp import web
 
 from replica_agent.sim_engine import protocol as proto
 from replica_agent.sim_engine.block_registry import BlockRegistry
-from replica_agent.sim_engine.core import EngineCore
+from replica_agent.sim_engine.core import CoreHooks, EngineCore
 from replica_agent.sim_engine.http_api import Deps, Routes, errors_middleware
 from replica_agent.sim_engine.kv_events import KvEventPublisher
 from replica_agent.sim_engine.metrics import EngineMetrics
@@ -87,9 +87,11 @@ class SimEngine:
             self.registry,
             self.publisher,
             opts.max_pending,
-            on_first_token=self.metrics.observe_ttft,
-            on_finished=lambda h: self.metrics.request_finished(h.prompt_len, h.produced),
-            on_preempted=self.metrics.preempted,
+            CoreHooks(
+                on_first_token=self.metrics.observe_ttft,
+                on_finished=lambda h: self.metrics.request_finished(h.prompt_len, h.produced),
+                on_preempted=self.metrics.preempted,
+            ),
         )
         self._core = core
         core.start()

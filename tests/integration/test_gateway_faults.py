@@ -11,8 +11,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,8 +20,8 @@ from typing import Any
 import pytest
 import yaml
 
+from kvgate_tools.faults.http_faults import start_refused
 from tests.integration.gateway_harness import (
-    REPO,
     TOKENIZER,
     Gateway,
     Procs,
@@ -97,17 +95,9 @@ def test_rss_stays_under_budget_with_distinct_multi_mb_prompts(procs: Procs) -> 
 # ------------------------------------------------------------------------------------ configs
 def test_model_less_config_is_refused_at_start(tmp_path: Path) -> None:
     for text in ("", "models: []\n", "policy: {name: round_robin}\n"):
-        path = tmp_path / "gw.yaml"
-        path.write_text(text)
-        res = subprocess.run(
-            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--listen", "127.0.0.1:0"],
-            capture_output=True,
-            cwd=REPO,
-            timeout=60,
-            env={k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")},
-        )
-        assert res.returncode == 2, res
-        lines = res.stderr.decode().strip().splitlines()
+        code, err = start_refused(tmp_path, text)
+        assert code == 2, err
+        lines = err.splitlines()
         assert len(lines) == 1 and "models: the config defines no model" in lines[0], lines
 
 
