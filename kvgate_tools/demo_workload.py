@@ -25,12 +25,10 @@ CORPUS = Path(__file__).resolve().parent.parent / "assets" / "corpus" / "stdlib_
 class AgentWorkloadSpec:
     tenants: int = 4
     sessions: int = 48
-    turns_min: int = 3
-    turns_max: int = 7
+    turns: tuple[int, int] = (3, 7)  # per session, inclusive range
     system_words: int = 700
     tool_words: int = 250
-    user_words_min: int = 30
-    user_words_max: int = 120
+    user_words: tuple[int, int] = (30, 120)  # per user message, inclusive range
     reply_words: int = 40
     session_rate_per_s: float = 4.0  # Poisson arrivals of new sessions
     think_time_mean_s: float = 1.5  # gap between a reply and the next turn
@@ -97,8 +95,8 @@ def agent_sessions(model: str, spec: AgentWorkloadSpec) -> list[Session]:
         system, tools = tenants[rng.randrange(spec.tenants)]
         messages: list[dict[str, str]] = [{"role": "system", "content": system}]
         turns: list[Turn] = []
-        for turn in range(rng.randint(spec.turns_min, spec.turns_max)):
-            user = words.text(rng.randint(spec.user_words_min, spec.user_words_max))
+        for turn in range(rng.randint(*spec.turns)):
+            user = words.text(rng.randint(*spec.user_words))
             messages = [*messages, {"role": "user", "content": user}]
             body = {
                 "model": model,

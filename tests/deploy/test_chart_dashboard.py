@@ -72,7 +72,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[st
     }
     opts = FleetOptions(replicas=2, cache_blocks=400, time_scale=0.2, extra_config={"operator": operator},
                         log_dir=tmp / "logs")  # fmt: skip
-    spec = AgentWorkloadSpec(tenants=6, sessions=16, turns_min=2, turns_max=3, session_rate_per_s=8.0,
+    spec = AgentWorkloadSpec(tenants=6, sessions=16, turns=(2, 3), session_rate_per_s=8.0,
                              think_time_mean_s=2.0)  # fmt: skip
     with LocalFleet(opts) as fleet:
         result = asyncio.run(replay_sessions(fleet.gateway_url, agent_sessions(opts.model, spec)))

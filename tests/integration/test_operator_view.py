@@ -65,9 +65,7 @@ def _report(fleet: LocalFleet) -> Any:
 
 @pytest.mark.timeout(240)
 def test_report_savings_equal_engine_counted_cached_tokens_times_prices(tmp_path: Path) -> None:
-    spec = AgentWorkloadSpec(
-        sessions=14, turns_min=2, turns_max=4, session_rate_per_s=6.0, think_time_mean_s=0.3
-    )
+    spec = AgentWorkloadSpec(sessions=14, turns=(2, 4), session_rate_per_s=6.0, think_time_mean_s=0.3)
     sessions = agent_sessions("kvgate-tiny", spec)
     with _fleet(tmp_path, cache_blocks=4096) as fleet:
         result = asyncio.run(replay_sessions(fleet.gateway_url, sessions))
@@ -174,7 +172,7 @@ def test_cache_lifetime_from_engine_events_and_eviction_misses(tmp_path: Path) -
     """A small cache and long gaps between turns: blocks are evicted, returning turns miss, and the
     gateway's judgement (prefix evicted at arrival) agrees with the engines' cached tokens."""
     spec = AgentWorkloadSpec(
-        tenants=6, sessions=24, turns_min=2, turns_max=3, session_rate_per_s=8.0, think_time_mean_s=2.0
+        tenants=6, sessions=24, turns=(2, 3), session_rate_per_s=8.0, think_time_mean_s=2.0
     )
     sessions = agent_sessions("kvgate-tiny", spec)
     with _fleet(tmp_path, cache_blocks=400) as fleet:

@@ -31,9 +31,7 @@ def test_status_page_renders_live_figures_in_headless_chromium(tmp_path: Path) -
     operator = {"prices": {"kvgate-tiny": {"input": 0.27, "cached_input": 0.07}}}
     opts = FleetOptions(replicas=2, cache_blocks=400, time_scale=0.3, extra_config={"operator": operator},
                         log_dir=tmp_path / "logs")  # fmt: skip
-    spec = AgentWorkloadSpec(
-        sessions=10, turns_min=2, turns_max=3, session_rate_per_s=8.0, think_time_mean_s=0.5
-    )
+    spec = AgentWorkloadSpec(sessions=10, turns=(2, 3), session_rate_per_s=8.0, think_time_mean_s=0.5)
     with LocalFleet(opts) as fleet:
         result = asyncio.run(replay_sessions(fleet.gateway_url, agent_sessions(opts.model, spec)))
         assert result.errors == 0
