@@ -56,11 +56,7 @@ class PrefixIndex:
         return list(self._replicas)
 
     def _rep(self, replica: str) -> _Replica:
-        rep = self._replicas.get(replica)
-        if rep is None:
-            self.add_replica(replica)
-            rep = self._replicas[replica]
-        return rep
+        return self._slots.record(replica)
 
     # ---------------------------------------------------------------- precise
     def store(self, replica: str, keys: Sequence[int], medium: str = GPU) -> int:

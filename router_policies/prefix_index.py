@@ -112,10 +112,7 @@ class PrefixIndex:
         return list(self._replicas)
 
     def _rep(self, replica: str) -> _Replica:
-        rep = self._replicas.get(replica)
-        if rep is None:
-            raise UnknownReplicaError(f"the index does not track replica {replica!r}")
-        return rep
+        return self._slots.record(replica)
 
     def _stamp(self, now: float, lifetime_s: float | None) -> float:
         """The stamp that makes an entry touched at ``now`` expire after ``lifetime_s`` (at most

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
-from router_policies.index_types import IndexBoundError
+from router_policies.index_types import IndexBoundError, UnknownReplicaError
 
 
 class Slotted(Protocol):
@@ -49,6 +49,14 @@ class ReplicaSlots(Generic[R]):
             self._next += 1
         self.records[replica] = make(slot)
         self.by_slot[slot] = replica
+
+    def record(self, replica: str) -> R:
+        """The record of ``replica``; raises ``UnknownReplicaError`` when it is not tracked (an
+        index adds replicas only through ``add``, never as a side effect of a store or touch)."""
+        rep = self.records.get(replica)
+        if rep is None:
+            raise UnknownReplicaError(f"the index does not track replica {replica!r}")
+        return rep
 
     def release(self, replica: str) -> R:
         """Stop tracking ``replica`` (tracked) and free its slot; returns its record."""
