@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.results_file import write_results
+
 PROBE_LEN = 8192
 MATCH_LENGTHS = (128, 2048, 8192)
 
@@ -206,8 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"bytes/entry={row['bytes_per_entry']:6.1f}",
                 flush=True,
             )
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    write_results(a.out, {"rows": rows})
     return 0
 
 

@@ -50,6 +50,7 @@ from bench.live_workloads import (
     render,
     workload,
 )
+from bench.results_file import write_results
 from kvgate_tools.procs import ProcessGroup, Ready, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -352,10 +353,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['throughput_rps']:6.2f} req/s errors {row['errors']}",
                 flush=True,
             )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1) + "\n"
-    )
+    write_results(args.out, {"settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
     return 0
 
 

@@ -21,7 +21,6 @@ side by side within one run; CPU per request is the robust figure.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ import yaml
 
 from bench import loadgen
 from bench.cpu_time import tree_cpu_s, tree_threads_cpu_s
+from bench.results_file import write_results
 from gateway.features.featurizer import BACKGROUND_THREAD_NAME
 from kvgate_tools.procs import ProcessGroup, Ready, free_port
 
@@ -239,8 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/overhead.json")
     args = ap.parse_args(argv)
     result = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_results(args.out, result)
     return 0
 
 

@@ -49,6 +49,7 @@ import uvloop
 
 from bench import loadgen
 from bench.overhead import MODEL, PATH, start_routers
+from bench.results_file import write_results
 from kvgate_tools.procs import ProcessGroup, Ready
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -269,8 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.concurrency, args.rounds, args.gap_ms, args.idle_seconds = [32], 1, 10.0, 1.0
     result = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_results(args.out, result)
     print("streaming: " + json.dumps(result["summary"]["cpu_per_chunk_vs_sglang_cache_aware"]), flush=True)
     return 0
 

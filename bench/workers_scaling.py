@@ -32,6 +32,7 @@ import yaml
 
 from bench import loadgen
 from bench.overhead import MODEL, TOKENIZER, kvgate_config, measure
+from bench.results_file import write_results
 from kvgate_tools.procs import ProcessGroup, Ready
 from proto.kvgate.v1 import inventory_pb2 as pb
 from tests.integration.gateway_harness import AGENT_TOKEN, http
@@ -198,8 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             result["scaling"] = scaling(procs, tmp, backends, args)
         result |= staleness_and_memory(procs, tmp, backends, args)
     print(json.dumps({k: v for k, v in result.items() if k != "scaling"}, indent=1))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_results(args.out, result)
     return 0
 
 
