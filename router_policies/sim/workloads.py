@@ -68,15 +68,15 @@ class AgentSession:
 
 @dataclass(frozen=True, slots=True)
 class LogNormal:
-    """A count drawn log-normal (median, sigma), rounded and clamped to [lo, hi]."""
+    """A count drawn log-normal (median, sigma), rounded and clamped to ``clamp`` (inclusive)."""
 
     median: float
     sigma: float
-    lo: int = 1
-    hi: int = 8000
+    clamp: tuple[int, int] = (1, 8000)
 
     def draw(self, rng: random.Random) -> int:
-        return max(self.lo, min(self.hi, round(rng.lognormvariate(math.log(self.median), self.sigma))))
+        lo, hi = self.clamp
+        return max(lo, min(hi, round(rng.lognormvariate(math.log(self.median), self.sigma))))
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +90,7 @@ class AgentSpec:
     max_turns: int = 40
     user: LogNormal = LogNormal(300.0, 0.6)  # first user message, tokens
     tool_result: LogNormal = LogNormal(900.0, 0.9)  # tokens, per turn
-    reply: LogNormal = LogNormal(200.0, 0.8, lo=8, hi=2000)  # tokens, per turn
+    reply: LogNormal = LogNormal(200.0, 0.8, (8, 2000))  # tokens, per turn
     gap_median_s: float = 15.0
     gap_sigma: float = 1.0
     block_size: int = 64
@@ -101,8 +101,8 @@ class GroupsSpec:
     groups: int = 8
     prompts_per_group: int = 64
     prefix_tokens: int = 6000
-    suffix: LogNormal = LogNormal(300.0, 0.7, hi=20_000)  # tokens
-    output: LogNormal = LogNormal(150.0, 0.8, hi=4000)  # tokens
+    suffix: LogNormal = LogNormal(300.0, 0.7, (1, 20_000))  # tokens
+    output: LogNormal = LogNormal(150.0, 0.8, (1, 4000))  # tokens
     rate_per_s: float = 4.0
     block_size: int = 64
 
@@ -266,7 +266,7 @@ def _finish(name: str, block_size: int, rows: list[tuple[float, int, int, TraceR
 DECODE_HEAVY = AgentSpec(
     sessions=300,
     tool_result=LogNormal(300.0, 0.9),
-    reply=LogNormal(1200.0, 0.7, lo=64, hi=8000),
+    reply=LogNormal(1200.0, 0.7, (64, 8000)),
     gap_median_s=40.0,
 )
 
