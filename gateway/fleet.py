@@ -242,7 +242,13 @@ class Fleet:
     ) -> FleetSnapshot:
         return placement.snapshot(
             (
-                Candidate(rec.id, rec.health.healthy, rec.load(), rec.flights.pending_prefill_pairs)
+                Candidate(
+                    rec.id,
+                    rec.health.healthy,
+                    rec.load(),
+                    rec.flights.pending_prefill_pairs,
+                    rec.flights.cached_tokens,
+                )
                 for rec in candidates
             ),
             IndexView(matched, scores, self._index),

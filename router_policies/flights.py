@@ -54,11 +54,21 @@ def uncached_prompt_tokens(prompt_tokens: int, predicted: int) -> int:
 class FlightCounters:
     """This router's load on one replica. Written only by ``Flight``."""
 
-    __slots__ = ("pending_prefill_pairs", "pending_prefill_tokens", "requests", "started", "tokens")
+    __slots__ = (
+        "cached_tokens",
+        "pending_prefill_pairs",
+        "pending_prefill_tokens",
+        "requests",
+        "started",
+        "tokens",
+    )
 
     def __init__(self) -> None:
         self.requests = 0  # routed here and not finished
         self.tokens = 0  # prompt + expected output tokens of those
+        # of those tokens, the prompt tokens predicted cached at dispatch: blocks the replica already
+        # held, shared with other requests (the TTFT model's KV demand counts them once, ttft.snapshot)
+        self.cached_tokens = 0
         self.pending_prefill_tokens = 0  # their uncached prompt tokens still awaiting a first byte
         self.pending_prefill_pairs = 0.0  # the attention pairs of that prefill (ttft.features)
         self.started = 0  # flights ever started (a statistic)
@@ -74,6 +84,7 @@ class Flight:
     prefill: int
     pairs: float = 0.0
     probe: TtftProbe | None = None
+    cached: int = 0  # prompt tokens predicted cached (held by the replica, shared)
     at_dispatch: IndexAtDispatch | None = None  # for the prediction audit (gateway)
     _open: bool = field(default=True, init=False)
     _prefill_open: bool = field(default=True, init=False)
@@ -82,6 +93,7 @@ class Flight:
         c = self.counters
         c.requests += 1
         c.tokens += self.tokens
+        c.cached_tokens += self.cached
         c.pending_prefill_tokens += self.prefill
         c.pending_prefill_pairs += self.pairs
         c.started += 1
@@ -114,6 +126,7 @@ class Flight:
             self._open = False
             self.counters.requests -= 1
             self.counters.tokens -= self.tokens
+            self.counters.cached_tokens -= self.cached
 
 
 # ---------------------------------------------------------------------- the TTFT model's feed
@@ -257,7 +270,7 @@ class TtftFeed:
             inputs = inputs_for(d.state, d.prompt_tokens, cached, d.block_size, params)
             probe = TtftProbe(self, d.state.id, inputs, predict(params, inputs).total_ms, when)
         tokens = d.prompt_tokens + d.output_tokens
-        return Flight(counters, tokens, prefill, attention_pairs(prefill, cached), probe)
+        return Flight(counters, tokens, prefill, attention_pairs(prefill, cached), probe, cached=cached)
 
     def observe(self, probe: TtftProbe, now: float) -> TtftSample | None:
         """Fit the first byte of ``probe``'s attempt at ``now``; the sample, or None when the

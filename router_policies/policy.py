@@ -52,6 +52,9 @@ class ReplicaState:
     # causal-attention pairs of that pending prefill: sum over its requests of u (c + (u + 1) / 2),
     # u uncached and c cached tokens (router_policies.ttft.features.attention_pairs); 0: unknown
     pending_prefill_pairs: float = 0.0
+    # of in_flight_tokens, the prompt tokens predicted cached at dispatch (prefix blocks the replica
+    # already held: its KV holds a shared prefix once, not once per request); 0: unknown
+    in_flight_cached_tokens: int = 0
     ttft: TtftParams | None = None  # the replica's fitted TTFT model (None: the policy's prior)
 
 

@@ -95,7 +95,7 @@ class SimGateway:
             running, waiting, kv_usage = self._engine_load(i)
             f = self._flights[i]
             load = ReplicaLoad(f.requests, f.tokens, f.pending_prefill_tokens, running, waiting, kv_usage)
-            out.append(Candidate(name, True, load, f.pending_prefill_pairs))
+            out.append(Candidate(name, True, load, f.pending_prefill_pairs, f.cached_tokens))
         return out
 
     def route(

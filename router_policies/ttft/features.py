@@ -10,9 +10,15 @@ One linear model in the coefficients of ``TtftParams`` (so that it can be fitted
     c  = its cached prompt tokens (read, not computed)
     n  = decoding sequences interleaved in every step: min(requests on the replica, max_num_seqs)
     K  = KV tokens those sequences read per step (the gateway's in-flight tokens)
-    X  = KV demand beyond the cache: max(0, K + u + c - kv_capacity_tokens), in thousands; the
-         queue's prompts cannot all be admitted, so the request also waits for decoding
-         requests to finish and free their blocks
+    S  = of K, the prompt tokens that were cached when their requests were dispatched: prefix
+         blocks the replica already held, which its KV holds once however many requests share
+         them (a paged KV cache pins a shared block once; each sequence still reads it)
+    X  = KV demand beyond the cache, in thousands: max(0, K - S + u + c - min(c, S) -
+         kv_capacity_tokens): the blocks the requests ahead pin (their own prompt tails and
+         outputs, and the prefixes they brought), this request's new blocks, and its cached
+         prefix where no request ahead already counts it. Beyond the cache the queue's prompts
+         cannot all be admitted: the request also waits for decoding requests to finish and
+         free their blocks (in a decode-heavy mix, for the running decodes' remaining outputs)
     B  = chunk_tokens (max_num_batched_tokens); a step has B - n tokens left for prefill
     steps(W) = ceil(W / (B - n)) steps to push W prefill tokens through, at least 1 for a request
 
@@ -56,6 +62,7 @@ class TtftInputs:
     cached_tokens: int
     fetch_ms: float = 0.0
     queued_prefill_pairs: float = 0.0
+    shared_kv_tokens: int = 0  # S: of kv_tokens, those cached at their dispatch (0: unknown)
 
 
 # a lone 8,192-token prompt on an idle replica: its model's TTFT of it is the replica's speed
@@ -113,9 +120,17 @@ def feature_vector(inputs: TtftInputs, params: TtftParams, *, own: bool = True) 
         float(steps * n),
         steps * inputs.kv_tokens / 1e6,
         float(c),
-        max(0, inputs.kv_tokens + u + c - params.kv_capacity_tokens) / 1e3,
+        kv_excess_tokens(inputs, u, c, params.kv_capacity_tokens) / 1e3,
         1.0 if own else 0.0,
     )
+
+
+def kv_excess_tokens(inputs: TtftInputs, uncached: int, cached: int, capacity: int) -> int:
+    """X in tokens: the KV the requests ahead and this one pin once it is admitted, beyond
+    ``capacity`` (shared prefixes counted once; see the module docstring)."""
+    shared = min(inputs.shared_kv_tokens, inputs.kv_tokens)
+    demand = inputs.kv_tokens - shared + uncached + cached - min(cached, shared)
+    return max(0, demand - capacity)
 
 
 def dot(x: Sequence[float], theta: Sequence[float]) -> float:

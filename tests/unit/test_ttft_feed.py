@@ -166,3 +166,19 @@ def test_the_engines_kv_capacity_from_its_agent_enters_the_model() -> None:
     fleet.ttft.set_kv_capacity("a", 3200)  # another: the fit so far is the new prior
     assert fleet.ttft.params("a").coefficients() == fitted.coefficients()
     assert fleet.ttft.params("a").kv_capacity_tokens == 3200 and fleet.ttft.params("a").observations == 0
+
+
+def test_a_flight_counts_its_cached_tokens_and_the_snapshot_carries_them() -> None:
+    c = FlightCounters()
+    feed = TtftFeed()
+    f = feed.flight(c, _dispatch(ReplicaState("r"), prompt=1000, cached=400), start=0.0)
+    g = feed.flight(c, _dispatch(ReplicaState("r"), prompt=500, cached=0), start=0.0)
+    assert c.cached_tokens == 400
+    cand = Candidate("r", True, ReplicaLoad(in_flight_tokens=c.tokens), 0.0, c.cached_tokens)
+    state = placement.snapshot([cand], IndexView({}, {}, PrefixIndex())).replicas[0]
+    assert state.in_flight_cached_tokens == 400
+    f.first_byte(0.1)
+    assert c.cached_tokens == 400  # held until the request ends: its KV stays pinned
+    f.end()
+    g.end()
+    assert (c.tokens, c.cached_tokens) == (0, 0)

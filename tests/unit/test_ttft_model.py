@@ -10,7 +10,7 @@ import pytest
 
 from router_policies.sim.profiles import PROFILES
 from router_policies.ttft.estimator import FitConfig, RobustRls
-from router_policies.ttft.features import TtftInputs, feature_vector, predict, split_cached
+from router_policies.ttft.features import TtftInputs, feature_vector, kv_excess_tokens, predict, split_cached
 from router_policies.ttft.model import TtftModel
 from router_policies.ttft.params import (
     COEFFICIENTS,
@@ -191,3 +191,29 @@ def test_estimator_memory_does_not_grow() -> None:
         e.update(x, 10.0 + i % 7)
         sizes.add(sum(a.nbytes for a in (e._p, e._w, e._ref)))
     assert len(sizes) == 1
+
+
+def test_kv_demand_counts_a_shared_prefix_once() -> None:
+    """Twenty requests ahead share a 1,800-token prefix (cached at their dispatch) and each add
+    100 prompt tokens and 256 outputs: their KV is 1,800 + 20 x 356 tokens, not 20 x 2,156."""
+    p = TtftParams(step_ms=1, prefill_ms_per_token=0.01, kv_wait_ms_per_ktoken=100.0, kv_capacity_tokens=6400)
+    ahead = 20 * (1900 + 256)
+    shared = 19 * 1800  # the first of them brought the prefix (uncached), the others hit it
+    x = TtftInputs(
+        queued_prefill_tokens=0,
+        decoding=20,
+        kv_tokens=ahead,
+        uncached_tokens=100,
+        cached_tokens=1800,
+        shared_kv_tokens=shared,
+    )
+    pinned = 1800 + 20 * 356 + 100  # the prefix once, every request's tail and output, this tail
+    assert kv_excess_tokens(x, 100, 1800, 6400) == pinned - 6400
+    assert feature_vector(x, p)[6] == pytest.approx((pinned - 6400) / 1e3)
+    # unknown sharing (S = 0): every request's prompt counted whole, as before
+    unknown = dataclasses.replace(x, shared_kv_tokens=0)
+    assert kv_excess_tokens(unknown, 100, 1800, 6400) == ahead + 1900 - 6400
+    # nothing ahead: only this request's own prompt
+    alone = TtftInputs(0, 0, 0, 100, 1800)
+    assert kv_excess_tokens(alone, 100, 1800, 6400) == 0
+    assert kv_excess_tokens(alone, 100, 1800, 1000) == 900
