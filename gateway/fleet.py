@@ -240,6 +240,7 @@ class Fleet:
         scores: Mapping[str, float],
         exclude: frozenset[str] = frozenset(),
     ) -> FleetSnapshot:
+        now = self._clock()
         return placement.snapshot(
             (
                 Candidate(
@@ -248,6 +249,7 @@ class Fleet:
                     rec.load(),
                     rec.flights.pending_prefill_pairs,
                     rec.flights.cached_tokens,
+                    rec.flights.pending_age_ms(now),
                 )
                 for rec in candidates
             ),

@@ -55,6 +55,7 @@ class FlightCounters:
     """This router's load on one replica. Written only by ``Flight``."""
 
     __slots__ = (
+        "_pending_starts",
         "cached_tokens",
         "pending_prefill_pairs",
         "pending_prefill_tokens",
@@ -72,6 +73,16 @@ class FlightCounters:
         self.pending_prefill_tokens = 0  # their uncached prompt tokens still awaiting a first byte
         self.pending_prefill_pairs = 0.0  # the attention pairs of that prefill (ttft.features)
         self.started = 0  # flights ever started (a statistic)
+        # start time of each flight awaiting its first byte (those started with a time), keyed by
+        # the flight's id: insertion order is start order (one clock, flights start as it reads),
+        # so the first entry is the oldest; bounded by the flights in progress
+        self._pending_starts: dict[int, float] = {}
+
+    def pending_age_ms(self, now: float) -> float:
+        """How long the oldest request still awaiting its first byte here has waited (0: none)."""
+        for start in self._pending_starts.values():
+            return max(0.0, (now - start) * 1000.0)
+        return 0.0
 
 
 @dataclass(slots=True, eq=False)  # eq=False: a flight is itself, hashed by identity
@@ -85,6 +96,7 @@ class Flight:
     pairs: float = 0.0
     probe: TtftProbe | None = None
     cached: int = 0  # prompt tokens predicted cached (held by the replica, shared)
+    start: float | None = None  # when it was dispatched (counts in ``pending_age_ms`` until its first byte)
     at_dispatch: IndexAtDispatch | None = None  # for the prediction audit (gateway)
     _open: bool = field(default=True, init=False)
     _prefill_open: bool = field(default=True, init=False)
@@ -97,6 +109,8 @@ class Flight:
         c.pending_prefill_tokens += self.prefill
         c.pending_prefill_pairs += self.pairs
         c.started += 1
+        if self.start is not None:
+            c._pending_starts[id(self)] = self.start
 
     def first_byte(self, now: float | None = None) -> TtftSample | None:
         """The first byte arrived (at ``now``: the TTFT observation, when the flight has a
@@ -116,6 +130,7 @@ class Flight:
             c = self.counters
             c.pending_prefill_tokens -= self.prefill
             c.pending_prefill_pairs -= self.pairs
+            c._pending_starts.pop(id(self), None)
             if c.pending_prefill_tokens == 0:
                 c.pending_prefill_pairs = 0.0  # no float residue once nothing is pending
 
@@ -270,7 +285,8 @@ class TtftFeed:
             inputs = inputs_for(d.state, d.prompt_tokens, cached, d.block_size, params)
             probe = TtftProbe(self, d.state.id, inputs, predict(params, inputs).total_ms, when)
         tokens = d.prompt_tokens + d.output_tokens
-        return Flight(counters, tokens, prefill, attention_pairs(prefill, cached), probe, cached=cached)
+        pairs = attention_pairs(prefill, cached)
+        return Flight(counters, tokens, prefill, pairs, probe, cached=cached, start=when)
 
     def observe(self, probe: TtftProbe, now: float) -> TtftSample | None:
         """Fit the first byte of ``probe``'s attempt at ``now``; the sample, or None when the

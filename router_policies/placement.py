@@ -70,6 +70,7 @@ class Candidate(NamedTuple):
     load: ReplicaLoad
     pending_prefill_pairs: float = 0.0  # of this router's pending prefill (FlightCounters)
     in_flight_cached_tokens: int = 0  # of this router's in-flight tokens, those cached (FlightCounters)
+    pending_age_ms: float = 0.0  # FlightCounters.pending_age_ms at the decision's time
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +103,7 @@ def snapshot(
                 held_blocks=view.index.held_count(c.id),
                 pending_prefill_pairs=max(0.0, c.pending_prefill_pairs),
                 in_flight_cached_tokens=max(0, c.in_flight_cached_tokens),
+                pending_age_ms=c.pending_age_ms,
                 ttft=ttft(c.id) if ttft is not None else None,
             )
             for c in candidates

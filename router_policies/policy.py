@@ -55,6 +55,9 @@ class ReplicaState:
     # of in_flight_tokens, the prompt tokens predicted cached at dispatch (prefix blocks the replica
     # already held: its KV holds a shared prefix once, not once per request); 0: unknown
     in_flight_cached_tokens: int = 0
+    # how long the oldest request routed here by this router and still awaiting its first token
+    # has waited, in ms at decision time (0: none): a replica whose queue does not move shows it
+    pending_age_ms: float = 0.0
     ttft: TtftParams | None = None  # the replica's fitted TTFT model (None: the policy's prior)
 
 

@@ -19,6 +19,8 @@ One linear model in the coefficients of ``TtftParams`` (so that it can be fitted
          prefix where no request ahead already counts it. Beyond the cache the queue's prompts
          cannot all be admitted: the request also waits for decoding requests to finish and
          free their blocks (in a decode-heavy mix, for the running decodes' remaining outputs)
+    H  = pending_age_ms: how long the oldest request ahead (routed there, no first token yet) has
+         waited so far; part of the wait for the work ahead
     B  = chunk_tokens (max_num_batched_tokens); a step has B - n tokens left for prefill
     steps(W) = ceil(W / (B - n)) steps to push W prefill tokens through, at least 1 for a request
 
@@ -28,6 +30,7 @@ One linear model in the coefficients of ``TtftParams`` (so that it can be fitted
          + c x cached_ms_per_token
          + X x kv_wait_ms_per_ktoken
          + overhead_ms                  (once per request: the hop, HTTP, the running step)
+         + H x queue_age_ratio
          + fetch_ms                                              (KV tiers: known, not fitted)
 
 Its terms, reported by ``predict``: ``wait_ms`` is the same formula for the work ahead alone
@@ -63,6 +66,7 @@ class TtftInputs:
     fetch_ms: float = 0.0
     queued_prefill_pairs: float = 0.0
     shared_kv_tokens: int = 0  # S: of kv_tokens, those cached at their dispatch (0: unknown)
+    pending_age_ms: float = 0.0  # H: the wait so far of the oldest request ahead (0: none)
 
 
 # a lone 8,192-token prompt on an idle replica: its model's TTFT of it is the replica's speed
@@ -122,6 +126,7 @@ def feature_vector(inputs: TtftInputs, params: TtftParams, *, own: bool = True) 
         float(c),
         kv_excess_tokens(inputs, u, c, params.kv_capacity_tokens) / 1e3,
         1.0 if own else 0.0,
+        inputs.pending_age_ms,
     )
 
 

@@ -3,6 +3,7 @@ starts, the fit at its first byte, the audit sample, the fitted model on the nex
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, cast
 
 import pytest
@@ -182,3 +183,26 @@ def test_a_flight_counts_its_cached_tokens_and_the_snapshot_carries_them() -> No
     f.end()
     g.end()
     assert (c.tokens, c.cached_tokens) == (0, 0)
+
+
+def test_the_pending_age_is_the_wait_of_the_oldest_request_without_a_first_byte() -> None:
+    c = FlightCounters()
+    feed = TtftFeed()
+    assert c.pending_age_ms(5.0) == 0.0
+    first = feed.flight(c, _dispatch(ReplicaState("r")), start=1.0)
+    second = feed.flight(c, _dispatch(ReplicaState("r")), start=1.5)
+    assert c.pending_age_ms(2.0) == pytest.approx(1000.0)
+    first.first_byte(2.0)  # the head got its first token: the next one is the oldest
+    assert c.pending_age_ms(2.0) == pytest.approx(500.0)
+    second.end()  # failed before its first byte: no longer waiting
+    assert c.pending_age_ms(2.0) == 0.0
+    # the snapshot carries it, and the TTFT model predicts a longer wait behind an old head
+    fresh = ReplicaState("r", pending_prefill_tokens=100)
+    stuck = dataclasses.replace(fresh, pending_age_ms=2000.0)
+    d_fresh, d_stuck = _dispatch(fresh), _dispatch(stuck)
+    p_fresh = feed.flight(FlightCounters(), d_fresh, start=0.0).probe
+    p_stuck = feed.flight(FlightCounters(), d_stuck, start=0.0).probe
+    assert p_fresh is not None and p_stuck is not None
+    assert p_stuck.predicted_ms == pytest.approx(
+        p_fresh.predicted_ms + 2000.0 * DEFAULT_PRIOR.queue_age_ratio
+    )

@@ -30,6 +30,7 @@ TRUE = dataclasses.replace(
     cached_ms_per_token=0.002,
     kv_wait_ms_per_ktoken=35.0,
     overhead_ms=3.0,  # a hop the priors do not have
+    queue_age_ratio=0.3,
 )
 
 
@@ -38,14 +39,16 @@ def scaled(p: TtftParams, k: float) -> TtftParams:
 
 
 def draw(rng: np.random.Generator) -> TtftInputs:
+    queued = int(rng.integers(0, 30_000)) if rng.random() < 0.6 else 0
     return TtftInputs(
-        queued_prefill_tokens=int(rng.integers(0, 30_000)) if rng.random() < 0.6 else 0,
+        queued_prefill_tokens=queued,
         decoding=int(rng.integers(0, 200)),
         kv_tokens=int(rng.integers(0, 300_000))
         if rng.random() < 0.8
         else int(rng.integers(300_000, 600_000)),
         uncached_tokens=int(rng.integers(1, 16_000)),
         cached_tokens=int(rng.integers(0, 30_000)),
+        pending_age_ms=float(rng.uniform(0, 500)) if queued else 0.0,  # the queue's head has waited
     )
 
 
