@@ -248,7 +248,7 @@ class Fleet:
                     rec.health.healthy,
                     rec.load(),
                     rec.flights.pending_prefill_pairs,
-                    rec.flights.cached_tokens,
+                    rec.flights.shared_tokens,
                     rec.flights.pending_age_ms(now),
                 )
                 for rec in candidates

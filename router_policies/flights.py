@@ -55,11 +55,12 @@ class FlightCounters:
     """This router's load on one replica. Written only by ``Flight``."""
 
     __slots__ = (
+        "_cached_refs",
         "_pending_starts",
-        "cached_tokens",
         "pending_prefill_pairs",
         "pending_prefill_tokens",
         "requests",
+        "shared_tokens",
         "started",
         "tokens",
     )
@@ -67,9 +68,13 @@ class FlightCounters:
     def __init__(self) -> None:
         self.requests = 0  # routed here and not finished
         self.tokens = 0  # prompt + expected output tokens of those
-        # of those tokens, the prompt tokens predicted cached at dispatch: blocks the replica already
-        # held, shared with other requests (the TTFT model's KV demand counts them once, ttft.snapshot)
-        self.cached_tokens = 0
+        # of those tokens, cached prompt tokens counted more than once: a block predicted cached
+        # for several of those requests (a prefix they share) is pinned once by the engine's paged
+        # KV cache; ``tokens - shared_tokens`` is what they pin (the TTFT model's KV demand).
+        # ``_cached_refs``: per block key predicted cached for one of them, how many; bounded by
+        # the flights in progress and their prompts
+        self.shared_tokens = 0
+        self._cached_refs: dict[int, int] = {}
         self.pending_prefill_tokens = 0  # their uncached prompt tokens still awaiting a first byte
         self.pending_prefill_pairs = 0.0  # the attention pairs of that prefill (ttft.features)
         self.started = 0  # flights ever started (a statistic)
@@ -84,6 +89,24 @@ class FlightCounters:
             return max(0.0, (now - start) * 1000.0)
         return 0.0
 
+    def _hold(self, keys: Sequence[int], block_size: int) -> None:
+        refs = self._cached_refs
+        for k in keys:
+            n = refs.get(k, 0)
+            refs[k] = n + 1
+            if n:
+                self.shared_tokens += block_size
+
+    def _release(self, keys: Sequence[int], block_size: int) -> None:
+        refs = self._cached_refs
+        for k in keys:
+            n = refs[k] - 1
+            if n:
+                refs[k] = n
+                self.shared_tokens -= block_size
+            else:
+                del refs[k]
+
 
 @dataclass(slots=True, eq=False)  # eq=False: a flight is itself, hashed by identity
 class Flight:
@@ -95,7 +118,9 @@ class Flight:
     prefill: int
     pairs: float = 0.0
     probe: TtftProbe | None = None
-    cached: int = 0  # prompt tokens predicted cached (held by the replica, shared)
+    # the block keys of its prompt predicted cached (held by the replica), and their block size
+    cached_keys: Sequence[int] = ()
+    block_size: int = 0
     start: float | None = None  # when it was dispatched (counts in ``pending_age_ms`` until its first byte)
     at_dispatch: IndexAtDispatch | None = None  # for the prediction audit (gateway)
     _open: bool = field(default=True, init=False)
@@ -105,7 +130,8 @@ class Flight:
         c = self.counters
         c.requests += 1
         c.tokens += self.tokens
-        c.cached_tokens += self.cached
+        if self.cached_keys:
+            c._hold(self.cached_keys, self.block_size)
         c.pending_prefill_tokens += self.prefill
         c.pending_prefill_pairs += self.pairs
         c.started += 1
@@ -141,7 +167,14 @@ class Flight:
             self._open = False
             self.counters.requests -= 1
             self.counters.tokens -= self.tokens
-            self.counters.cached_tokens -= self.cached
+            if self.cached_keys:
+                self.counters._release(self.cached_keys, self.block_size)
+
+
+def _int_keys(keys: Sequence[int]) -> Sequence[int]:
+    """Block keys as Python ints (a numpy array's, without a per-element conversion)."""
+    tolist = getattr(keys, "tolist", None)
+    return tolist() if tolist is not None else list(keys)
 
 
 # ---------------------------------------------------------------------- the TTFT model's feed
@@ -286,7 +319,8 @@ class TtftFeed:
             probe = TtftProbe(self, d.state.id, inputs, predict(params, inputs).total_ms, when)
         tokens = d.prompt_tokens + d.output_tokens
         pairs = attention_pairs(prefill, cached)
-        return Flight(counters, tokens, prefill, pairs, probe, cached=cached, start=when)
+        keys = _int_keys(d.keys[: cached // d.block_size] if d.block_size else ())
+        return Flight(counters, tokens, prefill, pairs, probe, keys, d.block_size, start=when)
 
     def observe(self, probe: TtftProbe, now: float) -> TtftSample | None:
         """Fit the first byte of ``probe``'s attempt at ``now``; the sample, or None when the

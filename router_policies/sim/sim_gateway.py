@@ -96,7 +96,7 @@ class SimGateway:
             f = self._flights[i]
             load = ReplicaLoad(f.requests, f.tokens, f.pending_prefill_tokens, running, waiting, kv_usage)
             age = f.pending_age_ms(now)
-            out.append(Candidate(name, True, load, f.pending_prefill_pairs, f.cached_tokens, age))
+            out.append(Candidate(name, True, load, f.pending_prefill_pairs, f.shared_tokens, age))
         return out
 
     def route(

@@ -10,13 +10,12 @@ One linear model in the coefficients of ``TtftParams`` (so that it can be fitted
     c  = its cached prompt tokens (read, not computed)
     n  = decoding sequences interleaved in every step: min(requests on the replica, max_num_seqs)
     K  = KV tokens those sequences read per step (the gateway's in-flight tokens)
-    S  = of K, the prompt tokens that were cached when their requests were dispatched: prefix
-         blocks the replica already held, which its KV holds once however many requests share
-         them (a paged KV cache pins a shared block once; each sequence still reads it)
-    X  = KV demand beyond the cache, in thousands: max(0, K - S + u + c - min(c, S) -
-         kv_capacity_tokens): the blocks the requests ahead pin (their own prompt tails and
-         outputs, and the prefixes they brought), this request's new blocks, and its cached
-         prefix where no request ahead already counts it. Beyond the cache the queue's prompts
+    S  = of K, cached prompt tokens counted more than once: blocks predicted cached for several
+         of those requests (a prefix they share), which a paged KV cache pins once however many
+         requests use them (each sequence still reads them: K stays in the per-step read)
+    X  = KV demand beyond the cache, in thousands: max(0, K - S + u + c - kv_capacity_tokens):
+         the blocks the requests ahead pin (each distinct block once, their outputs whole) and
+         this request's prompt. Beyond the cache the queue's prompts
          cannot all be admitted: the request also waits for decoding requests to finish and
          free their blocks (in a decode-heavy mix, for the running decodes' remaining outputs)
     H  = pending_age_ms: how long the oldest request ahead (routed there, no first token yet) has
@@ -65,7 +64,7 @@ class TtftInputs:
     cached_tokens: int
     fetch_ms: float = 0.0
     queued_prefill_pairs: float = 0.0
-    shared_kv_tokens: int = 0  # S: of kv_tokens, those cached at their dispatch (0: unknown)
+    shared_kv_tokens: int = 0  # S: of kv_tokens, cached ones counted more than once (0: none)
     pending_age_ms: float = 0.0  # H: the wait so far of the oldest request ahead (0: none)
 
 
@@ -132,9 +131,8 @@ def feature_vector(inputs: TtftInputs, params: TtftParams, *, own: bool = True) 
 
 def kv_excess_tokens(inputs: TtftInputs, uncached: int, cached: int, capacity: int) -> int:
     """X in tokens: the KV the requests ahead and this one pin once it is admitted, beyond
-    ``capacity`` (shared prefixes counted once; see the module docstring)."""
-    shared = min(inputs.shared_kv_tokens, inputs.kv_tokens)
-    demand = inputs.kv_tokens - shared + uncached + cached - min(cached, shared)
+    ``capacity`` (shared prefix blocks counted once; see the module docstring)."""
+    demand = inputs.kv_tokens - min(inputs.shared_kv_tokens, inputs.kv_tokens) + uncached + cached
     return max(0, demand - capacity)
 
 

@@ -169,20 +169,29 @@ def test_the_engines_kv_capacity_from_its_agent_enters_the_model() -> None:
     assert fleet.ttft.params("a").kv_capacity_tokens == 3200 and fleet.ttft.params("a").observations == 0
 
 
-def test_a_flight_counts_its_cached_tokens_and_the_snapshot_carries_them() -> None:
+def test_cached_blocks_several_flights_share_are_counted_once_and_the_snapshot_carries_them() -> None:
     c = FlightCounters()
     feed = TtftFeed()
-    f = feed.flight(c, _dispatch(ReplicaState("r"), prompt=1000, cached=400), start=0.0)
-    g = feed.flight(c, _dispatch(ReplicaState("r"), prompt=500, cached=0), start=0.0)
-    assert c.cached_tokens == 400
-    cand = Candidate("r", True, ReplicaLoad(in_flight_tokens=c.tokens), 0.0, c.cached_tokens)
+    keys = list(range(100, 200))  # 100 blocks of 16 tokens
+
+    def go(cached_blocks: int, prompt_keys: list[int]) -> placement.Flight:
+        d = Dispatch(ReplicaState("r"), 16 * len(prompt_keys), 16 * cached_blocks, 16, 50, prompt_keys)
+        return feed.flight(c, d, start=0.0)
+
+    a = go(40, keys[:60])  # 40 blocks cached
+    b = go(25, keys[:30])  # 25 of the same blocks: counted once already
+    other = go(10, [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18])  # a different prefix
+    assert c.shared_tokens == 25 * 16
+    cand = Candidate("r", True, ReplicaLoad(in_flight_tokens=c.tokens), 0.0, c.shared_tokens)
     state = placement.snapshot([cand], IndexView({}, {}, PrefixIndex())).replicas[0]
-    assert state.in_flight_cached_tokens == 400
-    f.first_byte(0.1)
-    assert c.cached_tokens == 400  # held until the request ends: its KV stays pinned
-    f.end()
-    g.end()
-    assert (c.tokens, c.cached_tokens) == (0, 0)
+    assert state.in_flight_shared_tokens == 25 * 16
+    a.first_byte(0.1)
+    assert c.shared_tokens == 25 * 16  # held until the request ends: its KV stays pinned
+    a.end()
+    assert c.shared_tokens == 0  # b alone holds those blocks now
+    b.end()
+    other.end()
+    assert (c.tokens, c.shared_tokens) == (0, 0)
 
 
 def test_the_pending_age_is_the_wait_of_the_oldest_request_without_a_first_byte() -> None:

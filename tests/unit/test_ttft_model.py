@@ -197,11 +197,12 @@ def test_estimator_memory_does_not_grow() -> None:
 
 
 def test_kv_demand_counts_a_shared_prefix_once() -> None:
-    """Twenty requests ahead share a 1,800-token prefix (cached at their dispatch) and each add
-    100 prompt tokens and 256 outputs: their KV is 1,800 + 20 x 356 tokens, not 20 x 2,156."""
+    """Twenty requests ahead share a 1,800-token prefix (cached for 19 of them: the first brought
+    it) and each add 100 prompt tokens and 256 outputs: they pin 1,800 + 20 x 356 tokens, not
+    20 x 2,156."""
     p = TtftParams(step_ms=1, prefill_ms_per_token=0.01, kv_wait_ms_per_ktoken=100.0, kv_capacity_tokens=6400)
     ahead = 20 * (1900 + 256)
-    shared = 19 * 1800  # the first of them brought the prefix (uncached), the others hit it
+    shared = 18 * 1800  # cached for 19 of them: counted more than once by 18
     x = TtftInputs(
         queued_prefill_tokens=0,
         decoding=20,
@@ -210,10 +211,12 @@ def test_kv_demand_counts_a_shared_prefix_once() -> None:
         cached_tokens=1800,
         shared_kv_tokens=shared,
     )
-    pinned = 1800 + 20 * 356 + 100  # the prefix once, every request's tail and output, this tail
+    # the prefix twice (the first request's, the cached copy of the 19), every tail and output,
+    # and this request's prompt
+    pinned = 2 * 1800 + 20 * 356 + 1900
     assert kv_excess_tokens(x, 100, 1800, 6400) == pinned - 6400
     assert feature_vector(x, p)[6] == pytest.approx((pinned - 6400) / 1e3)
-    # unknown sharing (S = 0): every request's prompt counted whole, as before
+    # nothing shared: every request's prompt counted whole
     unknown = dataclasses.replace(x, shared_kv_tokens=0)
     assert kv_excess_tokens(unknown, 100, 1800, 6400) == ahead + 1900 - 6400
     # nothing ahead: only this request's own prompt
