@@ -275,12 +275,20 @@ class TtftFeed:
 
     def params(self, replica: str) -> TtftParams:
         """The model the policy routes on: the replica's fit while its robust relative error
-        stays within ``max_error_ratio``, else its prior (a fit that cannot follow the replica,
-        say first tokens that wait seconds for KV behind long decodes, misleads placement more
-        than the prior: measured live on decode_heavy, TTFT p99 1.6 s with the fit, 0.63 s with
-        the prior). The fit goes on learning either way and is used again once it predicts."""
+        stays within ``max_error_ratio`` or the prior predicts the same first tokens no better,
+        else its prior (a fit that cannot follow the replica, say first tokens that wait seconds
+        for KV behind long decodes, can mislead placement more than a prior of the right speed).
+        The comparison matters: a prior of another speed than the replica's (the H100 default in
+        front of engines 4x faster, bench/live.py's decode_heavy) was routed on for 171 of 300
+        first tokens once every fit's scale crossed 0.5 (first tokens waiting seconds behind long
+        decodes), and over-predicted them (median relative error +0.78): placement and the
+        audit followed the worse model. The fit goes on learning either way."""
         fitted = self.model.params(replica)
-        if fitted.observations and fitted.error_ratio > self.max_error_ratio:
+        if (
+            fitted.observations
+            and fitted.error_ratio > self.max_error_ratio
+            and self.model.prior_error(replica) < fitted.error_ratio
+        ):
             return self.model.prior(replica)
         return fitted
 

@@ -71,6 +71,35 @@ class FitConfig:
         assert 0 < self.scale_rate < 1 and self.min_norm_ms > 0 and self.max_multiple > 1
 
 
+def relative_residual(predicted_ms: float, y_ms: float, cfg: FitConfig) -> float:
+    """(y - p) / sqrt(p y), each at least ``min_norm_ms``: the residual the fit minimises."""
+    p = max(predicted_ms, cfg.min_norm_ms)
+    return (y_ms - p) / math.sqrt(p * max(y_ms, cfg.min_norm_ms))
+
+
+def next_scale(scale: float, residual: float, cfg: FitConfig, rate: float = 0.0, clip: float = 0.0) -> float:
+    """The robust scale after one residual: an EW mean (weight ``rate``, default ``scale_rate``)
+    of 1.25 x its absolute value clipped to ``clip`` (default ``huber_k x scale``)."""
+    rate = rate or cfg.scale_rate
+    clip = clip or cfg.huber_k * scale
+    dev = 1.25 * min(abs(residual), clip)
+    return max(cfg.min_scale, (1 - rate) * scale + rate * dev)
+
+
+class PriorScale:
+    """The same robust scale as ``RobustRls.scale``, of a fixed model's residuals (the prior's,
+    beside its fit): whichever predicts better is the one to route on."""
+
+    __slots__ = ("_cfg", "scale")
+
+    def __init__(self, config: FitConfig) -> None:
+        self._cfg = config
+        self.scale = config.initial_scale
+
+    def update(self, predicted_ms: float, y_ms: float) -> None:
+        self.scale = next_scale(self.scale, relative_residual(predicted_ms, y_ms, self._cfg), self._cfg)
+
+
 class RobustRls:
     """One replica's fit. ``update(x, y_ms)`` with the raw feature vector of the TTFT model."""
 
@@ -113,11 +142,8 @@ class RobustRls:
         clip = cfg.huber_k * s
         consts = np.array((clip, cfg.forgetting, cfg.max_multiple, self._p0_trace))
         e = rls_step(self._w, self._p, z, y_ms / norm, consts)
-        clipped = min(max(e, -clip), clip)
-        dev = 1.25 * abs(clipped)
-        self._scale = max(cfg.min_scale, (1 - cfg.scale_rate) * s + cfg.scale_rate * dev)
-        slow_rate = cfg.scale_rate / 10
-        self._slow_scale = max(cfg.min_scale, (1 - slow_rate) * self._slow_scale + slow_rate * dev)
+        self._scale = next_scale(s, e, cfg)
+        self._slow_scale = next_scale(self._slow_scale, e, cfg, cfg.scale_rate / 10, clip)
         if self._scale > cfg.reset_ratio * self._slow_scale:
             self._p = np.eye(len(self._w)) * (self._p0_trace / len(self._w))
             self._slow_scale = self._scale

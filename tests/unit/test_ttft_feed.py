@@ -6,13 +6,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, cast
 
+import numpy as np
 import pytest
 
 from router_policies import placement
 from router_policies.placement import Candidate, Dispatch, FlightCounters, IndexView, ReplicaLoad, TtftFeed
 from router_policies.policy import ReplicaState, RequestFeatures
 from router_policies.prefix_index import PrefixIndex
-from router_policies.ttft.features import TtftInputs, attention_pairs
+from router_policies.ttft.features import TtftInputs, attention_pairs, predict
 from router_policies.ttft.params import DEFAULT_PRIOR
 
 
@@ -215,3 +216,23 @@ def test_the_pending_age_is_the_wait_of_the_oldest_request_without_a_first_byte(
     assert p_stuck.predicted_ms == pytest.approx(
         p_fresh.predicted_ms + 2000.0 * DEFAULT_PRIOR.queue_age_ratio
     )
+
+
+def test_a_noisy_fit_is_still_routed_on_when_the_prior_predicts_worse() -> None:
+    """First tokens 4x faster than the prior says, with a heavy multiplicative noise: the fit's
+    error scale exceeds MAX_ERROR_RATIO, but the prior's on the same first tokens is larger, so
+    the policy keeps the fit (before, it fell back to the 4x-wrong prior)."""
+    rng = np.random.default_rng(3)
+    feed = TtftFeed()
+    for _ in range(300):
+        state = ReplicaState("r", pending_prefill_tokens=int(rng.integers(0, 20_000)))
+        f = feed.flight(
+            FlightCounters(), _dispatch(state, prompt=int(rng.integers(100, 4000)), cached=0), start=0.0
+        )
+        assert f.probe is not None
+        truth = predict(DEFAULT_PRIOR, f.probe.inputs).total_ms / 4
+        f.first_byte(truth * float(np.exp(rng.normal(0, 0.9))) / 1000.0)
+    fitted = feed.model.params("r")
+    assert fitted.error_ratio > placement.MAX_ERROR_RATIO
+    assert feed.model.prior_error("r") > fitted.error_ratio
+    assert feed.params("r") is fitted
