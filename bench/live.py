@@ -56,6 +56,9 @@ from kvgate_tools.procs import ProcessGroup, Ready, free_port
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_VENV = Path(os.environ.get("KVGATE_BENCH_VENV", ROOT / ".venv-bench"))
 MODEL = "sim"
+# kvgate's router names: kv_aware as configured (``--kvgate-params``), or with its rule set, so
+# that both rules can be compared in one run (``--routers kvgate_kv_aware_ms kvgate_kv_aware_tokens ...``)
+KVGATE_RULES = {"kvgate_kv_aware": None, "kvgate_kv_aware_ms": "ms", "kvgate_kv_aware_tokens": "tokens"}
 
 
 async def replay(
@@ -176,10 +179,13 @@ def start_router(
     ``kvgate_params``: kv_aware's parameters in kvgate's config; ``kvgate_workers``: its
     ``server.workers`` (1 by default: the audit and TTFT figures are read from one process)."""
     urls = [u for u, _ in fleet]
-    if name == "kvgate_kv_aware":
+    if name in KVGATE_RULES:
+        params = dict(kvgate_params or {})
+        if KVGATE_RULES[name]:  # a variant naming kv_aware's rule (compared in the same run)
+            params["rule"] = KVGATE_RULES[name]
         cfg = {
             "listen": {"http": "127.0.0.1:0", "inventory": "127.0.0.1:0"},
-            "policy": {"name": "kv_aware", "kv_aware": kvgate_params or {}},
+            "policy": {"name": "kv_aware", "kv_aware": params},
             "models": [{"name": MODEL, "tokenizer": str(TOKENIZER), "block_size": 16}],
             "replicas": [{"id": f"r{i}", "url": u, "models": [MODEL]} for i, u in enumerate(urls)],
             "telemetry": {"access_log": False, "log_level": "WARNING"},

@@ -240,9 +240,17 @@ class Fleet:
         scores: Mapping[str, float],
         exclude: frozenset[str] = frozenset(),
     ) -> FleetSnapshot:
+        now = self._clock()
         return placement.snapshot(
             (
-                Candidate(rec.id, rec.health.healthy, rec.load(), rec.flights.pending_prefill_pairs)
+                Candidate(
+                    rec.id,
+                    rec.health.healthy,
+                    rec.load(),
+                    rec.flights.pending_prefill_pairs,
+                    rec.flights.shared_tokens,
+                    rec.flights.pending_age_ms(now),
+                )
                 for rec in candidates
             ),
             IndexView(matched, scores, self._index),

@@ -54,14 +54,58 @@ def uncached_prompt_tokens(prompt_tokens: int, predicted: int) -> int:
 class FlightCounters:
     """This router's load on one replica. Written only by ``Flight``."""
 
-    __slots__ = ("pending_prefill_pairs", "pending_prefill_tokens", "requests", "started", "tokens")
+    __slots__ = (
+        "_cached_refs",
+        "_pending_starts",
+        "pending_prefill_pairs",
+        "pending_prefill_tokens",
+        "requests",
+        "shared_tokens",
+        "started",
+        "tokens",
+    )
 
     def __init__(self) -> None:
         self.requests = 0  # routed here and not finished
         self.tokens = 0  # prompt + expected output tokens of those
+        # of those tokens, cached prompt tokens counted more than once: a block predicted cached
+        # for several of those requests (a prefix they share) is pinned once by the engine's paged
+        # KV cache; ``tokens - shared_tokens`` is what they pin (the TTFT model's KV demand).
+        # ``_cached_refs``: per block key predicted cached for one of them, how many; bounded by
+        # the flights in progress and their prompts
+        self.shared_tokens = 0
+        self._cached_refs: dict[int, int] = {}
         self.pending_prefill_tokens = 0  # their uncached prompt tokens still awaiting a first byte
         self.pending_prefill_pairs = 0.0  # the attention pairs of that prefill (ttft.features)
         self.started = 0  # flights ever started (a statistic)
+        # start time of each flight awaiting its first byte (those started with a time), keyed by
+        # the flight's id: insertion order is start order (one clock, flights start as it reads),
+        # so the first entry is the oldest; bounded by the flights in progress
+        self._pending_starts: dict[int, float] = {}
+
+    def pending_age_ms(self, now: float) -> float:
+        """How long the oldest request still awaiting its first byte here has waited (0: none)."""
+        for start in self._pending_starts.values():
+            return max(0.0, (now - start) * 1000.0)
+        return 0.0
+
+    def _hold(self, keys: Sequence[int], block_size: int) -> None:
+        refs = self._cached_refs
+        for k in keys:
+            n = refs.get(k, 0)
+            refs[k] = n + 1
+            if n:
+                self.shared_tokens += block_size
+
+    def _release(self, keys: Sequence[int], block_size: int) -> None:
+        refs = self._cached_refs
+        for k in keys:
+            n = refs[k] - 1
+            if n:
+                refs[k] = n
+                self.shared_tokens -= block_size
+            else:
+                del refs[k]
 
 
 @dataclass(slots=True, eq=False)  # eq=False: a flight is itself, hashed by identity
@@ -74,6 +118,10 @@ class Flight:
     prefill: int
     pairs: float = 0.0
     probe: TtftProbe | None = None
+    # the block keys of its prompt predicted cached (held by the replica), and their block size
+    cached_keys: Sequence[int] = ()
+    block_size: int = 0
+    start: float | None = None  # when it was dispatched (counts in ``pending_age_ms`` until its first byte)
     at_dispatch: IndexAtDispatch | None = None  # for the prediction audit (gateway)
     _open: bool = field(default=True, init=False)
     _prefill_open: bool = field(default=True, init=False)
@@ -82,9 +130,13 @@ class Flight:
         c = self.counters
         c.requests += 1
         c.tokens += self.tokens
+        if self.cached_keys:
+            c._hold(self.cached_keys, self.block_size)
         c.pending_prefill_tokens += self.prefill
         c.pending_prefill_pairs += self.pairs
         c.started += 1
+        if self.start is not None:
+            c._pending_starts[id(self)] = self.start
 
     def first_byte(self, now: float | None = None) -> TtftSample | None:
         """The first byte arrived (at ``now``: the TTFT observation, when the flight has a
@@ -104,6 +156,7 @@ class Flight:
             c = self.counters
             c.pending_prefill_tokens -= self.prefill
             c.pending_prefill_pairs -= self.pairs
+            c._pending_starts.pop(id(self), None)
             if c.pending_prefill_tokens == 0:
                 c.pending_prefill_pairs = 0.0  # no float residue once nothing is pending
 
@@ -114,6 +167,14 @@ class Flight:
             self._open = False
             self.counters.requests -= 1
             self.counters.tokens -= self.tokens
+            if self.cached_keys:
+                self.counters._release(self.cached_keys, self.block_size)
+
+
+def _int_keys(keys: Sequence[int]) -> Sequence[int]:
+    """Block keys as Python ints (a numpy array's, without a per-element conversion)."""
+    tolist = getattr(keys, "tolist", None)
+    return tolist() if tolist is not None else list(keys)
 
 
 # ---------------------------------------------------------------------- the TTFT model's feed
@@ -214,12 +275,20 @@ class TtftFeed:
 
     def params(self, replica: str) -> TtftParams:
         """The model the policy routes on: the replica's fit while its robust relative error
-        stays within ``max_error_ratio``, else its prior (a fit that cannot follow the replica,
-        say first tokens that wait seconds for KV behind long decodes, misleads placement more
-        than the prior: measured live on decode_heavy, TTFT p99 1.6 s with the fit, 0.63 s with
-        the prior). The fit goes on learning either way and is used again once it predicts."""
+        stays within ``max_error_ratio`` or the prior predicts the same first tokens no better,
+        else its prior (a fit that cannot follow the replica, say first tokens that wait seconds
+        for KV behind long decodes, can mislead placement more than a prior of the right speed).
+        The comparison matters: a prior of another speed than the replica's (the H100 default in
+        front of engines 4x faster, bench/live.py's decode_heavy) was routed on for 171 of 300
+        first tokens once every fit's scale crossed 0.5 (first tokens waiting seconds behind long
+        decodes), and over-predicted them (median relative error +0.78): placement and the
+        audit followed the worse model. The fit goes on learning either way."""
         fitted = self.model.params(replica)
-        if fitted.observations and fitted.error_ratio > self.max_error_ratio:
+        if (
+            fitted.observations
+            and fitted.error_ratio > self.max_error_ratio
+            and self.model.prior_error(replica) < fitted.error_ratio
+        ):
             return self.model.prior(replica)
         return fitted
 
@@ -257,7 +326,9 @@ class TtftFeed:
             inputs = inputs_for(d.state, d.prompt_tokens, cached, d.block_size, params)
             probe = TtftProbe(self, d.state.id, inputs, predict(params, inputs).total_ms, when)
         tokens = d.prompt_tokens + d.output_tokens
-        return Flight(counters, tokens, prefill, attention_pairs(prefill, cached), probe)
+        pairs = attention_pairs(prefill, cached)
+        keys = _int_keys(d.keys[: cached // d.block_size] if d.block_size else ())
+        return Flight(counters, tokens, prefill, pairs, probe, keys, d.block_size, start=when)
 
     def observe(self, probe: TtftProbe, now: float) -> TtftSample | None:
         """Fit the first byte of ``probe``'s attempt at ``now``; the sample, or None when the

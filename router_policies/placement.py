@@ -69,6 +69,8 @@ class Candidate(NamedTuple):
     healthy: bool
     load: ReplicaLoad
     pending_prefill_pairs: float = 0.0  # of this router's pending prefill (FlightCounters)
+    in_flight_shared_tokens: int = 0  # FlightCounters.shared_tokens
+    pending_age_ms: float = 0.0  # FlightCounters.pending_age_ms at the decision's time
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +102,8 @@ def snapshot(
                 match_score=view.scores.get(c.id, 0.0),
                 held_blocks=view.index.held_count(c.id),
                 pending_prefill_pairs=max(0.0, c.pending_prefill_pairs),
+                in_flight_shared_tokens=max(0, c.in_flight_shared_tokens),
+                pending_age_ms=c.pending_age_ms,
                 ttft=ttft(c.id) if ttft is not None else None,
             )
             for c in candidates

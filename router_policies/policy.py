@@ -52,6 +52,12 @@ class ReplicaState:
     # causal-attention pairs of that pending prefill: sum over its requests of u (c + (u + 1) / 2),
     # u uncached and c cached tokens (router_policies.ttft.features.attention_pairs); 0: unknown
     pending_prefill_pairs: float = 0.0
+    # of in_flight_tokens, cached prompt tokens counted more than once (a prefix block several of
+    # those requests share: the engine's KV holds it once); 0: none or unknown
+    in_flight_shared_tokens: int = 0
+    # how long the oldest request routed here by this router and still awaiting its first token
+    # has waited, in ms at decision time (0: none): a replica whose queue does not move shows it
+    pending_age_ms: float = 0.0
     ttft: TtftParams | None = None  # the replica's fitted TTFT model (None: the policy's prior)
 
 

@@ -48,8 +48,13 @@ back, it was better on kv_pressure (p99 56.9 ms against 98.6) and worse on decod
 against 569), whose p99 swings from run to run with either rule (the token rule: 569-1,783 ms in
 four runs of 2026-12-01); on decode_heavy the fits' errors stay above 0.5, the profile prior takes
 over, and its KV-wait term counts a prefix shared by the running requests once per request (first
-tokens predicted at 100-200 ms, observed at 15-50 ms). Until the live comparison favours it, the
-rule proven on real vLLM (``make e2e-vllm``) stays the default.
+tokens predicted at 100-200 ms, observed at 15-50 ms). With the model's KV demand counting each
+cached block once, the queue head's age as a term and the prior used only when it predicts
+better, both rules in one run per workload (``bench/live.py --routers kvgate_kv_aware_tokens
+kvgate_kv_aware_ms ...``, 2026-12-01, a host shared with other jobs), TTFT p99 ms tokens / ms:
+agent 77 / 99, kv_pressure 170 / 146, hetero 78 / 61, decode_heavy 1,052 / 1,545, Mooncake 383 /
+483; p50 within 4 ms of each other. No consistent winner at this noise: until the live comparison
+favours it, the rule proven on real vLLM (``make e2e-vllm``) stays the default.
 
 Why milliseconds: the token rule (``rule: tokens``) prices every replica's queue in prompt tokens
 with a fixed ``request_cost_tokens`` per request ahead. It cannot see decode load (a step that

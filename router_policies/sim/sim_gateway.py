@@ -89,13 +89,14 @@ class SimGateway:
         self.advance(now)
         self.index.clear_replica(replica)
 
-    def _candidates(self) -> list[Candidate]:
+    def _candidates(self, now: float) -> list[Candidate]:
         out = []
         for i, name in enumerate(self.names):
             running, waiting, kv_usage = self._engine_load(i)
             f = self._flights[i]
             load = ReplicaLoad(f.requests, f.tokens, f.pending_prefill_tokens, running, waiting, kv_usage)
-            out.append(Candidate(name, True, load, f.pending_prefill_pairs))
+            age = f.pending_age_ms(now)
+            out.append(Candidate(name, True, load, f.pending_prefill_pairs, f.shared_tokens, age))
         return out
 
     def route(
@@ -110,7 +111,7 @@ class SimGateway:
             keys = features.block_keys
         m = index.match(keys)
         view = IndexView(m.blocks, m.scores, index)
-        snap = placement.snapshot(self._candidates(), view, ttft=self.ttft.params)
+        snap = placement.snapshot(self._candidates(now), view, ttft=self.ttft.params)
         decision = self._policy.choose(features, snap)
         self._policy.commit(decision)
         name = decision.replica

@@ -10,9 +10,16 @@ One linear model in the coefficients of ``TtftParams`` (so that it can be fitted
     c  = its cached prompt tokens (read, not computed)
     n  = decoding sequences interleaved in every step: min(requests on the replica, max_num_seqs)
     K  = KV tokens those sequences read per step (the gateway's in-flight tokens)
-    X  = KV demand beyond the cache: max(0, K + u + c - kv_capacity_tokens), in thousands; the
-         queue's prompts cannot all be admitted, so the request also waits for decoding
-         requests to finish and free their blocks
+    S  = of K, cached prompt tokens counted more than once: blocks predicted cached for several
+         of those requests (a prefix they share), which a paged KV cache pins once however many
+         requests use them (each sequence still reads them: K stays in the per-step read)
+    X  = KV demand beyond the cache, in thousands: max(0, K - S + u + c - kv_capacity_tokens):
+         the blocks the requests ahead pin (each distinct block once, their outputs whole) and
+         this request's prompt. Beyond the cache the queue's prompts
+         cannot all be admitted: the request also waits for decoding requests to finish and
+         free their blocks (in a decode-heavy mix, for the running decodes' remaining outputs)
+    H  = pending_age_ms: how long the oldest request ahead (routed there, no first token yet) has
+         waited so far; part of the wait for the work ahead
     B  = chunk_tokens (max_num_batched_tokens); a step has B - n tokens left for prefill
     steps(W) = ceil(W / (B - n)) steps to push W prefill tokens through, at least 1 for a request
 
@@ -22,6 +29,7 @@ One linear model in the coefficients of ``TtftParams`` (so that it can be fitted
          + c x cached_ms_per_token
          + X x kv_wait_ms_per_ktoken
          + overhead_ms                  (once per request: the hop, HTTP, the running step)
+         + H x queue_age_ratio
          + fetch_ms                                              (KV tiers: known, not fitted)
 
 Its terms, reported by ``predict``: ``wait_ms`` is the same formula for the work ahead alone
@@ -56,6 +64,8 @@ class TtftInputs:
     cached_tokens: int
     fetch_ms: float = 0.0
     queued_prefill_pairs: float = 0.0
+    shared_kv_tokens: int = 0  # S: of kv_tokens, cached ones counted more than once (0: none)
+    pending_age_ms: float = 0.0  # H: the wait so far of the oldest request ahead (0: none)
 
 
 # a lone 8,192-token prompt on an idle replica: its model's TTFT of it is the replica's speed
@@ -113,9 +123,17 @@ def feature_vector(inputs: TtftInputs, params: TtftParams, *, own: bool = True) 
         float(steps * n),
         steps * inputs.kv_tokens / 1e6,
         float(c),
-        max(0, inputs.kv_tokens + u + c - params.kv_capacity_tokens) / 1e3,
+        kv_excess_tokens(inputs, u, c, params.kv_capacity_tokens) / 1e3,
         1.0 if own else 0.0,
+        inputs.pending_age_ms,
     )
+
+
+def kv_excess_tokens(inputs: TtftInputs, uncached: int, cached: int, capacity: int) -> int:
+    """X in tokens: the KV the requests ahead and this one pin once it is admitted, beyond
+    ``capacity`` (shared prefix blocks counted once; see the module docstring)."""
+    demand = inputs.kv_tokens - min(inputs.shared_kv_tokens, inputs.kv_tokens) + uncached + cached
+    return max(0, demand - capacity)
 
 
 def dot(x: Sequence[float], theta: Sequence[float]) -> float:

@@ -19,18 +19,19 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 
-from router_policies.ttft.estimator import FitConfig, RobustRls
-from router_policies.ttft.features import TtftInputs, feature_vector, predict
+from router_policies.ttft.estimator import FitConfig, PriorScale, RobustRls
+from router_policies.ttft.features import TtftInputs, dot, feature_vector, predict
 from router_policies.ttft.params import DEFAULT_PRIOR, TtftParams
 
 
 class _Fit:
-    __slots__ = ("exported", "prior", "rls")
+    __slots__ = ("exported", "prior", "prior_scale", "rls")
 
     def __init__(self, prior: TtftParams, config: FitConfig) -> None:
         self.prior = prior
         self.rls = RobustRls(prior.coefficients(), config)
         self.exported = prior
+        self.prior_scale = PriorScale(config)  # how well the prior alone predicts the same first tokens
 
 
 class TtftModel:
@@ -63,6 +64,12 @@ class TtftModel:
         fit = self._fits.get(replica)
         return fit.exported if fit is not None else self.prior(replica)
 
+    def prior_error(self, replica: str) -> float:
+        """The robust relative error scale of ``replica``'s prior on the first tokens its fit has
+        seen (the fit's is ``params(replica).error_ratio``; the initial scale before any)."""
+        fit = self._fits.get(replica)
+        return fit.prior_scale.scale if fit is not None else self._config.initial_scale
+
     def predict_ms(self, replica: str, inputs: TtftInputs) -> float:
         return predict(self.params(replica), inputs).total_ms
 
@@ -81,8 +88,10 @@ class TtftModel:
             self._fits.move_to_end(replica)
         params = fit.exported
         # the tiers' fetch time is known, not fitted: the fit sees the rest
-        y = observed_ms - inputs.fetch_ms
-        fit.rls.update(feature_vector(inputs, params), max(0.0, y))
+        y = max(0.0, observed_ms - inputs.fetch_ms)
+        x = feature_vector(inputs, params)
+        fit.prior_scale.update(dot(x, fit.prior.coefficients()), y)
+        fit.rls.update(x, y)
         fit.exported = params.with_coefficients(fit.rls.coefficients(), fit.rls.observations, fit.rls.scale)
         return True
 

@@ -17,6 +17,14 @@ that a policy stays a pure function of the snapshot. Coefficients are millisecon
                             engine steps (the hop to the engine and back, HTTP, tokenization, the
                             step already running when it arrives); 0 in the priors (the simulator
                             has no hop), fitted live
+    queue_age_ratio         per ms that the oldest request routed to the replica and still awaiting
+                            its first token has waited (``pending_age_ms``): a queue that does not
+                            move (prompts that cannot be admitted until running decodes finish and
+                            free KV; an engine stalled) shows in how long its head has waited,
+                            before any first token says so. FCFS: a new request is admitted after
+                            that head, whose remaining wait is of the order of its wait so far
+                            when the queue is blocked, and already counted by the queued-prefill
+                            terms when it is merely long: 0.5 in the priors, fitted per replica
 
 ``chunk_tokens`` (the engine's ``max_num_batched_tokens``), ``max_num_seqs`` and
 ``kv_capacity_tokens`` (its KV cache) are engine settings, not fitted: they come with the prior. ``kv_bytes_per_token`` prices the KV tiers.
@@ -62,6 +70,7 @@ COEFFICIENTS = (
     "cached_ms_per_token",
     "kv_wait_ms_per_ktoken",
     "overhead_ms",
+    "queue_age_ratio",
 )
 
 
@@ -75,6 +84,7 @@ class TtftParams:
     cached_ms_per_token: float = 0.0
     kv_wait_ms_per_ktoken: float = 20.0
     overhead_ms: float = 0.0
+    queue_age_ratio: float = 0.5
     chunk_tokens: int = 8192
     max_num_seqs: int = 256
     kv_capacity_tokens: int = 400_000

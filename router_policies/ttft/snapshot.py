@@ -7,6 +7,8 @@ the policy predicts with and the gateway and simulator record at dispatch (docs/
     decoding              = load_of(state): every request ahead will be decoding in the steps
                             that prefill this one (running now, or admitted before it)
     kv_tokens             = in_flight_tokens (prompt + expected output of those requests)
+    shared_kv_tokens      = in_flight_shared_tokens (their cached prompt tokens counted more than once)
+    pending_age_ms        = pending_age_ms (the wait so far of the oldest of them without a first token)
     uncached / cached / fetch_ms: ``split_cached`` of the matched tokens, the matched blocks on
                             slower media (``ReplicaState.matched_on_media``) priced by the tiers
 """
@@ -31,4 +33,6 @@ def inputs_for(
         cached_tokens=cached,
         fetch_ms=fetch_ms,
         queued_prefill_pairs=state.pending_prefill_pairs,
+        shared_kv_tokens=state.in_flight_shared_tokens,
+        pending_age_ms=state.pending_age_ms,
     )

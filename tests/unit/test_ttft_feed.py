@@ -3,15 +3,17 @@ starts, the fit at its first byte, the audit sample, the fitted model on the nex
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, cast
 
+import numpy as np
 import pytest
 
 from router_policies import placement
 from router_policies.placement import Candidate, Dispatch, FlightCounters, IndexView, ReplicaLoad, TtftFeed
 from router_policies.policy import ReplicaState, RequestFeatures
 from router_policies.prefix_index import PrefixIndex
-from router_policies.ttft.features import TtftInputs, attention_pairs
+from router_policies.ttft.features import TtftInputs, attention_pairs, predict
 from router_policies.ttft.params import DEFAULT_PRIOR
 
 
@@ -166,3 +168,71 @@ def test_the_engines_kv_capacity_from_its_agent_enters_the_model() -> None:
     fleet.ttft.set_kv_capacity("a", 3200)  # another: the fit so far is the new prior
     assert fleet.ttft.params("a").coefficients() == fitted.coefficients()
     assert fleet.ttft.params("a").kv_capacity_tokens == 3200 and fleet.ttft.params("a").observations == 0
+
+
+def test_cached_blocks_several_flights_share_are_counted_once_and_the_snapshot_carries_them() -> None:
+    c = FlightCounters()
+    feed = TtftFeed()
+    keys = list(range(100, 200))  # 100 blocks of 16 tokens
+
+    def go(cached_blocks: int, prompt_keys: list[int]) -> placement.Flight:
+        d = Dispatch(ReplicaState("r"), 16 * len(prompt_keys), 16 * cached_blocks, 16, 50, prompt_keys)
+        return feed.flight(c, d, start=0.0)
+
+    a = go(40, keys[:60])  # 40 blocks cached
+    b = go(25, keys[:30])  # 25 of the same blocks: counted once already
+    other = go(10, [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18])  # a different prefix
+    assert c.shared_tokens == 25 * 16
+    cand = Candidate("r", True, ReplicaLoad(in_flight_tokens=c.tokens), 0.0, c.shared_tokens)
+    state = placement.snapshot([cand], IndexView({}, {}, PrefixIndex())).replicas[0]
+    assert state.in_flight_shared_tokens == 25 * 16
+    a.first_byte(0.1)
+    assert c.shared_tokens == 25 * 16  # held until the request ends: its KV stays pinned
+    a.end()
+    assert c.shared_tokens == 0  # b alone holds those blocks now
+    b.end()
+    other.end()
+    assert (c.tokens, c.shared_tokens) == (0, 0)
+
+
+def test_the_pending_age_is_the_wait_of_the_oldest_request_without_a_first_byte() -> None:
+    c = FlightCounters()
+    feed = TtftFeed()
+    assert c.pending_age_ms(5.0) == 0.0
+    first = feed.flight(c, _dispatch(ReplicaState("r")), start=1.0)
+    second = feed.flight(c, _dispatch(ReplicaState("r")), start=1.5)
+    assert c.pending_age_ms(2.0) == pytest.approx(1000.0)
+    first.first_byte(2.0)  # the head got its first token: the next one is the oldest
+    assert c.pending_age_ms(2.0) == pytest.approx(500.0)
+    second.end()  # failed before its first byte: no longer waiting
+    assert c.pending_age_ms(2.0) == 0.0
+    # the snapshot carries it, and the TTFT model predicts a longer wait behind an old head
+    fresh = ReplicaState("r", pending_prefill_tokens=100)
+    stuck = dataclasses.replace(fresh, pending_age_ms=2000.0)
+    d_fresh, d_stuck = _dispatch(fresh), _dispatch(stuck)
+    p_fresh = feed.flight(FlightCounters(), d_fresh, start=0.0).probe
+    p_stuck = feed.flight(FlightCounters(), d_stuck, start=0.0).probe
+    assert p_fresh is not None and p_stuck is not None
+    assert p_stuck.predicted_ms == pytest.approx(
+        p_fresh.predicted_ms + 2000.0 * DEFAULT_PRIOR.queue_age_ratio
+    )
+
+
+def test_a_noisy_fit_is_still_routed_on_when_the_prior_predicts_worse() -> None:
+    """First tokens 4x faster than the prior says, with a heavy multiplicative noise: the fit's
+    error scale exceeds MAX_ERROR_RATIO, but the prior's on the same first tokens is larger, so
+    the policy keeps the fit (before, it fell back to the 4x-wrong prior)."""
+    rng = np.random.default_rng(3)
+    feed = TtftFeed()
+    for _ in range(300):
+        state = ReplicaState("r", pending_prefill_tokens=int(rng.integers(0, 20_000)))
+        f = feed.flight(
+            FlightCounters(), _dispatch(state, prompt=int(rng.integers(100, 4000)), cached=0), start=0.0
+        )
+        assert f.probe is not None
+        truth = predict(DEFAULT_PRIOR, f.probe.inputs).total_ms / 4
+        f.first_byte(truth * float(np.exp(rng.normal(0, 0.9))) / 1000.0)
+    fitted = feed.model.params("r")
+    assert fitted.error_ratio > placement.MAX_ERROR_RATIO
+    assert feed.model.prior_error("r") > fitted.error_ratio
+    assert feed.params("r") is fitted

@@ -10,7 +10,7 @@ import pytest
 
 from router_policies.sim.profiles import PROFILES
 from router_policies.ttft.estimator import FitConfig, RobustRls
-from router_policies.ttft.features import TtftInputs, feature_vector, predict, split_cached
+from router_policies.ttft.features import TtftInputs, feature_vector, kv_excess_tokens, predict, split_cached
 from router_policies.ttft.model import TtftModel
 from router_policies.ttft.params import (
     COEFFICIENTS,
@@ -30,6 +30,7 @@ TRUE = dataclasses.replace(
     cached_ms_per_token=0.002,
     kv_wait_ms_per_ktoken=35.0,
     overhead_ms=3.0,  # a hop the priors do not have
+    queue_age_ratio=0.3,
 )
 
 
@@ -38,14 +39,16 @@ def scaled(p: TtftParams, k: float) -> TtftParams:
 
 
 def draw(rng: np.random.Generator) -> TtftInputs:
+    queued = int(rng.integers(0, 30_000)) if rng.random() < 0.6 else 0
     return TtftInputs(
-        queued_prefill_tokens=int(rng.integers(0, 30_000)) if rng.random() < 0.6 else 0,
+        queued_prefill_tokens=queued,
         decoding=int(rng.integers(0, 200)),
         kv_tokens=int(rng.integers(0, 300_000))
         if rng.random() < 0.8
         else int(rng.integers(300_000, 600_000)),
         uncached_tokens=int(rng.integers(1, 16_000)),
         cached_tokens=int(rng.integers(0, 30_000)),
+        pending_age_ms=float(rng.uniform(0, 500)) if queued else 0.0,  # the queue's head has waited
     )
 
 
@@ -191,3 +194,32 @@ def test_estimator_memory_does_not_grow() -> None:
         e.update(x, 10.0 + i % 7)
         sizes.add(sum(a.nbytes for a in (e._p, e._w, e._ref)))
     assert len(sizes) == 1
+
+
+def test_kv_demand_counts_a_shared_prefix_once() -> None:
+    """Twenty requests ahead share a 1,800-token prefix (cached for 19 of them: the first brought
+    it) and each add 100 prompt tokens and 256 outputs: they pin 1,800 + 20 x 356 tokens, not
+    20 x 2,156."""
+    p = TtftParams(step_ms=1, prefill_ms_per_token=0.01, kv_wait_ms_per_ktoken=100.0, kv_capacity_tokens=6400)
+    ahead = 20 * (1900 + 256)
+    shared = 18 * 1800  # cached for 19 of them: counted more than once by 18
+    x = TtftInputs(
+        queued_prefill_tokens=0,
+        decoding=20,
+        kv_tokens=ahead,
+        uncached_tokens=100,
+        cached_tokens=1800,
+        shared_kv_tokens=shared,
+    )
+    # the prefix twice (the first request's, the cached copy of the 19), every tail and output,
+    # and this request's prompt
+    pinned = 2 * 1800 + 20 * 356 + 1900
+    assert kv_excess_tokens(x, 100, 1800, 6400) == pinned - 6400
+    assert feature_vector(x, p)[6] == pytest.approx((pinned - 6400) / 1e3)
+    # nothing shared: every request's prompt counted whole
+    unknown = dataclasses.replace(x, shared_kv_tokens=0)
+    assert kv_excess_tokens(unknown, 100, 1800, 6400) == ahead + 1900 - 6400
+    # nothing ahead: only this request's own prompt
+    alone = TtftInputs(0, 0, 0, 100, 1800)
+    assert kv_excess_tokens(alone, 100, 1800, 6400) == 0
+    assert kv_excess_tokens(alone, 100, 1800, 1000) == 900
