@@ -35,18 +35,12 @@ from multidict import CIMultiDict
 from gateway.fleet import Fleet, ReplicaRecord
 from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import RequestError, sse_error_event
-from gateway.prediction_audit import (
-    AuditCase,
-    SseTail,
-    held_prefix_hint,
-    inexact_cause,
-    record_audit,
-)
+from gateway.prediction_audit import AttemptAudit, SseTail, held_prefix_hint, inexact_cause, record_audit
 from gateway.request_context import DROP_REQUEST, DROP_RESPONSE, Attempt, filter_headers
-from gateway.request_outcome import OutcomeSink, usage_in
+from gateway.request_outcome import OutcomeSink, Usage, usage_in
 from gateway.stream_relay import IdleWatch
 from gateway.upstream_client import ConnectError, ConnectTimeout, UpstreamClient, UpstreamResponse
-from router_policies.placement import Dispatch, Flight
+from router_policies.placement import Dispatch
 
 UPSTREAM_READ_ERRORS = (aiohttp.ClientError, OSError)
 WATCH_INTERVAL_S = 0.2  # how soon an attempt on an ejected replica is failed over
@@ -195,11 +189,14 @@ class Upstream:
             raise Retry(reason, f"{rec.id} {why}") from None
         raise RequestError(f"replica {rec.id} {why}", status=504, code="upstream_timeout") from None
 
-    def _audit(self, a: Attempt, flight: Flight, reported: int | None) -> None:
-        if reported is not None:
+    def _audit(self, a: Attempt, audit: AttemptAudit, use: Usage | None) -> None:
+        reported = use.reported_cached if use is not None else None
+        if use is not None and reported is not None:
             predicted, cause, f = a.choice.predicted_tokens, None, a.features
-            if predicted != reported and flight.at_dispatch is not None:
-                case = AuditCase(f.block_keys, f.block_size, predicted, reported, flight.at_dispatch)
+            if predicted != reported:
+                case = audit.case(f, predicted, reported, use.prompt_tokens)
+                if case.full_keys is not None:  # a deferred encode's keys, checked by the cause
+                    a.ctx.log["audit_full_key_blocks"] = len(case.full_keys)
                 cause = a.ctx.log["audit_cause"] = inexact_cause(self._fleet.index, a.record.id, case)
             record_audit(self._metrics, a.record, predicted, reported, cause)
             sink = self._fleet.held_prefix_sink
@@ -217,6 +214,8 @@ class Upstream:
         predicted = a.choice.predicted_tokens
         snap = a.choice.snapshot
         flight = self._fleet.dispatch(rec, Dispatch.of(snap, rec.id, features, predicted, out_tokens))
+        assert flight.at_dispatch is not None  # Fleet.dispatch records it
+        audit = AttemptAudit(a.info, flight.at_dispatch)  # before any await (its docstring)
         up: UpstreamResponse | None = None
         done = False
         try:
@@ -249,16 +248,16 @@ class Upstream:
                     self._fleet.proxy_success(rec)
                 elif up.status != 503:
                     self._fleet.proxy_failure(rec, f"answered {up.status}")
-                if up.status == 200 and (a.audited or self.outcomes is not None):
+                if up.status == 200:
                     use = usage_in(first, False)  # parsed once, for the audit and the sink
-                    if a.audited and up.content_type == "application/json":
-                        self._audit(a, flight, use.reported_cached if use is not None else None)
+                    if up.content_type == "application/json":
+                        self._audit(a, audit, use)
                     if self.outcomes is not None:
                         self.outcomes.answered(a, use)
                 self._metrics.e2e_by(rec.id).observe(ctx.elapsed())
                 return web.Response(status=up.status, body=first, headers=headers)
             # an SSE stream, or a body too large to hold: passed through as it arrives
-            resp, done = await self._stream(a, flight, up, (first, is_sse), headers)
+            resp, done = await self._stream(a, audit, up, (first, is_sse), headers)
             return resp
         finally:
             flight.end()
@@ -271,7 +270,7 @@ class Upstream:
     async def _stream(
         self,
         a: Attempt,
-        flight: Flight,
+        audit: AttemptAudit,
         up: UpstreamResponse,
         start: tuple[bytes, bool],
         headers: CIMultiDict[str],
@@ -287,9 +286,8 @@ class Upstream:
         resp = web.StreamResponse(status=up.status, headers=headers)
         writer = await resp.prepare(request)
         assert writer is not None
-        # the tail is kept only when the audit or the outcome sink will read it
-        wanted = sse and up.status == 200 and (a.audited or self.outcomes is not None)
-        tail = SseTail(first) if wanted else None
+        # the tail of an SSE answer is kept for the audit (and the outcome sink)
+        tail = SseTail(first) if sse and up.status == 200 else None
         chunk = first
         sent = 0
         complete = False
@@ -326,8 +324,8 @@ class Upstream:
                 self._fleet.proxy_success(rec)
                 # a body too large to hold is passed on unread: its outcome has no usage
                 use = usage_in(tail.value(), sse) if tail is not None else None  # parsed once
-                if tail is not None and a.audited:
-                    self._audit(a, flight, use.reported_cached if use is not None else None)
+                if tail is not None:
+                    self._audit(a, audit, use)
                 if self.outcomes is not None and up.status == 200:
                     self.outcomes.answered(a, use)
                 await resp.write_eof()

@@ -10,8 +10,9 @@ workload over real HTTP, and reports:
 * the prediction audit's exact fraction: requests whose predicted cached tokens (the gateway's
   ``x-kvgate-matched-tokens``) equal the engine-reported ``usage.prompt_tokens_details.cached_tokens``;
   the gateway's own audit (``/admin/replicas``) explains every inexact one by its cause
-  (``gateway/prediction_audit.py``: concurrent_not_stored, evicted, stale_index, not_yet_reported,
-  tokenization);
+  (``gateway/prediction_audit.py``: approximate_features, concurrent_not_stored, evicted,
+  tokenization, stale_index, deferred_encode, not_yet_reported); inexact ones the client saw but
+  the gateway did not count would show as ``unexplained`` (the audit covers every request);
 * the TTFT audit: the median absolute relative error of the gateway's TTFT model (its prediction
   at dispatch against the observed first byte, ``router_policies.placement.TtftFeed``), each
   replica's weighted by its first tokens.
@@ -187,9 +188,11 @@ def run_policy(policy: str, sessions: list[Session], opts: FleetOptions) -> Poli
     ttfts = [o.ttft_s * 1000 for o in ok if o.ttft_s == o.ttft_s]
     audited = [o for o in ok if o.predicted is not None and o.cached is not None]
     exact = sum(1 for o in audited if o.predicted == o.cached)
+    # the gateway audits every request it predicted for and the engine reported on, each inexact
+    # one under its cause; a difference with what the client saw would be a gap in the audit
     unexplained = len(audited) - exact - sum(causes.values())
-    if unexplained > 0:  # inexact here, yet not audited by the gateway (its features were not exact)
-        causes["not_audited"] = unexplained
+    if unexplained:
+        causes["unexplained"] = unexplained
     return PolicyRun(
         policy=policy,
         engine_hit_rate=hits / queries if queries else 0.0,
