@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.prediction_audit import AuditCase, inexact_cause
+from gateway.replica_audit import AuditStats
 from router_policies.placement import IndexAtDispatch
 from router_policies.prefix_index import PrefixIndex
 
@@ -60,3 +61,63 @@ def test_under_prediction_is_late_events_or_tokenization() -> None:
     assert _cause(index, 2, 4, at) == "tokenization"  # the engine's blocks never carried our keys
     index.store("r", KEYS[:4])  # the events of a concurrent request arrived since
     assert _cause(index, 2, 4, at) == "not_yet_reported"
+
+
+def test_over_prediction_with_another_prompt_length_is_tokenization() -> None:
+    index = _index()
+    index.store("r", KEYS[:5])
+    at = IndexAtDispatch.of(index, "r", KEYS, 5)
+    same = AuditCase(KEYS, BS, 5 * BS, 3 * BS, at, prompt_tokens=(100, 100))
+    other = AuditCase(KEYS, BS, 5 * BS, 3 * BS, at, prompt_tokens=(100, 104))
+    assert inexact_cause(index, "r", same) == "stale_index"
+    assert inexact_cause(index, "r", other) == "tokenization"
+
+
+def test_more_cached_blocks_than_the_prompt_has_is_tokenization() -> None:
+    index = _index()
+    index.store("r", KEYS)
+    at = IndexAtDispatch.of(index, "r", KEYS, 6)
+    assert _cause(index, 6, 7, at) == "tokenization"  # the index holds every key: not a late event
+
+
+def test_deferred_features_are_audited_on_the_keys_they_had() -> None:
+    """Routed on the first two keys (the rest encoded after routing): four blocks reported."""
+    index = _index()
+    index.store("r", KEYS[:2])
+    at = IndexAtDispatch.of(index, "r", KEYS[:2], 2)
+
+    def cause(predicted: int, full: list[int] | None) -> str:
+        case = AuditCase(KEYS[:2], BS, predicted * BS, 4 * BS, at, "deferred", full)
+        return inexact_cause(index, "r", case)
+
+    # block 2, the first not credited, had no key at the decision
+    assert cause(2, None) == "deferred_encode"  # its encode not done by the audit: not checked
+    assert cause(2, KEYS) == "tokenization"  # with every key, the index still lacks blocks 2, 3
+    index.store("r", KEYS[:4])
+    assert cause(2, KEYS) == "deferred_encode"
+    # block 1 had a key: late events, as for exact features
+    assert cause(1, KEYS) == "not_yet_reported"
+    # an over-prediction is within the keys routed on: the exact features' causes
+    over = AuditCase(KEYS[:2], BS, 2 * BS, BS, IndexAtDispatch(2, 0), "deferred")
+    assert inexact_cause(index, "r", over) == "stale_index"
+
+
+def test_character_block_features_are_approximate() -> None:
+    index = _index()
+    index.store("r", KEYS)
+    at = IndexAtDispatch.of(index, "r", KEYS, 6)
+    for predicted, reported in ((6 * BS, 3), (0, 40)):
+        case = AuditCase(KEYS, BS, predicted, reported, at, "approximate")
+        assert inexact_cause(index, "r", case) == "approximate_features"
+
+
+def test_a_cause_is_given_iff_the_prediction_is_inexact() -> None:
+    stats = AuditStats()
+    assert stats.record(32, 32) == "exact" and stats.record(32, 16, "evicted") == "over"
+    assert stats.record(0, 16, "tokenization") == "under"
+    assert (stats.total, stats.exact, stats.causes) == (3, 1, {"evicted": 1, "tokenization": 1})
+    with pytest.raises(ValueError, match="iff"):
+        stats.record(32, 16)
+    with pytest.raises(ValueError, match="iff"):
+        stats.record(32, 32, "evicted")
+    assert stats.total == 3
