@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import orjson
 
@@ -56,6 +56,9 @@ from gateway.replica_record import ReplicaRecord
 from router_policies.placement import IndexAtDispatch
 from router_policies.policy import RequestFeatures
 from router_policies.prefix_index import PrefixIndex
+
+if TYPE_CHECKING:  # request_outcome imports this module
+    from gateway.request_outcome import Usage
 
 T = TypeVar("T")
 
@@ -107,8 +110,9 @@ FeatureKind = Literal["exact", "deferred", "approximate"]
 class AuditCase:
     """One audited attempt: the block keys it was routed on and their block size, the cached
     tokens predicted and reported, what the index said at dispatch, how the features were made
-    (module docstring), a deferred request's whole-prompt keys (None until its encode finished)
-    and, for exact features, the prompt's length as the gateway and the engine counted it."""
+    (module docstring), a deferred request's whole-prompt keys (None until its encode finished),
+    the prompt's length as the gateway (exact features only) and the engine counted it, and
+    whether the replica's agent says the index may miss some of its blocks."""
 
     keys: Sequence[int]
     block_size: int
@@ -117,11 +121,23 @@ class AuditCase:
     at_dispatch: IndexAtDispatch
     kind: FeatureKind = "exact"
     full_keys: Sequence[int] | None = None
-    prompt_tokens: tuple[int, int] | None = None  # (the gateway's, the engine's)
+    gateway_tokens: int | None = None
+    engine_tokens: int | None = None
+    agent_degraded: bool = False
 
-    @property
-    def lengths_differ(self) -> bool:
-        return self.prompt_tokens is not None and self.prompt_tokens[0] != self.prompt_tokens[1]
+    def tokens_agree(self) -> bool | None:
+        """Whether the engine counted the prompt as the gateway's tokens have it (None: unknown):
+        the same length for exact features; for a deferred request, a length within the last
+        block its whole keys leave room for."""
+        n = self.engine_tokens
+        if n is None:
+            return None
+        if self.gateway_tokens is not None:
+            return n == self.gateway_tokens
+        if self.full_keys is not None:
+            low = len(self.full_keys) * self.block_size
+            return low <= n < low + self.block_size
+        return None
 
 
 def inexact_cause(index: PrefixIndex, replica: str, case: AuditCase) -> str:
@@ -139,22 +155,30 @@ def _over_cause(index: PrefixIndex, replica: str, case: AuditCase) -> str:
         return "concurrent_not_stored"
     if index.removed_count(replica) > at.removed:
         return "evicted"
-    return "tokenization" if case.lengths_differ else "stale_index"
+    return "tokenization" if case.tokens_agree() is False else "stale_index"
 
 
 def _under_cause(index: PrefixIndex, replica: str, case: AuditCase) -> str:
     bs = max(1, case.block_size)
     had = -(-case.reported // bs)  # blocks the engine had for the request
-    routed = len(case.keys)
     keys = case.keys if case.full_keys is None else case.full_keys
     if had > len(keys) and (case.kind == "exact" or case.full_keys is not None):
         return "tokenization"  # more blocks than the prompt has
-    if case.kind == "deferred" and case.predicted // bs >= routed:
+    n = min(had, len(keys))
+    held = index.precise_run(replica, keys[:n]) >= n  # by the index now
+    agree = case.tokens_agree()
+    if case.kind == "deferred" and case.predicted // bs >= len(case.keys):
         # the first block not credited had no key at the decision
-        held = case.full_keys is None or index.precise_run(replica, keys[:had]) >= had
-        return "deferred_encode" if held else "tokenization"
-    had = min(len(keys), had)
-    return "not_yet_reported" if index.precise_run(replica, keys[:had]) >= had else "tokenization"
+        checked = case.full_keys is not None and not held and agree is False
+        return "tokenization" if checked else "deferred_encode"
+    if held:
+        return "not_yet_reported"
+    if agree is not True:
+        return "tokenization"
+    # the engine's blocks carry the request's keys (same tokens); the index lacked them at the
+    # decision and lacks them now: stored after it and evicted since, or still on their way,
+    # unless the agent says the index may miss blocks
+    return "stale_index" if case.agent_degraded else "not_yet_reported"
 
 
 class AttemptAudit:
@@ -185,14 +209,11 @@ class AttemptAudit:
 
         job.on_keys = on_keys
 
-    def case(
-        self, features: RequestFeatures, predicted: int, reported: int, engine_prompt_tokens: int | None
-    ) -> AuditCase:
-        """The attempt's ``AuditCase`` (``engine_prompt_tokens``: the engine's usage.prompt_tokens)."""
-        counts = None
-        if self.kind == "exact" and engine_prompt_tokens is not None:
-            counts = (features.prompt_tokens, engine_prompt_tokens)
-        f = features
+    def case(self, f: RequestFeatures, record: ReplicaRecord, predicted: int, engine: Usage) -> AuditCase:
+        """The attempt's ``AuditCase`` on ``record``'s replica, from the engine's usage block
+        (one that reports cached tokens)."""
+        reported = engine.reported_cached
+        assert reported is not None
         return AuditCase(
             f.block_keys,
             f.block_size,
@@ -201,7 +222,9 @@ class AttemptAudit:
             self.at_dispatch,
             self.kind,
             self.full_keys,
-            counts,
+            f.prompt_tokens if self.kind == "exact" else None,
+            engine.prompt_tokens,
+            record.link.degraded,
         )
 
 

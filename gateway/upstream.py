@@ -194,7 +194,7 @@ class Upstream:
         if use is not None and reported is not None:
             predicted, cause, f = a.choice.predicted_tokens, None, a.features
             if predicted != reported:
-                case = audit.case(f, predicted, reported, use.prompt_tokens)
+                case = audit.case(f, a.record, predicted, use)
                 if case.full_keys is not None:  # a deferred encode's keys, checked by the cause
                     a.ctx.log["audit_full_key_blocks"] = len(case.full_keys)
                 cause = a.ctx.log["audit_cause"] = inexact_cause(self._fleet.index, a.record.id, case)

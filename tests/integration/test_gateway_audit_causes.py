@@ -159,20 +159,44 @@ def test_under_predictions_by_cause(fleet: Fleet) -> None:
     prompt = _sentence("epsilon") + " slow"
     keys, n = f.features(prompt)
 
-    def store() -> None:
-        f.events(stored=pb.Stored(keys=keys[:3]))
-        wait_until(_held(f, keys[:3]), what="blocks stored")
+    def store_keys(held: list[int]) -> None:
+        f.events(stored=pb.Stored(keys=held))
+        wait_until(_held(f, held), what="blocks stored")
 
-    h = f.while_in_flight(prompt, store, fake_cached_tokens=3 * BS, fake_prompt_tokens=n)
+    h = f.while_in_flight(
+        prompt, lambda: store_keys(keys[:3]), fake_cached_tokens=3 * BS, fake_prompt_tokens=n
+    )
     assert h["x-kvgate-matched-tokens"] == "0"
     assert f.last_cause() == "not_yet_reported"
-    # tokenization: the engine reports blocks no agent ever reported under the request's keys
+    # not_yet_reported too: stored after the decision and evicted again before the audit; the
+    # engine counts the prompt as the gateway does, so its blocks were under the request's keys
+    prompt = _sentence("eta") + " slow"
+    keys, n = f.features(prompt)
+
+    def store_and_evict() -> None:
+        store_keys(keys[:3])
+        f.events(removed=pb.Removed(keys=keys[:3]))
+        wait_until(lambda: not _held(f, keys[:1])(), what="blocks removed")
+
+    f.while_in_flight(prompt, store_and_evict, fake_cached_tokens=3 * BS, fake_prompt_tokens=n)
+    assert f.last_cause() == "not_yet_reported"
+    # stale_index: the same, with an agent that says its inventory may miss blocks
+    f.agent.send(state=pb.AgentState(degraded=True, reason="event gap"))
+    wait_until(lambda: f.gw.replicas()["r0"]["index_degraded"], what="agent degraded")
+    prompt = _sentence("theta")
+    _keys, n = f.features(prompt)
+    f.post(prompt, fake_cached_tokens=3 * BS, fake_prompt_tokens=n)
+    assert f.last_cause() == "stale_index"
+    f.agent.send(state=pb.AgentState(degraded=False))
+    wait_until(lambda: not f.gw.replicas()["r0"]["index_degraded"], what="agent recovered")
+    # tokenization: the engine reports blocks no agent ever reported under the request's keys,
+    # and counts another prompt length (the fake backend's: characters)
     f.post(_sentence("zeta"), fake_cached_tokens=3 * BS)
     assert f.last_cause() == "tokenization"
     # ... or more cached blocks than the gateway's prompt has
     f.post("short", fake_cached_tokens=2 * BS)
     assert f.last_cause() == "tokenization"
-    assert f.causes() == {"not_yet_reported": 1, "tokenization": 2}
+    assert f.causes() == {"not_yet_reported": 2, "stale_index": 1, "tokenization": 2}
 
 
 def test_deferred_requests_are_audited_with_their_full_keys(fleet: Fleet) -> None:

@@ -67,10 +67,9 @@ def test_over_prediction_with_another_prompt_length_is_tokenization() -> None:
     index = _index()
     index.store("r", KEYS[:5])
     at = IndexAtDispatch.of(index, "r", KEYS, 5)
-    same = AuditCase(KEYS, BS, 5 * BS, 3 * BS, at, prompt_tokens=(100, 100))
-    other = AuditCase(KEYS, BS, 5 * BS, 3 * BS, at, prompt_tokens=(100, 104))
-    assert inexact_cause(index, "r", same) == "stale_index"
-    assert inexact_cause(index, "r", other) == "tokenization"
+    for engine_tokens, cause in ((100, "stale_index"), (104, "tokenization"), (None, "stale_index")):
+        case = AuditCase(KEYS, BS, 5 * BS, 3 * BS, at, gateway_tokens=100, engine_tokens=engine_tokens)
+        assert inexact_cause(index, "r", case) == cause
 
 
 def test_more_cached_blocks_than_the_prompt_has_is_tokenization() -> None:
@@ -80,21 +79,42 @@ def test_more_cached_blocks_than_the_prompt_has_is_tokenization() -> None:
     assert _cause(index, 6, 7, at) == "tokenization"  # the index holds every key: not a late event
 
 
+def test_blocks_gone_from_the_index_again_are_told_by_the_prompt_length() -> None:
+    """Four blocks reported, none predicted, none held by the index now (stored after the
+    decision and evicted since, or never under the request's keys)."""
+    index = _index()
+    at = IndexAtDispatch.of(index, "r", KEYS, 0)
+
+    def cause(engine_tokens: int | None, degraded: bool = False) -> str:
+        case = AuditCase(KEYS, BS, 0, 4 * BS, at, gateway_tokens=100, engine_tokens=engine_tokens,
+                         agent_degraded=degraded)  # fmt: skip
+        return inexact_cause(index, "r", case)
+
+    assert cause(100) == "not_yet_reported"  # same tokens: the engine's blocks carry our keys
+    assert cause(100, degraded=True) == "stale_index"  # ... and the agent says it lost some
+    assert cause(104) == "tokenization"
+    assert cause(None) == "tokenization"  # nothing says the engine's blocks were ours
+
+
 def test_deferred_features_are_audited_on_the_keys_they_had() -> None:
     """Routed on the first two keys (the rest encoded after routing): four blocks reported."""
     index = _index()
     index.store("r", KEYS[:2])
     at = IndexAtDispatch.of(index, "r", KEYS[:2], 2)
 
-    def cause(predicted: int, full: list[int] | None) -> str:
-        case = AuditCase(KEYS[:2], BS, predicted * BS, 4 * BS, at, "deferred", full)
+    def cause(predicted: int, full: list[int] | None, engine_tokens: int | None = None) -> str:
+        case = AuditCase(
+            KEYS[:2], BS, predicted * BS, 4 * BS, at, "deferred", full, engine_tokens=engine_tokens
+        )
         return inexact_cause(index, "r", case)
 
     # block 2, the first not credited, had no key at the decision
-    assert cause(2, None) == "deferred_encode"  # its encode not done by the audit: not checked
-    assert cause(2, KEYS) == "tokenization"  # with every key, the index still lacks blocks 2, 3
+    assert cause(2, None) == "deferred_encode"  # its encode not done by the audit
+    assert cause(2, KEYS, 6 * BS + 3) == "deferred_encode"  # the engine's length fits the keys
+    # the index lacks blocks 2, 3 under the prompt's keys and the engine's prompt is not ours
+    assert cause(2, KEYS, 9 * BS) == "tokenization"
     index.store("r", KEYS[:4])
-    assert cause(2, KEYS) == "deferred_encode"
+    assert cause(2, KEYS, 9 * BS) == "deferred_encode"  # held: the blocks were ours
     # block 1 had a key: late events, as for exact features
     assert cause(1, KEYS) == "not_yet_reported"
     # an over-prediction is within the keys routed on: the exact features' causes
