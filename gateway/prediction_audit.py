@@ -42,6 +42,8 @@ where prediction and engine differ. With P the predicted and R the reported cach
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -188,16 +190,30 @@ class AttemptAudit:
     wrapper of the deferred job's ``on_keys`` (set by the proxy for this attempt, replaced on a
     retry) is in place before the job can finish; the wrapper runs on the event loop."""
 
-    __slots__ = ("at_dispatch", "full_keys", "kind")
+    __slots__ = ("_job", "at_dispatch", "full_keys", "kind")
 
     def __init__(self, info: FeatureInfo, at_dispatch: IndexAtDispatch) -> None:
         self.at_dispatch = at_dispatch
         self.kind: FeatureKind = "approximate" if info.approximate else "exact"
         self.full_keys: list[int] | None = None
+        self._job: DeferredJob | None = None
         if info.deferred_chars:
             self.kind = "deferred"
             if info.deferred is not None:
+                self._job = info.deferred
                 self._watch(info.deferred)
+
+    def waiting(self) -> bool:
+        """The prompt's whole keys are still being encoded: an audit can wait for them."""
+        job = self._job
+        return job is not None and self.full_keys is None and not job.finished.is_set()
+
+    async def encoded(self, timeout_s: float) -> None:
+        """Until the deferred encode is done (its keys then in ``full_keys``, unless the backlog
+        dropped the job) or ``timeout_s`` passed."""
+        if self._job is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._job.finished.wait(), timeout_s)
 
     def _watch(self, job: DeferredJob) -> None:
         inner = job.on_keys

@@ -44,6 +44,7 @@ from router_policies.placement import Dispatch
 
 UPSTREAM_READ_ERRORS = (aiohttp.ClientError, OSError)
 WATCH_INTERVAL_S = 0.2  # how soon an attempt on an ejected replica is failed over
+LATE_AUDIT_S = 30.0  # longest an audit waits for a deferred encode's keys (then audited without)
 
 
 @dataclass(slots=True, eq=False)
@@ -133,6 +134,9 @@ class Upstream:
         self._metrics = metrics
         self.outcomes: OutcomeSink | None = None  # the operator view (gateway/operator_view.py)
         self._watch = EjectionWatch()
+        # audits waiting for a deferred encode's keys (at most one per such request, each bounded
+        # by LATE_AUDIT_S); held here so that they are not collected while they wait
+        self._late_audits: set[asyncio.Task[None]] = set()
 
     async def _post(self, a: Attempt) -> UpstreamResponse:
         """The replica's response headers; a failure to get them raises ``Retry``."""
@@ -191,19 +195,40 @@ class Upstream:
 
     def _audit(self, a: Attempt, audit: AttemptAudit, use: Usage | None) -> None:
         reported = use.reported_cached if use is not None else None
-        if use is not None and reported is not None:
-            predicted, cause, f = a.choice.predicted_tokens, None, a.features
-            if predicted != reported:
-                case = audit.case(f, a.record, predicted, use)
-                if case.full_keys is not None:  # a deferred encode's keys, checked by the cause
-                    a.ctx.log["audit_full_key_blocks"] = len(case.full_keys)
-                cause = a.ctx.log["audit_cause"] = inexact_cause(self._fleet.index, a.record.id, case)
-            record_audit(self._metrics, a.record, predicted, reported, cause)
-            sink = self._fleet.held_prefix_sink
-            hint = held_prefix_hint(f.block_keys, a.info.token_ids, f.block_size, reported) if sink else None
-            if sink is not None and hint is not None:
-                sink(a.record.id, *hint)
-            a.ctx.log["reported_cached_tokens"] = reported
+        if use is None or reported is None:
+            return
+        if a.choice.predicted_tokens != reported and audit.waiting():
+            # its prompt's whole keys are being encoded (after routing): audited once known
+            task = asyncio.get_running_loop().create_task(self._audit_encoded(a, audit, use))
+            self._late_audits.add(task)
+            task.add_done_callback(self._late_audits.discard)
+        else:
+            cause = self._record_audit(a, audit, use)
+            if cause is not None:
+                a.ctx.log["audit_cause"] = cause
+                if audit.full_keys is not None:  # a deferred encode's keys, checked by the cause
+                    a.ctx.log["audit_full_key_blocks"] = len(audit.full_keys)
+        f, sink = a.features, self._fleet.held_prefix_sink
+        hint = held_prefix_hint(f.block_keys, a.info.token_ids, f.block_size, reported) if sink else None
+        if sink is not None and hint is not None:
+            sink(a.record.id, *hint)
+        a.ctx.log["reported_cached_tokens"] = reported
+
+    async def _audit_encoded(self, a: Attempt, audit: AttemptAudit, use: Usage) -> None:
+        """The audit of an attempt whose whole keys were still being encoded (its access-log
+        line has gone out: the cause is in the metrics and ``/admin/replicas`` only)."""
+        await audit.encoded(LATE_AUDIT_S)
+        self._record_audit(a, audit, use)
+
+    def _record_audit(self, a: Attempt, audit: AttemptAudit, use: Usage) -> str | None:
+        """Count the attempt's audit; the cause of an inexact prediction (None: exact)."""
+        predicted, reported, cause = a.choice.predicted_tokens, use.reported_cached, None
+        assert reported is not None
+        if predicted != reported:
+            case = audit.case(a.features, a.record, predicted, use)
+            cause = inexact_cause(self._fleet.index, a.record.id, case)
+        record_audit(self._metrics, a.record, predicted, reported, cause)
+        return cause
 
     async def send(self, a: Attempt) -> web.StreamResponse:
         """Forward the request to the attempt's replica and answer the client (raises ``Retry``,

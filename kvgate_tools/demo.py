@@ -81,6 +81,18 @@ def gateway_audits(replicas: list[dict[str, Any]]) -> tuple[float | None, dict[s
     return (weighted / total if total else None), causes
 
 
+def audited_replicas(fleet: LocalFleet, expected: int, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    """``/admin/replicas`` once the gateway has audited ``expected`` requests (an audit waiting
+    for a deferred encode's keys lands a moment after its answer), or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        replicas: list[dict[str, Any]] = fleet.replicas()
+        total = sum(int((r.get("prediction_audit") or {}).get("total") or 0) for r in replicas)
+        if total >= expected or time.monotonic() > deadline:
+            return replicas
+        time.sleep(0.1)
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -178,7 +190,8 @@ def run_policy(policy: str, sessions: list[Session], opts: FleetOptions) -> Poli
         print(f"  {policy}: fleet ready in {time.monotonic() - t0:.1f}s", flush=True)
         outcomes, wall = asyncio.run(replay(fleet.gateway_url, sessions))
         print(f"  {policy}: {len(outcomes)} requests replayed in {wall:.1f}s", flush=True)
-        ttft_error, causes = gateway_audits(fleet.replicas())
+        seen = sum(1 for o in outcomes if o.ok and o.predicted is not None and o.cached is not None)
+        ttft_error, causes = gateway_audits(audited_replicas(fleet, seen))
         hits = queries = 0.0
         for i in range(len(fleet.engines)):
             h, q = engine_hit_counters(fleet.engine_metrics(i))

@@ -3,14 +3,21 @@ from what the index said at dispatch (placement.IndexAtDispatch) and says at the
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from gateway.prediction_audit import AuditCase, inexact_cause
+from gateway.features.deferred import DeferredEncodes, DeferredJob
+from gateway.features.feature_info import FeatureInfo
+from gateway.features.segment_encoder import BoundedLRU, SegmentEncoder
+from gateway.features.tokenizer_files import load_tokenizer_files
+from gateway.prediction_audit import AttemptAudit, AuditCase, inexact_cause
 from gateway.replica_audit import AuditStats
 from router_policies.placement import IndexAtDispatch
 from router_policies.prefix_index import PrefixIndex
 
 BS = 16
+TINY = Path(__file__).resolve().parents[2] / "assets/tokenizers/kvgate-tiny"
 KEYS = [101, 102, 103, 104, 105, 106]
 
 
@@ -141,3 +148,40 @@ def test_a_cause_is_given_iff_the_prediction_is_inexact() -> None:
     with pytest.raises(ValueError, match="iff"):
         stats.record(32, 32, "evicted")
     assert stats.total == 3
+
+
+async def test_an_attempt_audit_waits_for_the_deferred_encodes_keys() -> None:
+    """An attempt routed before its new text was encoded takes that encode's whole keys (the
+    proxy's ``on_keys`` still runs); the audit of an inexact prediction can wait for them."""
+    tok = load_tokenizer_files(TINY, where="t").tokenizer
+    enc = SegmentEncoder(tok, BoundedLRU(100), "t")
+    deferred = DeferredEncodes(100_000, lambda: None)  # encoded on the event loop
+
+    def attempt(fingerprint: int) -> tuple[DeferredJob, AttemptAudit, list[list[int]]]:
+        prompt = " ".join(f"word{i}" for i in range(200 + fingerprint))
+        job = DeferredJob(
+            enc, enc.plan(prompt, add_special_tokens=False), False, fingerprint, lambda t: [len(t)]
+        )
+        routed: list[list[int]] = []
+        job.on_keys = routed.append  # the proxy's Router.record of the attempt
+        info = FeatureInfo("t", "t", None, "local", False, 100, deferred_chars=len(prompt), deferred=job)
+        return job, AttemptAudit(info, IndexAtDispatch(0, 0)), routed
+
+    try:
+        job, audit, routed = attempt(1)
+        assert audit.kind == "deferred" and audit.waiting() and audit.full_keys is None
+        await audit.encoded(0.05)  # not submitted: the wait ends at its bound, keys unknown
+        assert audit.waiting() and audit.full_keys is None
+        deferred.submit(job)
+        await audit.encoded(10)
+        assert not audit.waiting() and audit.full_keys is not None and routed == [audit.full_keys]
+        assert audit.full_keys[0] > 200  # the keys_of of the whole prompt's tokens
+        # a job the backlog drops never brings keys: the audit stops waiting for them
+        dropped, audit2, _ = attempt(2)
+        small = DeferredEncodes(10, lambda: None)
+        small.submit(dropped)
+        assert small.dropped == 1 and not audit2.waiting() and audit2.full_keys is None
+        exact = FeatureInfo("t", "t", None, "local", False, 100)
+        assert not AttemptAudit(exact, IndexAtDispatch(0, 0)).waiting()
+    finally:
+        await deferred.close()
