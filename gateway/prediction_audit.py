@@ -9,11 +9,13 @@ the end.
 
 Every request the engine reports cached tokens for is audited, whatever its features were
 (``AuditCase.kind``): ``exact`` (the engine's tokens), ``deferred`` (routed on the keys of its
-encoded prefix, its trailing text encoded after routing: ``DeferredKeys`` hands the audit the
-whole prompt's keys once that encode is done) or ``approximate`` (character blocks).
+encoded prefix, its trailing text encoded after routing: ``AttemptAudit`` takes the whole
+prompt's keys once that encode is done, and the upstream waits for them, bounded, when an
+inexact prediction's answer comes first) or ``approximate`` (character blocks).
 
 Every inexact prediction is explained by one cause (``inexact_cause``), from what the index said
-at dispatch (``placement.IndexAtDispatch``) and says at the audit: the cause of the first block
+at dispatch (``placement.IndexAtDispatch``) and says at the audit, and from the prompt length the
+engine reports against the gateway's (``AuditCase.tokens_agree``): the cause of the first block
 where prediction and engine differ. With P the predicted and R the reported cached blocks:
 
 * ``approximate_features``: the request was routed on character blocks (no tokenizer, or a
@@ -26,18 +28,21 @@ where prediction and engine differ. With P the predicted and R the reported cach
     replica since the dispatch (blocks evicted between the decision and the prefill);
   - ``tokenization``: it was reported and nothing was removed since, but the engine counted
     another prompt length than the gateway (its blocks for this request are other tokens);
-  - ``stale_index``: it was reported, no removal was reported since, and the prompt lengths
-    agree: the index held an entry the engine no longer had (a removal lost or not sent);
+  - ``stale_index``: it was reported, no removal was reported since, and the prompt lengths do
+    not differ: the index held an entry the engine no longer had (a removal lost or not sent);
 * under-predicted (P < R): the engine had blocks the prediction did not credit, from block P:
   - ``deferred_encode``: block P lies past the keys the request was routed on (its text was
-    encoded after routing), and the index holds the engine's blocks under the prompt's full
-    keys (when that encode finished before the audit; else that check is not made): the
-    gateway could not credit a block it had no key for at the decision;
-  - ``not_yet_reported``: the index holds the blocks up to R precisely now (stored by a
-    concurrent request, their events still on the way at the decision);
-  - ``tokenization``: it still does not, or the engine counted more blocks than the prompt has:
-    the engine's tokens are not the gateway's (another chat template or tokenizer), so its
-    blocks never carry the request's keys.
+    encoded after routing): the gateway had no key for it at the decision; with the whole keys
+    (when known) the index holds the engine's blocks or the engine's length fits them;
+  - ``not_yet_reported``: the index holds the blocks up to R precisely now (their events were
+    on the way at the decision), or it does not but the engine counted the prompt as the
+    gateway did (so its blocks carry the request's keys: stored after the decision, evicted
+    since), and the replica's agent does not say its inventory may miss blocks;
+  - ``stale_index``: the same, with an agent that says its inventory may miss blocks (it lost
+    engine events): the index lacked blocks the engine held;
+  - ``tokenization``: the index does not hold them and the prompt lengths differ (or are not
+    known), or the engine counted more blocks than the prompt has: the engine's tokens are not
+    the gateway's (another chat template or tokenizer), so its blocks never carry the keys.
 """
 
 from __future__ import annotations
