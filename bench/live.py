@@ -107,8 +107,8 @@ def engine_state(http_urls: list[str]) -> tuple[float, float, dict[float, float]
 
 def start_fleet(
     procs: ProcessGroup, n: int, args: argparse.Namespace, w: LiveWorkload | None = None
-) -> list[tuple[str, str]]:
-    """(http url, events endpoint) per engine (``w``: its speeds and cache size)."""
+) -> list[tuple[str, str, str]]:
+    """(http url, events endpoint, replay endpoint) per engine (``w``: its speeds and cache size)."""
     procs_ = []
     slowdowns = w.slowdowns if w is not None else (1.0,)
     cache_blocks = getattr(args, "run_cache_blocks", None) or args.cache_blocks
@@ -124,6 +124,10 @@ def start_fleet(
                     "--port",
                     "0",
                     "--events-port",
+                    "0",
+                    # the agent replays what it missed before its subscription took (a slow
+                    # joiner otherwise starts degraded: its index lacks the first batches' blocks)
+                    "--replay-port",
                     "0",
                     "--model",
                     MODEL,
@@ -142,9 +146,11 @@ def start_fleet(
         )
     fleet = []
     for i, proc in enumerate(procs_):
-        m = procs.wait_ready(f"engine{i}", proc, Ready(pattern=r"sim-engine ready http=(\S+) events=(\S+)"))
+        m = procs.wait_ready(
+            f"engine{i}", proc, Ready(pattern=r"sim-engine ready http=(\S+) events=(\S+) replay=(\S+)")
+        )
         assert m is not None
-        fleet.append((m.group(1), m.group(2)))
+        fleet.append((m.group(1), m.group(2), m.group(3)))
     return fleet
 
 
@@ -170,7 +176,7 @@ def _wait_agents(gateway: str, n: int, timeout_s: float = 30.0) -> None:
 def start_router(
     procs: ProcessGroup,
     name: str,
-    fleet: list[tuple[str, str]],
+    fleet: list[tuple[str, str, str]],
     tmp: Path,
     kvgate_params: dict[str, Any] | None = None,
     kvgate_workers: int = 1,
@@ -178,7 +184,7 @@ def start_router(
     """Start router ``name`` in front of ``fleet``; returns (base url, policy actually used).
     ``kvgate_params``: kv_aware's parameters in kvgate's config; ``kvgate_workers``: its
     ``server.workers`` (1 by default: the audit and TTFT figures are read from one process)."""
-    urls = [u for u, _ in fleet]
+    urls = [u for u, *_ in fleet]
     if name in KVGATE_RULES:
         params = dict(kvgate_params or {})
         if KVGATE_RULES[name]:  # a variant naming kv_aware's rule (compared in the same run)
@@ -199,12 +205,13 @@ def start_router(
             Ready(pattern=r"kvgate serve: http=([\d.]+:\d+) inventory=([\d.]+:\d+)"),
         )
         assert m is not None
-        for i, (u, ev) in enumerate(fleet):
+        for i, (u, ev, replay_ep) in enumerate(fleet):
             procs.spawn(
                 f"agent{i}",
                 [
                     sys.executable, "-m", "gateway.cli", "agent", "--replica-id", f"r{i}", "--engine-url", u,
-                    "--events", ev, "--gateway", m.group(2), "--model", MODEL, "--log-level", "WARNING",
+                    "--events", ev, "--replay", replay_ep, "--gateway", m.group(2), "--model", MODEL,
+                    "--log-level", "WARNING",
                 ],
             )  # fmt: skip
         _wait_agents(m.group(1), len(fleet))
@@ -223,7 +230,7 @@ def start_router(
         )  # fmt: skip
         return f"http://127.0.0.1:{port}", "cache_aware"
     if name == "vllm_router_best":
-        sources = [arg for u, ev in fleet for arg in ("--kv-event-source", f"{u}={ev}")]
+        sources = [arg for u, ev, _ in fleet for arg in ("--kv-event-source", f"{u}={ev}")]
         try:
             procs.start(
                 name,
@@ -268,7 +275,7 @@ def one_run(
     with ProcessGroup(tmp) as procs:
         fleet = start_fleet(procs, args.replicas, args, w)
         url, policy = start_router(procs, router, fleet, tmp, args.kvgate_params, args.kvgate_workers)
-        urls = [u for u, _ in fleet]
+        urls = [u for u, *_ in fleet]
         h0, q0, b0 = engine_state(urls)
         results, wall = uvloop.run(replay(url, reqs, args.speedup, args.timeout))
         h1, q1, b1 = engine_state(urls)

@@ -86,8 +86,9 @@ def quantile(cumulative: Mapping[float, float], q: float) -> float | None:
 
 def kvgate_audit(text: str) -> dict[str, object]:
     """kvgate's audits from its /metrics: the TTFT model's median absolute relative error (each
-    replica's, weighted by its first tokens), the cached-token audit's exact share and the
-    inexact predictions by cause."""
+    replica's, weighted by its first tokens), the cached-token audit's exact share and its
+    inexact predictions by cause (``cached_audit_causes``: cause -> count, summed over the
+    replicas; the causes of gateway/prediction_audit.py)."""
     mae: dict[str, float] = {}
     counts: dict[str, float] = {}
     outcomes: dict[str, float] = {}
@@ -110,5 +111,5 @@ def kvgate_audit(text: str) -> dict[str, object]:
         "ttft_audit_first_tokens": int(sum(counts.values())),
         "cached_audit_exact_fraction": outcomes.get("exact", 0.0) / audited if audited else None,
         "cached_audit_requests": int(audited),
-        "inexact_causes": {k: int(v) for k, v in sorted(causes.items())},
+        "cached_audit_causes": {k: int(v) for k, v in sorted(causes.items())},
     }

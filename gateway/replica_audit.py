@@ -20,13 +20,16 @@ class AuditStats:
 
     def record(self, predicted: int, reported: int, cause: str | None = None) -> str:
         """Count one audited request; returns its outcome: exact, over or under. An inexact one
-        is counted under ``cause`` (``unknown`` when none was given)."""
+        is counted under its ``cause`` (``prediction_audit.inexact_cause``), given iff inexact."""
+        if (predicted == reported) != (cause is None):
+            raise ValueError(
+                f"a cause is given iff the prediction is inexact: {predicted}, {reported}, {cause}"
+            )
         self.total += 1
-        if predicted == reported:
+        if cause is None:
             self.exact += 1
             return "exact"
-        key = cause or "unknown"
-        self.causes[key] = self.causes.get(key, 0) + 1
+        self.causes[cause] = self.causes.get(cause, 0) + 1
         return "over" if predicted > reported else "under"
 
     @property

@@ -105,8 +105,3 @@ class Attempt:
     @property
     def record(self) -> ReplicaRecord:
         return self.choice.record
-
-    @property
-    def audited(self) -> bool:
-        """The prediction is exact, so the engine's cached-token report audits it."""
-        return self.info.exact

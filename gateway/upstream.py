@@ -35,21 +35,16 @@ from multidict import CIMultiDict
 from gateway.fleet import Fleet, ReplicaRecord
 from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import RequestError, sse_error_event
-from gateway.prediction_audit import (
-    AuditCase,
-    SseTail,
-    held_prefix_hint,
-    inexact_cause,
-    record_audit,
-)
+from gateway.prediction_audit import AttemptAudit, SseTail, held_prefix_hint, inexact_cause, record_audit
 from gateway.request_context import DROP_REQUEST, DROP_RESPONSE, Attempt, filter_headers
-from gateway.request_outcome import OutcomeSink, usage_in
+from gateway.request_outcome import OutcomeSink, Usage, usage_in
 from gateway.stream_relay import IdleWatch
 from gateway.upstream_client import ConnectError, ConnectTimeout, UpstreamClient, UpstreamResponse
-from router_policies.placement import Dispatch, Flight
+from router_policies.placement import Dispatch
 
 UPSTREAM_READ_ERRORS = (aiohttp.ClientError, OSError)
 WATCH_INTERVAL_S = 0.2  # how soon an attempt on an ejected replica is failed over
+LATE_AUDIT_S = 30.0  # longest an audit waits for a deferred encode's keys (then audited without)
 
 
 @dataclass(slots=True, eq=False)
@@ -139,6 +134,9 @@ class Upstream:
         self._metrics = metrics
         self.outcomes: OutcomeSink | None = None  # the operator view (gateway/operator_view.py)
         self._watch = EjectionWatch()
+        # audits waiting for a deferred encode's keys (at most one per such request, each bounded
+        # by LATE_AUDIT_S); held here so that they are not collected while they wait
+        self._late_audits: set[asyncio.Task[None]] = set()
 
     async def _post(self, a: Attempt) -> UpstreamResponse:
         """The replica's response headers; a failure to get them raises ``Retry``."""
@@ -195,18 +193,42 @@ class Upstream:
             raise Retry(reason, f"{rec.id} {why}") from None
         raise RequestError(f"replica {rec.id} {why}", status=504, code="upstream_timeout") from None
 
-    def _audit(self, a: Attempt, flight: Flight, reported: int | None) -> None:
-        if reported is not None:
-            predicted, cause, f = a.choice.predicted_tokens, None, a.features
-            if predicted != reported and flight.at_dispatch is not None:
-                case = AuditCase(f.block_keys, f.block_size, predicted, reported, flight.at_dispatch)
-                cause = a.ctx.log["audit_cause"] = inexact_cause(self._fleet.index, a.record.id, case)
-            record_audit(self._metrics, a.record, predicted, reported, cause)
-            sink = self._fleet.held_prefix_sink
-            hint = held_prefix_hint(f.block_keys, a.info.token_ids, f.block_size, reported) if sink else None
-            if sink is not None and hint is not None:
-                sink(a.record.id, *hint)
-            a.ctx.log["reported_cached_tokens"] = reported
+    def _audit(self, a: Attempt, audit: AttemptAudit, use: Usage | None) -> None:
+        reported = use.reported_cached if use is not None else None
+        if use is None or reported is None:
+            return
+        if a.choice.predicted_tokens != reported and audit.waiting():
+            # its prompt's whole keys are being encoded (after routing): audited once known
+            task = asyncio.get_running_loop().create_task(self._audit_encoded(a, audit, use))
+            self._late_audits.add(task)
+            task.add_done_callback(self._late_audits.discard)
+        else:
+            cause = self._record_audit(a, audit, use)
+            if cause is not None:
+                a.ctx.log["audit_cause"] = cause
+                if audit.full_keys is not None:  # a deferred encode's keys, checked by the cause
+                    a.ctx.log["audit_full_key_blocks"] = len(audit.full_keys)
+        f, sink = a.features, self._fleet.held_prefix_sink
+        hint = held_prefix_hint(f.block_keys, a.info.token_ids, f.block_size, reported) if sink else None
+        if sink is not None and hint is not None:
+            sink(a.record.id, *hint)
+        a.ctx.log["reported_cached_tokens"] = reported
+
+    async def _audit_encoded(self, a: Attempt, audit: AttemptAudit, use: Usage) -> None:
+        """The audit of an attempt whose whole keys were still being encoded (its access-log
+        line has gone out: the cause is in the metrics and ``/admin/replicas`` only)."""
+        await audit.encoded(LATE_AUDIT_S)
+        self._record_audit(a, audit, use)
+
+    def _record_audit(self, a: Attempt, audit: AttemptAudit, use: Usage) -> str | None:
+        """Count the attempt's audit; the cause of an inexact prediction (None: exact)."""
+        predicted, reported, cause = a.choice.predicted_tokens, use.reported_cached, None
+        assert reported is not None
+        if predicted != reported:
+            case = audit.case(a.features, a.record, predicted, use)
+            cause = inexact_cause(self._fleet.index, a.record.id, case)
+        record_audit(self._metrics, a.record, predicted, reported, cause)
+        return cause
 
     async def send(self, a: Attempt) -> web.StreamResponse:
         """Forward the request to the attempt's replica and answer the client (raises ``Retry``,
@@ -217,6 +239,8 @@ class Upstream:
         predicted = a.choice.predicted_tokens
         snap = a.choice.snapshot
         flight = self._fleet.dispatch(rec, Dispatch.of(snap, rec.id, features, predicted, out_tokens))
+        assert flight.at_dispatch is not None  # Fleet.dispatch records it
+        audit = AttemptAudit(a.info, flight.at_dispatch)  # before any await (its docstring)
         up: UpstreamResponse | None = None
         done = False
         try:
@@ -249,16 +273,16 @@ class Upstream:
                     self._fleet.proxy_success(rec)
                 elif up.status != 503:
                     self._fleet.proxy_failure(rec, f"answered {up.status}")
-                if up.status == 200 and (a.audited or self.outcomes is not None):
+                if up.status == 200:
                     use = usage_in(first, False)  # parsed once, for the audit and the sink
-                    if a.audited and up.content_type == "application/json":
-                        self._audit(a, flight, use.reported_cached if use is not None else None)
+                    if up.content_type == "application/json":
+                        self._audit(a, audit, use)
                     if self.outcomes is not None:
                         self.outcomes.answered(a, use)
                 self._metrics.e2e_by(rec.id).observe(ctx.elapsed())
                 return web.Response(status=up.status, body=first, headers=headers)
             # an SSE stream, or a body too large to hold: passed through as it arrives
-            resp, done = await self._stream(a, flight, up, (first, is_sse), headers)
+            resp, done = await self._stream(a, audit, up, (first, is_sse), headers)
             return resp
         finally:
             flight.end()
@@ -271,7 +295,7 @@ class Upstream:
     async def _stream(
         self,
         a: Attempt,
-        flight: Flight,
+        audit: AttemptAudit,
         up: UpstreamResponse,
         start: tuple[bytes, bool],
         headers: CIMultiDict[str],
@@ -287,9 +311,8 @@ class Upstream:
         resp = web.StreamResponse(status=up.status, headers=headers)
         writer = await resp.prepare(request)
         assert writer is not None
-        # the tail is kept only when the audit or the outcome sink will read it
-        wanted = sse and up.status == 200 and (a.audited or self.outcomes is not None)
-        tail = SseTail(first) if wanted else None
+        # the tail of an SSE answer is kept for the audit (and the outcome sink)
+        tail = SseTail(first) if sse and up.status == 200 else None
         chunk = first
         sent = 0
         complete = False
@@ -326,8 +349,8 @@ class Upstream:
                 self._fleet.proxy_success(rec)
                 # a body too large to hold is passed on unread: its outcome has no usage
                 use = usage_in(tail.value(), sse) if tail is not None else None  # parsed once
-                if tail is not None and a.audited:
-                    self._audit(a, flight, use.reported_cached if use is not None else None)
+                if tail is not None:
+                    self._audit(a, audit, use)
                 if self.outcomes is not None and up.status == 200:
                     self.outcomes.answered(a, use)
                 await resp.write_eof()

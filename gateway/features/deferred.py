@@ -103,6 +103,7 @@ class DeferredEncodes:
         self.submitted += 1
         if not self._fits(job, 0, 0):
             self.dropped += 1
+            job.finished.set()  # never encoded, like a job dropped from the backlog (_forget)
             return
         while not self._fits(job, self.queued_chars, self.queued_bytes):
             self._forget(self._jobs.popleft())

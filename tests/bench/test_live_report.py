@@ -41,7 +41,7 @@ kvgate_prediction_audit_inexact_total{replica="a",cause="evicted"} 1.0
 """
     got = live_metrics.kvgate_audit(text)
     assert got["ttft_audit_median_abs_error"] == pytest.approx((0.1 * 30 + 0.4 * 10) / 40)
-    assert got["cached_audit_exact_fraction"] == 0.9 and got["inexact_causes"] == {"evicted": 1}
+    assert got["cached_audit_exact_fraction"] == 0.9 and got["cached_audit_causes"] == {"evicted": 1}
 
 
 def _row(

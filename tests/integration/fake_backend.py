@@ -14,7 +14,8 @@ backend sends directly. The prompt (or the last chat message) steers its behavio
 
 Responses to generate requests carry ``x-fake-seen-headers`` (the request header names received)
 and a ``Proxy-Authenticate`` header (hop-by-hop: a proxy must drop it).
-``fake_cached_tokens`` in the body sets ``usage.prompt_tokens_details.cached_tokens``.
+``fake_cached_tokens`` in the body sets ``usage.prompt_tokens_details.cached_tokens``, and
+``fake_prompt_tokens`` its ``usage.prompt_tokens`` (default: the prompt's length in characters).
 ``GET /stats`` returns ``{"active", "requests", "cancelled", "connections"}`` (handlers still
 running, requests seen, handlers cancelled by a client disconnect, distinct client connections
 that sent requests).
@@ -104,10 +105,11 @@ class Backend:
             await asyncio.Event().wait()
         digest = hashlib.sha256(raw).hexdigest()[:16]
         cached = int(body.get("fake_cached_tokens", 0))
+        prompt_tokens = int(body.get("fake_prompt_tokens", len(text)))
         usage = {
-            "prompt_tokens": len(text),
+            "prompt_tokens": prompt_tokens,
             "completion_tokens": 3,
-            "total_tokens": len(text) + 3,
+            "total_tokens": prompt_tokens + 3,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
         words = ["alpha", " béta", " \u03b3\u2603"]  # non-ASCII on purpose

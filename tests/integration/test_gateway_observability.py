@@ -233,13 +233,19 @@ def test_spans_are_exported_over_otlp(procs: Procs) -> None:
         server.stop(None)
 
 
-def test_approximate_requests_are_not_audited(procs: Procs) -> None:
+def test_approximate_requests_are_audited_as_such(procs: Procs) -> None:
+    """Character-block features (no tokenizer) predict an estimate: audited, and an inexact one
+    is put down to them (gateway/prediction_audit.py: approximate_features)."""
     b = procs.backend("r0")
     cfg = base_config(b)
     cfg["models"] = [{"name": "m", "tokenizer": None}]  # character blocks only
     gw = procs.gateway(cfg)
     assert _post(gw, {"model": "m", "prompt": "p" * 500, "fake_cached_tokens": 7})[0] == 200
+    assert _post(gw, {"model": "m", "prompt": "q" * 500, "fake_cached_tokens": 0})[0] == 200
     m = gw.metrics()
-    assert 'kvgate_features_total{approximate="true",mode="chars"} 1.0' in m
-    assert "kvgate_prediction_audit_total{" not in m
-    assert gw.replicas()["r0"]["prediction_audit"]["total"] == 0
+    assert 'kvgate_features_total{approximate="true",mode="chars"} 2.0' in m
+    assert 'kvgate_prediction_audit_inexact_total{cause="approximate_features",replica="r0"} 1.0' in m
+    audit = gw.replicas()["r0"]["prediction_audit"]
+    assert (audit["total"], audit["exact"], audit["inexact_causes"]) == (2, 1, {"approximate_features": 1})
+    entry = wait_until(lambda: _access_lines(gw), what="access log")[0]
+    assert entry["approximate"] is True and entry["audit_cause"] == "approximate_features"
