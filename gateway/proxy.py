@@ -236,7 +236,7 @@ class Proxy:
                     ) from None
                 break
             if attempt == 0:
-                self._metrics.decision_seconds.observe(ctx.elapsed() - td)
+                self._metrics.decision_time.observe(ctx.elapsed() - td)
                 self._metrics.predicted_by(ctx.state.policy.name).observe(choice.predicted_tokens)
             ctx.annotate(features, choice)
             a = Attempt(
@@ -266,7 +266,7 @@ class Proxy:
         assert ctx.parsed is not None
         tf = ctx.elapsed()
         features, info = await ctx.state.featurizer.featurize(ctx.parsed)
-        self._metrics.features_seconds.observe(ctx.elapsed() - tf)
+        self._metrics.features_time.observe(ctx.elapsed() - tf)
         self._metrics.features_by(info.mode, "true" if info.approximate else "false").inc()
         if info.approximate:
             ctx.log["approximate"] = True
