@@ -4,6 +4,7 @@ under every truncation and key namespace."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -31,21 +32,21 @@ def _featurizer(memo_cache_bytes: int) -> Featurizer:
     )
 
 
+def _counted(calls: list[int], tokens: np.ndarray) -> list[int]:
+    calls.append(len(tokens))
+    return block_keys(tokens, 4, "m")
+
+
 def test_keys_found_by_their_source_skip_the_tokens() -> None:
     calls: list[int] = []
-
-    def compute(tokens: np.ndarray) -> list[int]:
-        calls.append(len(tokens))
-        return block_keys(tokens, 4, "m")
-
-    ns = ("m", None, None, 4)
-    cache = MemoCache(1 << 20)
-    a = np.arange(32, dtype=np.uint32)
-    assert cache.keys(ns, a, compute, ("text", 1)) == block_keys(a, 4, "m")
+    cache, a = MemoCache(1 << 20), np.arange(32, dtype=np.uint32)
+    want = block_keys(a, 4, "m")
+    by_text = functools.partial(cache.keys, ("m", None, None, 4), compute=functools.partial(_counted, calls))
+    assert by_text(a, source=("text", 1)) == want
     # found by the source alone: the tokens passed are not read again
-    assert cache.keys(ns, a[:4], compute, ("text", 1)) == block_keys(a, 4, "m") and len(calls) == 1
-    assert cache.keys(ns, a, compute) == block_keys(a, 4, "m") and len(calls) == 2  # by tokens: apart
-    assert cache.keys(("m", "lora", None, 4), a, compute, ("text", 1)) and len(calls) == 3
+    assert by_text(a[:4], source=("text", 1)) == want and calls == [32]
+    assert by_text(a) == want and calls == [32, 32]  # found by tokens: a separate entry
+    assert by_text(a[:8], source=("text", 2)) == block_keys(a[:8], 4, "m") and calls == [32, 32, 8]
 
 
 async def test_resent_chats_keep_exact_keys_under_every_truncation() -> None:
