@@ -38,7 +38,8 @@ class FirstByteWait:
     timeout_s: float
     others: Callable[[], bool]  # whether another healthy replica could take the request
     ejected: bool = False
-    deadline: float = math.inf  # checked by the watch (inf: the wait's own timer, or expired)
+    expired: bool = False  # by the watch, once (a Timeout expiring already cannot be rescheduled)
+    deadline: float = math.inf  # checked by the watch (inf: the wait's own timer)
     timeout: asyncio.Timeout = field(init=False)
 
     async def __aenter__(self) -> FirstByteWait:
@@ -59,7 +60,9 @@ class FirstByteWait:
         await self.timeout.__aexit__(et, exc, tb)  # raises TimeoutError for an expired wait
 
     def expire(self, now: float) -> None:
-        self.deadline = math.inf
+        self.expired = True
+        if self.timeout.expired():  # its own timer fired first
+            return
         self.timeout.reschedule(now)
 
 
@@ -97,10 +100,12 @@ class EjectionWatch:
                 now = loop.time()
                 wake = now + WATCH_INTERVAL_S
                 for wait in list(self._waiting):
+                    if wait.expired:
+                        continue  # its block ends at the loop's next turn
                     if now >= wait.deadline:
                         wait.expire(now)
-                    elif not wait.ejected and not wait.record.healthy and wait.others():
-                        wait.ejected = True
+                    elif not wait.record.healthy and wait.others():
+                        wait.ejected = not wait.timeout.expired()  # else it timed out first
                         wait.expire(now)
                     else:
                         wake = min(wake, wait.deadline)
