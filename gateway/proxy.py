@@ -19,9 +19,8 @@ upstream connection: the engine aborts the request and frees its slot. Every err
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,26 +115,25 @@ class Proxy:
         """Request bodies held: (bytes, bound), as ``Featurizer.memory_stats``."""
         return {"request_bodies": (self._bodies.held, self._bodies.limit)}
 
-    @contextlib.asynccontextmanager
-    async def _body_room(self, request: web.Request, pcfg: ProxyConfig) -> AsyncIterator[None]:
-        """Hold the request body's bytes against ``server.max_inflight_body_bytes`` for the
-        request's life (raises 503 when there is no room within ``proxy.body_timeout_s``)."""
+    async def _body_room(self, request: web.Request, pcfg: ProxyConfig) -> int:
+        """Hold the request body's bytes against ``server.max_inflight_body_bytes`` (raises 503
+        when there is no room within ``proxy.body_timeout_s``); returns what the caller releases
+        (``self._bodies.release``) when the request ends. A plain call, not a context manager:
+        this runs for every request."""
         length = request.content_length
         need = pcfg.max_body_bytes if length is None else min(length, pcfg.max_body_bytes)
+        if self._bodies.try_acquire(need):  # no timer when there is room (most requests)
+            return need
         try:
-            if not self._bodies.try_acquire(need):  # no timer when there is room (most requests)
-                async with asyncio.timeout(pcfg.body_timeout_s):
-                    await self._bodies.acquire(need)
+            async with asyncio.timeout(pcfg.body_timeout_s):
+                await self._bodies.acquire(need)
         except TimeoutError:
             raise RequestError(
                 "the gateway holds too many request bodies; retry later",
                 status=503,
                 code="overloaded",
             ) from None
-        try:
-            yield
-        finally:
-            self._bodies.release(need)
+        return need
 
     # ------------------------------------------------------------------ handlers
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -184,8 +182,11 @@ class Proxy:
         status = 500
         try:
             try:
-                async with self._body_room(request, state.config.proxy):
+                held = await self._body_room(request, state.config.proxy)
+                try:
                     response = await self._route(ctx, endpoint)
+                finally:
+                    self._bodies.release(held)
             except RequestError as exc:
                 response = ctx.error(exc)
             status = response.status
@@ -235,7 +236,7 @@ class Proxy:
                     ) from None
                 break
             if attempt == 0:
-                self._metrics.decision_seconds.observe(ctx.elapsed() - td)
+                self._metrics.decision_time.observe(ctx.elapsed() - td)
                 self._metrics.predicted_by(ctx.state.policy.name).observe(choice.predicted_tokens)
             ctx.annotate(features, choice)
             a = Attempt(
@@ -265,7 +266,7 @@ class Proxy:
         assert ctx.parsed is not None
         tf = ctx.elapsed()
         features, info = await ctx.state.featurizer.featurize(ctx.parsed)
-        self._metrics.features_seconds.observe(ctx.elapsed() - tf)
+        self._metrics.features_time.observe(ctx.elapsed() - tf)
         self._metrics.features_by(info.mode, "true" if info.approximate else "false").inc()
         if info.approximate:
             ctx.log["approximate"] = True

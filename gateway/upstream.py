@@ -11,8 +11,8 @@ passed through chunk by chunk; a replica that dies, or sends nothing for
 ``proxy.stream_idle_timeout_s``, ends it with one SSE error event. Streams have no total timeout:
 long healthy ones are never cut.
 
-``EjectionWatch`` is one task, running while attempts wait for a first byte, that checks their
-replicas' health every ``WATCH_INTERVAL_S`` and ends the wait of those ejected.
+The first-byte wait and the failover of attempts whose replica is ejected while they wait:
+``gateway/upstream_watch.py`` (one task for all waits, no timer per request).
 
 Invariants: every ``Flight`` opened here is ended in a ``finally``; every upstream response is
 released (read to its end) or closed in a ``finally``.
@@ -21,18 +21,15 @@ released (read to its end) or closed in a ``finally``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import math
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import NoReturn
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from gateway.fleet import Fleet, ReplicaRecord
+from gateway.fleet import Fleet
 from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import RequestError, sse_error_event
 from gateway.prediction_audit import AttemptAudit, SseTail, held_prefix_hint, inexact_cause, record_audit
@@ -40,58 +37,11 @@ from gateway.request_context import DROP_REQUEST, DROP_RESPONSE, Attempt, filter
 from gateway.request_outcome import OutcomeSink, Usage, usage_in
 from gateway.stream_relay import IdleWatch
 from gateway.upstream_client import ConnectError, ConnectTimeout, UpstreamClient, UpstreamResponse
+from gateway.upstream_watch import EjectionWatch, FirstByteWait
 from router_policies.placement import Dispatch
 
 UPSTREAM_READ_ERRORS = (aiohttp.ClientError, OSError)
-WATCH_INTERVAL_S = 0.2  # how soon an attempt on an ejected replica is failed over
 LATE_AUDIT_S = 30.0  # longest an audit waits for a deferred encode's keys (then audited without)
-
-
-@dataclass(slots=True, eq=False)
-class FirstByteWait:
-    """One attempt waiting for its first byte: its replica, its timeout, whether it was ejected."""
-
-    record: ReplicaRecord
-    timeout: asyncio.Timeout
-    others: Callable[[], bool]  # whether another healthy replica could take the request
-    ejected: bool = False
-
-
-class EjectionWatch:
-    """Ends the first-byte wait of attempts whose replica became unhealthy (event loop only)."""
-
-    def __init__(self) -> None:
-        self._waiting: set[FirstByteWait] = set()  # identity-hashed: one per attempt
-        self._task: asyncio.Task[None] | None = None
-
-    @contextlib.asynccontextmanager
-    async def first_byte(
-        self, rec: ReplicaRecord, timeout_s: float, others: Callable[[], bool]
-    ) -> AsyncIterator[FirstByteWait]:
-        """``asyncio.timeout(timeout_s)``, also expiring at once when ``rec`` is ejected while
-        ``others()`` says another replica could take the request (the block then raises
-        ``TimeoutError``); with no other replica, the attempt keeps waiting for its own."""
-        async with asyncio.timeout(timeout_s) as cm:
-            wait = FirstByteWait(rec, cm, others)
-            self._waiting.add(wait)
-            if self._task is None:
-                self._task = asyncio.get_running_loop().create_task(self._run(), name="kvgate-ejection-watch")
-            try:
-                yield wait
-            finally:
-                self._waiting.discard(wait)
-
-    async def _run(self) -> None:
-        try:
-            while self._waiting:
-                await asyncio.sleep(WATCH_INTERVAL_S)
-                now = asyncio.get_running_loop().time()
-                for wait in list(self._waiting):
-                    if not wait.record.healthy and not wait.ejected and wait.others():
-                        wait.ejected = True
-                        wait.timeout.reschedule(now)
-        finally:
-            self._task = None
 
 
 class Retry(Exception):

@@ -49,6 +49,7 @@ __all__ = [
 
 IDLE_S = 4.0  # below uvicorn's default keep-alive (5 s): the gateway drops first
 MAX_IDLE_PER_HOST = 256
+SPLIT_CACHE_URLS = 1024
 
 
 Origin = tuple[str, int, bool]  # host, port, TLS
@@ -116,6 +117,9 @@ class UpstreamClient:
         self._idle_s = idle_s
         self._ssl: ssl.SSLContext | None = None
         self.opened = 0  # connections opened (a test reads it to see reuse)
+        # url -> (origin, netloc, request target): the same few URLs (replica x endpoint) every
+        # request; a query string makes others, so the memo is emptied when it reaches its bound
+        self._split: dict[str, tuple[Origin, str, str]] = {}
 
     def _take(self, origin: Origin) -> _Conn | None:
         pool = self._idle.get(origin)
@@ -157,10 +161,15 @@ class UpstreamClient:
         """POST ``body`` to ``url`` (``http(s)://host:port/path?query``); returns once the
         response's status and headers arrived. ``headers`` must not hold Host, Content-Length,
         Transfer-Encoding or Connection (``filter_headers`` with ``DROP_REQUEST`` drops them)."""
-        parts = urlsplit(url)
-        origin = origin_of(parts)
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        lines = [f"POST {target} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Length: {len(body)}\r\n"]
+        split = self._split.get(url)
+        if split is None:
+            if len(self._split) >= SPLIT_CACHE_URLS:
+                self._split.clear()
+            parts = urlsplit(url)
+            target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            split = self._split[url] = (origin_of(parts), parts.netloc, target)
+        origin, netloc, target = split
+        lines = [f"POST {target} HTTP/1.1\r\nHost: {netloc}\r\nContent-Length: {len(body)}\r\n"]
         lines.extend(f"{k}: {v}\r\n" for k, v in headers.items())
         lines.append("\r\n")
         head = "".join(lines).encode("latin-1")

@@ -231,8 +231,8 @@ class PrefixIndex:
     def precise_run(self, replica: str, keys: Sequence[int]) -> int:
         """How many leading ``keys`` ``replica`` holds precisely (reported by its engine)."""
         rep = self._replicas.get(replica)
-        if rep is None or len(keys) == 0:
-            return 0
+        if rep is None or len(keys) == 0 or rep.precise_count == 0:
+            return 0  # nothing reported (no agent, or none yet): no walk (the audit asks per request)
         batch = as_keys(keys)
         has = self._table.has(batch, rep.slot)
         run = len(has) if has.all() else int(has.argmin())

@@ -11,7 +11,9 @@ routing (``EncodeNow``), as are truncated prompts (their kept tokens depend on t
 
 A request carrying the same new text as a deferred encode still waiting (a burst on one new
 document) takes that encode over first (``DeferredEncodes.expedite``): the earlier request's
-replica gets its entries, then this request is encoded and matched exactly.
+replica gets its entries, then what is still new in this request is planned again: nothing (the
+same text: encoded and matched exactly), or its own new tail after the shared head (requests
+sharing a long new system prompt or document), which is deferred like any new text.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from gateway.features.prompt import Text
 from gateway.features.segment_encoder import EncodePlan, SegmentEncoder
 
 HEAD_MARGIN_CHARS = 64  # encoded past the last block of new text seen before (see plan())
+# waiting deferred encodes one request takes over (each shares its first blocks of new text
+# with what is new in the request then): a shared head's, then its own text's burst
+MAX_TAKEOVERS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +47,14 @@ class Defer:
 EncodeStep = EncodeNow | Defer
 
 
+@dataclass(frozen=True, slots=True)
+class _Burst:
+    """The plan shares its first blocks of new text with the waiting deferred encode ``anchor``."""
+
+    plan: EncodePlan
+    anchor: int
+
+
 class EncodePlanner:
     def __init__(self, defer_chars: int, seen_entries: int, deferred: DeferredEncodes) -> None:
         self.defer_chars = defer_chars
@@ -55,7 +68,29 @@ class EncodePlanner:
         self, enc: SegmentEncoder, prompt: Text, truncated: bool, explain: bool = False
     ) -> EncodeStep:
         """The step for ``prompt``. ``explain``: record nothing and take no encode over."""
-        plan = enc.plan(prompt.text, add_special_tokens=prompt.add_special_tokens, peek=explain)
+        ast = prompt.add_special_tokens
+        plan = enc.plan(prompt.text, add_special_tokens=ast, peek=explain)
+        for _ in range(MAX_TAKEOVERS):
+            step = self._step(enc, prompt, plan, truncated, explain)
+            if not isinstance(step, _Burst):
+                return step
+            if explain:
+                break
+            # the earlier request's encode records its replica's entries first; then what is
+            # still new in this one is planned as in any request: nothing left (a burst on the
+            # same text: encoded now, matched exactly), or a new tail after a shared head (a
+            # long system prompt, a document asked about twice at once), routed on the head and
+            # encoded after (encoding it here held the event loop for milliseconds: the
+            # unloaded tail of issue 15)
+            await self._deferred.expedite(step.anchor)
+            plan = enc.plan(prompt.text, add_special_tokens=ast)
+        return EncodeNow(plan)
+
+    def _step(
+        self, enc: SegmentEncoder, prompt: Text, plan: EncodePlan, truncated: bool, explain: bool
+    ) -> EncodeStep | _Burst:
+        """``plan``'s step, or ``_Burst`` when it shares its first blocks of new text with a
+        waiting deferred encode."""
         if not self.defer_chars or truncated or plan.missing_chars < self.defer_chars:
             return EncodeNow(plan)
         start = 0 if plan.whole is not None else plan.start_of(plan.missing[0])
@@ -63,12 +98,7 @@ class EncodePlanner:
         seen = self.seen.seen_run(fingerprints, record=not explain)
         a = min(len(fingerprints), self._anchor_blocks) - 1
         if seen > a and self._deferred.pending(fingerprints[a]):
-            if not explain:
-                # a burst on the same new text: the earlier request's encode records its
-                # replica's entries first, then this one is encoded and matched exactly
-                await self._deferred.expedite(fingerprints[a])
-                plan = enc.plan(prompt.text, add_special_tokens=prompt.add_special_tokens)
-            return EncodeNow(plan)
+            return _Burst(plan, fingerprints[a])
         if seen < len(fingerprints):
             # the text stops matching what came before somewhere in the first block not seen:
             # encoding through it (and a margin for the words dropped at the cut) keys every

@@ -47,7 +47,7 @@ from gateway.features.feature_info import (
     namespace_of,
     truncated,
 )
-from gateway.features.memo_cache import MemoCache
+from gateway.features.memo_cache import MemoCache, TextTokens
 from gateway.features.model_registry import ModelRegistry
 from gateway.features.prompt import Chars, Prompt, PromptSpec, Remote, Text, TokenIds, chars_of, read_prompt
 from gateway.features.remote_tokenizer import RemoteTokenizeError, RemoteTokenizer, UrlChooser
@@ -252,9 +252,8 @@ class Featurizer:
         memo = self.memo.text_tokens(enc.namespace, prompt) if not explain else None
         if memo is not None and memo.found is not None:
             tokens, segments = memo.found
-            return self._count(
-                self._encoded(req, spec, tokens, EncodeStats(segments, segments)), prompt, explain
-            )
+            stats = EncodeStats(segments, segments)
+            return self._count(self._encoded(req, spec, tokens, stats, memo), prompt, explain)
         step = await self.planner.plan(enc, prompt, spec.truncate is not None, explain)
         if isinstance(step, Defer):
             return self._count(await self._defer(req, spec, prompt, step, explain), prompt, explain)
@@ -268,7 +267,7 @@ class Featurizer:
         if memo is not None:
             memo.keep(tokens, plan.segments)
         stats = EncodeStats(plan.segments, plan.cached_segments, plan.missing_chars, offloaded)
-        return self._count(self._encoded(req, spec, tokens, stats, explain), prompt, explain)
+        return self._count(self._encoded(req, spec, tokens, stats, memo, explain), prompt, explain)
 
     def _encoded(
         self,
@@ -276,14 +275,21 @@ class Featurizer:
         spec: PromptSpec,
         tokens: TokenArray,
         stats: EncodeStats,
+        text: TextTokens | None = None,
         explain: bool = False,
     ) -> Result:
         """Features of a prompt encoded here (``tokens``: all of them; ``stats``: how); the keys
-        come from the memo cache, which ``explain`` leaves as it is."""
+        come from the memo cache (found by ``text``'s memo entry, the text the tokens are of,
+        when there is one), which ``explain`` leaves as it is."""
         tokens = truncated(spec, tokens)
         how = Encoded("local", len(tokens), *stats)
         compute = keys_of(spec)
-        keys = compute(tokens) if explain else self.memo.keys(namespace_of(spec), tokens, compute)
+        if explain:
+            keys = compute(tokens)
+        else:
+            # the tokens are a pure function of the text's entry and the truncation
+            source = (text.key, spec.truncate, spec.truncation_side) if text is not None else None
+            keys = self.memo.keys(namespace_of(spec), tokens, compute, source)
         return exact_features(spec, tokens, how, req.session_id, keys)
 
     async def _defer(

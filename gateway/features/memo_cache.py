@@ -109,13 +109,23 @@ class MemoCache:
             self._lru.put(key, (value, size))
 
     def keys(
-        self, namespace: KeyNamespace, tokens: TokenArray, compute: Callable[[TokenArray], list[int]]
+        self,
+        namespace: KeyNamespace,
+        tokens: TokenArray,
+        compute: Callable[[TokenArray], list[int]],
+        source: Hashable | None = None,
     ) -> list[int]:
-        """The block keys of ``tokens`` in ``namespace``: remembered, or ``compute(tokens)``."""
+        """The block keys of ``tokens`` in ``namespace``: remembered, or ``compute(tokens)``.
+        ``source``: what ``tokens`` are a pure function of, when the caller knows (a text's
+        memo key and the truncation applied): the entry is then found by it, without digesting
+        the tokens again (the text was digested already to find its tokens)."""
         if self.max_bytes == 0:
             return compute(tokens)
-        raw = np.ascontiguousarray(tokens, dtype=np.uint32).tobytes()
-        key = ("keys", *namespace, len(raw), digest(raw))
+        if source is not None:
+            key: Hashable = ("keys", *namespace, source)
+        else:
+            raw = np.ascontiguousarray(tokens, dtype=np.uint32).tobytes()
+            key = ("keys", *namespace, len(raw), digest(raw))
         hit = self.get(key)
         if hit is not None:
             return list(cast(tuple[int, ...], hit))

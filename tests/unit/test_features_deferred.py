@@ -302,3 +302,31 @@ async def test_an_expedited_encode_runs_on_the_urgent_pool_not_the_background_on
         await deferred.close()
         background.shutdown()
         urgent.shutdown()
+
+
+async def test_a_shared_head_is_taken_over_and_the_new_tail_still_deferred() -> None:
+    """Two requests with one long new head (a system prompt, a document) and different new tails,
+    the second while the first's encode waits: the second takes that encode over (the head is
+    then cached and keyed exactly, on the first request's replica), and its own new tail is
+    routed on an estimate and encoded after routing, not on the request path."""
+    async with closing(make(threads=1), make(defer_chars=0)) as (fz, exact):
+        head = text(50, 600)  # ~4,000 characters: many blocks of new text shared
+        _, first = await fz.features("chat", chat(head, text(51, 400)))
+        assert first.deferred is not None
+        recorded: list[list[int]] = []
+        first.deferred.on_keys = recorded.append
+        second_body = chat(head, text(52, 400))
+        second, info = await fz.features("chat", second_body)  # no await in between
+        assert fz.cache_stats()["deferred_expedited"] == 1 and len(recorded) == 1
+        assert info.deferred is not None and info.deferred_chars > 1500 and info.encoded_chars < 600
+        want, _ = await exact.features("chat", second_body)
+        shared = 0
+        while recorded[0][shared] == list(want.block_keys)[shared]:
+            shared += 1
+        # keyed exactly through the head (the whole head's blocks, and a little of the tail)
+        assert shared >= len(head) // 8 // 16 and len(second.block_keys) >= shared
+        assert list(second.block_keys) == list(want.block_keys)[: len(second.block_keys)]
+        later: list[list[int]] = []
+        info.deferred.on_keys = later.append
+        await fz.deferred.drain()
+        assert later == [list(want.block_keys)]
