@@ -331,6 +331,8 @@ class GatewayApp:
             await self.shared_state.stop()
         for task in list(self._retiring):
             await cancel_and_wait(task)
+        if self._proxy is not None:
+            await self._proxy.stop()  # late audits wait on the featurizer's encodes: before it
         await self._state.featurizer.close()
         if self._client is not None:
             self._client.close()

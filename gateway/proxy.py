@@ -111,6 +111,10 @@ class Proxy:
         # request bodies held at once (server.* settings apply at start: a restart changes them)
         self._bodies = ByteBudget(state().config.server.max_inflight_body_bytes)
 
+    async def stop(self) -> None:
+        """End the request path's own tasks (``Upstream.stop``); the listener is closed first."""
+        await self._upstream.stop()
+
     def memory_stats(self) -> dict[str, tuple[int, int]]:
         """Request bodies held: (bytes, bound), as ``Featurizer.memory_stats``."""
         return {"request_bodies": (self._bodies.held, self._bodies.limit)}

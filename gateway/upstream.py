@@ -29,6 +29,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from gateway.asyncio_tasks import cancel_and_wait
 from gateway.fleet import Fleet
 from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import RequestError, sse_error_event
@@ -87,6 +88,12 @@ class Upstream:
         # audits waiting for a deferred encode's keys (at most one per such request, each bounded
         # by LATE_AUDIT_S); held here so that they are not collected while they wait
         self._late_audits: set[asyncio.Task[None]] = set()
+
+    async def stop(self) -> None:
+        """Cancel the audits still waiting for a deferred encode's keys (after the listener has
+        closed: no request adds one; before the featurizer closes: they wait on its encodes)."""
+        for task in list(self._late_audits):
+            await cancel_and_wait(task)
 
     async def _post(self, a: Attempt) -> UpstreamResponse:
         """The replica's response headers; a failure to get them raises ``Retry``."""

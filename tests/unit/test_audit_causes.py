@@ -3,16 +3,23 @@ from what the index said at dispatch (placement.IndexAtDispatch) and says at the
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
+from gateway.config import parse_config
 from gateway.features.deferred import DeferredEncodes, DeferredJob
 from gateway.features.feature_info import FeatureInfo
 from gateway.features.segment_encoder import BoundedLRU, SegmentEncoder
 from gateway.features.tokenizer_files import load_tokenizer_files
+from gateway.fleet import Fleet
+from gateway.metrics import GatewayMetrics
 from gateway.prediction_audit import AttemptAudit, AuditCase, inexact_cause
 from gateway.replica_audit import AuditStats
+from gateway.upstream import LATE_AUDIT_S, Upstream
+from gateway.upstream_client import UpstreamClient
 from router_policies.placement import IndexAtDispatch
 from router_policies.prefix_index import PrefixIndex
 
@@ -185,3 +192,17 @@ async def test_an_attempt_audit_waits_for_the_deferred_encodes_keys() -> None:
         assert not AttemptAudit(exact, IndexAtDispatch(0, 0)).waiting()
     finally:
         await deferred.close()
+
+
+async def test_upstream_stop_ends_the_audits_waiting_for_keys() -> None:
+    """A late audit (one waiting for a deferred encode's keys) is the upstream's task: its
+    ``stop`` cancels it, so nothing is left pending when the gateway shuts down."""
+    index = PrefixIndex()
+    fleet = Fleet(parse_config({"models": [{"name": "m", "block_size": 16}]}), index)
+    upstream = Upstream(UpstreamClient(), fleet, GatewayMetrics(CollectorRegistry(), index, fleet, dict))
+    never = asyncio.get_running_loop().create_future()
+    task = asyncio.get_running_loop().create_task(asyncio.wait_for(never, LATE_AUDIT_S))
+    upstream._late_audits.add(task)  # as Upstream._audit holds one
+    task.add_done_callback(upstream._late_audits.discard)
+    await upstream.stop()
+    assert task.cancelled() and not upstream._late_audits
