@@ -50,8 +50,8 @@ from gateway.local_hub_codec import (
     frame,
     read_frame,
 )
+from gateway.local_hub_load import LoadReporter, remote_loads
 from gateway.local_hub_touch import Touch, TouchBatcher
-from gateway.replica_load import RemoteLoad
 from gateway.shared_state_codec import CodecError, decode_hello, decode_ops, decode_snapshot
 from gateway.workers_metrics import merge_expositions
 from router_policies import placement
@@ -182,16 +182,12 @@ class HubClient:
 
     async def _send_load(self) -> None:
         assert self._app is not None
-        fleet, last = self._app.fleet, b""
+        fleet, last, reporter = self._app.fleet, b"", LoadReporter()
         while True:
             await asyncio.sleep(LOAD_INTERVAL_S)
-            doc = {
-                r.id: [r.in_flight_requests, r.in_flight_tokens, r.pending_prefill_tokens]
-                for r in fleet.records()
-                if r.in_flight_requests or r.pending_prefill_tokens
-            }
+            doc = reporter.report(fleet.records())
             data = encode_json(b"L", doc)
-            if data != last:
+            if data != last or doc["held"] or doc["freed"]:
                 last = data
                 self.send(data)
 
@@ -245,10 +241,7 @@ class HubClient:
             replica, ok, error = decode_json(payload)
             fleet.check_result(str(replica), bool(ok), str(error))
         elif kind == b"R":
-            doc = decode_json(payload)
-            fleet.apply_remote_load(
-                {str(r): RemoteLoad(int(f[0]), int(f[1]), int(f[2])) for r, f in doc.items()}
-            )
+            fleet.apply_remote_load(remote_loads(decode_json(payload), lambda r: _block_size(fleet, r)))
         elif kind == b"Q":
             self._remote_reload = True
             try:
@@ -302,3 +295,9 @@ def _replay_speculative(index: PrefixIndex, replica: str, keys: list[int], expir
             with contextlib.suppress(IndexBoundError):
                 index.touch_approximate(replica, keys[start:i][::-1], expiries[start] - ttl)
             start = i
+
+
+def _block_size(fleet: Fleet, replica: str) -> int:
+    """The tokens of one of ``replica``'s blocks as this gateway keys them (0: not in the fleet)."""
+    rec = fleet.get(replica)
+    return fleet.key_block_size(rec.models) if rec is not None else 0
