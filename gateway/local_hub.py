@@ -58,6 +58,7 @@ from gateway.local_hub_load import LoadTable
 from gateway.local_hub_touch import TOUCH_WINDOW_S, Touch, TouchBatcher
 from gateway.shared_state_codec import CodecError, encode_hello, encode_ops, encode_snapshot
 from gateway.workers_metrics import merge_expositions
+from gateway.workers_ttft import decode_observation, fit_frame
 from router_policies.prefix_index import PrefixIndex
 
 log = logging.getLogger("kvgate.workers")
@@ -207,6 +208,8 @@ class Hub:
             # the media as the index recorded them (the parent's index is the authority)
             out.append(encode_replica(b"S", rid, encode_snapshot(index.precise_entries(rid))))
             out.append(encode_stamps(rid, index.approximate_expiry(rid)))
+            if self._fleet.ttft.model.params(rid).observations:
+                out.append(fit_frame(self._fleet.ttft.model, rid))
         out.append(encode_json(b"R", self._loads.others(None)))
         out.append(frame(b"Y"))
         return out
@@ -273,6 +276,13 @@ class Hub:
         elif kind == b"L":
             self._loads.update(conn.number, decode_json(payload))
             self._load_changed()
+        elif kind == b"F":  # a first token: fitted here, the fit published (workers_ttft.py)
+            replica, inputs, observed_ms = decode_observation(payload)
+            model = self._fleet.ttft.model
+            if self._fleet.get(replica) is not None and model.observe_first_token(
+                replica, inputs, observed_ms
+            ):
+                self.broadcast(fit_frame(model, replica))
         elif kind == b"P":
             replica, keys, tokens = decode_json(payload)
             self._hooks.held_prefix(str(replica), keys, tokens)

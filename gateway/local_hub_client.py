@@ -54,9 +54,11 @@ from gateway.local_hub_load import LoadReporter, remote_loads
 from gateway.local_hub_touch import Touch, TouchBatcher
 from gateway.shared_state_codec import CodecError, decode_hello, decode_ops, decode_snapshot
 from gateway.workers_metrics import merge_expositions
+from gateway.workers_ttft import RelayedTtftModel
 from router_policies import placement
-from router_policies.placement import TouchRule
+from router_policies.placement import TouchRule, TtftFeed
 from router_policies.prefix_index import IndexBoundError, PrefixIndex
+from router_policies.ttft.params import TtftParams
 
 if TYPE_CHECKING:
     from gateway.app import GatewayApp
@@ -73,8 +75,20 @@ class WorkerFleet(Fleet):
     """A worker's fleet: the speculative entries its routing records also go to the parent."""
 
     def __init__(self, config: GatewayConfig, index: PrefixIndex, link: HubClient) -> None:
+        self._link = link  # before the fleet's TTFT feed is made (_new_ttft)
         super().__init__(config, index)
-        self._link = link
+
+    def _new_ttft(self, prior: TtftParams) -> TtftFeed:
+        """First tokens are fitted by the parent, which publishes the fits (gateway/workers_ttft.py)."""
+        return TtftFeed(RelayedTtftModel(prior, self._link.send), self._clock, self._ttft_sample)
+
+    def publish_ttft(self, payload: bytes) -> None:
+        """The parent's fit of a replica (frame ``U``): routed on from now."""
+        model = self.ttft.model
+        assert isinstance(model, RelayedTtftModel)
+        rec = self.get(model.publish(payload))
+        if rec is not None:
+            rec.ttft_model = model.params(rec.id)
 
     def touch(self, replica: str, keys: Sequence[int], speculative_ttl_s: float) -> None:
         if self.get(replica) is None:
@@ -242,6 +256,9 @@ class HubClient:
             fleet.check_result(str(replica), bool(ok), str(error))
         elif kind == b"R":
             fleet.apply_remote_load(remote_loads(decode_json(payload), lambda r: _block_size(fleet, r)))
+        elif kind == b"U":
+            assert isinstance(fleet, WorkerFleet)
+            fleet.publish_ttft(payload)
         elif kind == b"Q":
             self._remote_reload = True
             try:

@@ -314,3 +314,26 @@ def _both_hold_flights(gw: Gateway) -> bool:
         {r["id"]: r for r in json.loads(a[2])["replicas"]}["r0"]["in_flight_requests"] >= 2
         for a in answers.values()
     )
+
+
+def test_every_worker_routes_on_one_ttft_fit_of_every_first_token(procs: Procs) -> None:
+    """The parent fits each replica's TTFT model on the first tokens of both workers' requests and
+    publishes it: both workers hold the same fit, which counts every first token."""
+    r0 = procs.backend("r0")
+    gw = procs.gateway(base_config(r0, policy={"name": "kv_aware"}, server=WORKERS))
+    wait_until(lambda: registered(gw, lambda reps: reps["r0"]["healthy"]), what="healthy")
+    workers: dict[str, int] = {}
+    while len(workers) < 2 or sum(workers.values()) < 12:
+        status, headers, _ = post(gw, BODY)
+        assert status == 200
+        workers[headers["x-kvgate-worker"]] = workers.get(headers["x-kvgate-worker"], 0) + 1
+        assert sum(workers.values()) < MAX_TRIES
+    total = sum(workers.values())
+
+    def models() -> list[dict[str, Any]] | None:
+        answers = from_each_worker(lambda: http("GET", gw.url + "/admin/replicas", headers=ADMIN))
+        fits = [json.loads(a[2])["replicas"][0]["ttft_audit"]["model"] for a in answers.values()]
+        return fits if all(f is not None and f["observations"] == total for f in fits) else None
+
+    fits = wait_until(models, what="both workers' fits count every first token")
+    assert fits[0] == fits[1]
