@@ -247,6 +247,7 @@ class Hub:
             old = self._conns.get(number)
             if old is not None:
                 old.out.abort()  # a restarted worker replaces its predecessor
+                self._loads.drop(number)  # and its flights (its reports start afresh)
             # the state goes first, straight to the transport: the bound leaves room for it
             bound = MAX_PENDING_BYTES + state_bound(self._index)
             conn = _Conn(number, FrameWriter(writer, bound, f"worker {number}"))
@@ -274,8 +275,9 @@ class Hub:
             if keys:  # applied here with others, then relayed (local_hub_touch.py)
                 self._touches.add(Touch(replica, keys, lifetime, conn.number, frame(kind, payload)))
         elif kind == b"L":
-            self._loads.update(conn.number, decode_json(payload))
-            self._load_changed()
+            if self._conns.get(conn.number) is conn:  # not a replaced predecessor's last frame
+                self._loads.update(conn.number, decode_json(payload))
+                self._load_changed()
         elif kind == b"F":  # a first token: fitted here, the fit published (workers_ttft.py)
             replica, inputs, observed_ms = decode_observation(payload)
             model = self._fleet.ttft.model
