@@ -58,7 +58,7 @@ from gateway.local_hub_load import LoadTable
 from gateway.local_hub_touch import TOUCH_WINDOW_S, Touch, TouchBatcher
 from gateway.shared_state_codec import CodecError, encode_hello, encode_ops, encode_snapshot
 from gateway.workers_metrics import merge_expositions
-from gateway.workers_ttft import decode_observation, fit_frame
+from gateway.workers_ttft import decode_observation, fit_frame, warm_up
 from router_policies.prefix_index import PrefixIndex
 
 log = logging.getLogger("kvgate.workers")
@@ -216,6 +216,7 @@ class Hub:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, path: str) -> None:
+        warm_up()  # the first TTFT fit's one-time cost, before any worker is served
         self._server = await asyncio.start_unix_server(self._serve, path=path, limit=1 << 20)
 
     async def stop(self) -> None:

@@ -28,11 +28,18 @@ import math
 from collections.abc import Callable
 
 from gateway.local_hub_codec import decode_json, encode_json
-from router_policies.ttft.features import TtftInputs
+from router_policies.ttft.features import REFERENCE_INPUTS, TtftInputs
 from router_policies.ttft.model import TtftModel
 from router_policies.ttft.params import TtftParams
 
 _PUBLISHED = tuple[TtftParams, float]  # the fit and its prior's error scale
+
+
+def warm_up() -> None:
+    """Fit one first token on a throwaway model: the first fit in a process loads the fit's
+    compiled kernel (numba, ~180 ms measured), which the parent then pays at start rather than
+    stalling, once, the loop that relays the inventory, the touches and the load."""
+    TtftModel().observe_first_token("", REFERENCE_INPUTS, 1.0)
 
 
 def observation_frame(replica: str, inputs: TtftInputs, observed_ms: float) -> bytes:

@@ -115,6 +115,21 @@ def test_a_speculative_entry_made_by_one_worker_is_seen_by_the_other(procs: Proc
     body = {**BODY, "prompt": "speculative " * 40}
     status, first, _ = post(gw, body)
     assert status == 200 and first["x-kvgate-matched-tokens"] == "0"
+    # relayed through the parent within moments (a request the other worker takes sooner can
+    # miss them: the answer may come back faster than the relay)
+    raw = json.dumps(body).encode()
+
+    def matched_in_both() -> bool:
+        answers = from_each_worker(lambda: http("POST", gw.url + "/admin/explain", raw, {**JSON, **ADMIN}))
+        docs = [json.loads(a[2]) for a in answers.values()]
+        return all(
+            r["matched_blocks"] > 0
+            for d in docs
+            for r in d["replicas"]
+            if r["id"] == first["x-kvgate-replica"]
+        )
+
+    wait_until(matched_in_both, 5.0, "the first worker's speculative entries in both")
     for _ in range(MAX_TRIES):
         status, headers, _ = post(gw, body)
         if headers["x-kvgate-worker"] != first["x-kvgate-worker"]:
