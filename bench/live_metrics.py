@@ -86,18 +86,19 @@ def quantile(cumulative: Mapping[float, float], q: float) -> float | None:
 
 def kvgate_audit(text: str) -> dict[str, object]:
     """kvgate's audits from its /metrics: the TTFT model's median absolute relative error (each
-    replica's, weighted by its first tokens), the cached-token audit's exact share and its
+    replica's, weighted by its first tokens; with several workers, each worker's audit of each
+    replica: the samples are labelled ``worker``), the cached-token audit's exact share and its
     inexact predictions by cause (``cached_audit_causes``: cause -> count, summed over the
     replicas; the causes of gateway/prediction_audit.py)."""
-    mae: dict[str, float] = {}
-    counts: dict[str, float] = {}
+    mae: dict[tuple[str, str], float] = {}
+    counts: dict[tuple[str, str], float] = {}
     outcomes: dict[str, float] = {}
     causes: dict[str, float] = {}
     for name, labels, value in samples(text):
         if name == "kvgate_ttft_prediction_median_abs_error":
-            mae[labels["replica"]] = value
+            mae[labels.get("worker", ""), labels["replica"]] = value
         elif name == "kvgate_ttft_prediction_relative_error_count":
-            counts[labels["replica"]] = value
+            counts[labels.get("worker", ""), labels["replica"]] = value
         elif name == "kvgate_prediction_audit_total":
             outcomes[labels["outcome"]] = outcomes.get(labels["outcome"], 0.0) + value
         elif name == "kvgate_prediction_audit_inexact_total":

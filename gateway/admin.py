@@ -140,6 +140,8 @@ class Admin:
                         "score": scores.get(r.id),
                         "in_flight_requests": r.in_flight_requests,
                         "pending_prefill_tokens": r.pending_prefill_tokens,
+                        "in_flight_shared_tokens": r.in_flight_shared_tokens,
+                        "pending_age_ms": r.pending_age_ms,
                         "engine_running": r.engine_running,
                         "engine_waiting": r.engine_waiting,
                         "kv_usage": r.kv_usage,

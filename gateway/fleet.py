@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from gateway.config import GatewayConfig, ReplicaConfig
 from gateway.inventory_sink import AgentEngine, AgentHello, AgentLoad
 from gateway.replica_identity import ReplicaIdentity
-from gateway.replica_load import NO_REMOTE_LOAD, EngineLoad, RemoteLoad
+from gateway.replica_load import NO_REMOTE_LOAD, EngineLoad, RemoteLoad, combined_queue
 from gateway.replica_record import ReplicaRecord
 from router_policies import placement
 from router_policies.placement import (
@@ -247,9 +247,7 @@ class Fleet:
                     rec.id,
                     rec.health.healthy,
                     rec.load(),
-                    rec.flights.pending_prefill_pairs,
-                    rec.flights.shared_tokens,
-                    rec.flights.pending_age_ms(now),
+                    *combined_queue(rec.flights, rec.remote, now),
                 )
                 for rec in candidates
             ),

@@ -54,9 +54,11 @@ from gateway.local_hub_codec import (
     frame,
     read_frame,
 )
+from gateway.local_hub_load import LoadTable
 from gateway.local_hub_touch import TOUCH_WINDOW_S, Touch, TouchBatcher
 from gateway.shared_state_codec import CodecError, encode_hello, encode_ops, encode_snapshot
 from gateway.workers_metrics import merge_expositions
+from gateway.workers_ttft import decode_observation, fit_frame, warm_up
 from router_policies.prefix_index import PrefixIndex
 
 log = logging.getLogger("kvgate.workers")
@@ -125,7 +127,6 @@ class _Conn:
 
     number: int
     out: FrameWriter
-    load: dict[str, list[int]] = field(default_factory=dict)  # replica -> requests, tokens, prefill
     sent_load: bytes = b""
 
     def send(self, data: bytes) -> None:
@@ -166,6 +167,7 @@ class Hub:
         self._gather_ids = itertools.count(1)
         self._bound = frame_bound(index)
         self._load_timer: asyncio.TimerHandle | None = None
+        self._loads = LoadTable()  # every worker's in-flight load (gateway/local_hub_load.py)
         self._touches = TouchBatcher(
             index, lambda r: fleet.get(r) is not None, self._relay_touches, TOUCH_WINDOW_S
         )
@@ -206,12 +208,15 @@ class Hub:
             # the media as the index recorded them (the parent's index is the authority)
             out.append(encode_replica(b"S", rid, encode_snapshot(index.precise_entries(rid))))
             out.append(encode_stamps(rid, index.approximate_expiry(rid)))
-        out.append(encode_json(b"R", self._others_load(None)))
+            if self._fleet.ttft.model.params(rid).observations:
+                out.append(fit_frame(self._fleet.ttft.model, rid))
+        out.append(encode_json(b"R", self._loads.others(None)))
         out.append(frame(b"Y"))
         return out
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, path: str) -> None:
+        warm_up()  # the first TTFT fit's one-time cost, before any worker is served
         self._server = await asyncio.start_unix_server(self._serve, path=path, limit=1 << 20)
 
     async def stop(self) -> None:
@@ -243,6 +248,7 @@ class Hub:
             old = self._conns.get(number)
             if old is not None:
                 old.out.abort()  # a restarted worker replaces its predecessor
+                self._loads.drop(number)  # and its flights (its reports start afresh)
             # the state goes first, straight to the transport: the bound leaves room for it
             bound = MAX_PENDING_BYTES + state_bound(self._index)
             conn = _Conn(number, FrameWriter(writer, bound, f"worker {number}"))
@@ -258,6 +264,7 @@ class Hub:
         finally:
             if conn is not None and self._conns.get(conn.number) is conn:
                 del self._conns[conn.number]
+                self._loads.drop(conn.number)
                 self._load_changed()  # its in-flight requests are gone with it
             writer.transport.abort()
             self._tasks.discard(task)
@@ -269,8 +276,16 @@ class Hub:
             if keys:  # applied here with others, then relayed (local_hub_touch.py)
                 self._touches.add(Touch(replica, keys, lifetime, conn.number, frame(kind, payload)))
         elif kind == b"L":
-            conn.load = {str(r): [int(v) for v in f] for r, f in decode_json(payload).items()}
-            self._load_changed()
+            if self._conns.get(conn.number) is conn:  # not a replaced predecessor's last frame
+                self._loads.update(conn.number, decode_json(payload))
+                self._load_changed()
+        elif kind == b"F":  # a first token: fitted here, the fit published (workers_ttft.py)
+            replica, inputs, observed_ms = decode_observation(payload)
+            model = self._fleet.ttft.model
+            if self._fleet.get(replica) is not None and model.observe_first_token(
+                replica, inputs, observed_ms
+            ):
+                self.broadcast(fit_frame(model, replica))
         elif kind == b"P":
             replica, keys, tokens = decode_json(payload)
             self._hooks.held_prefix(str(replica), keys, tokens)
@@ -319,31 +334,16 @@ class Hub:
                 if touch.origin != number:
                     conn.send(touch.frame)
 
-    def _others_load(self, but: int | None) -> dict[str, list[int]]:
-        """The in-flight load of every worker but ``but``, summed per replica."""
-        total: dict[str, list[int]] = {}
-        for number, conn in self._conns.items():
-            if number == but:
-                continue
-            for replica, figures in conn.load.items():
-                t = total.setdefault(replica, [0, 0, 0])
-                for i in range(3):
-                    t[i] += figures[i]
-        return total
-
     def _load_changed(self) -> None:
         """Relay the workers' load once per ``LOAD_RELAY_S`` at most, however many report."""
         if self._load_timer is None:
             self._load_timer = asyncio.get_running_loop().call_later(LOAD_RELAY_S, self._send_load)
 
     def _send_load(self) -> None:
-        """Each worker gets the sum of the other workers' in-flight load (when it changed):
-        the total less its own, so one pass over the workers' figures."""
+        """Each worker gets the other workers' in-flight load (when it changed)."""
         self._load_timer = None
-        total = self._others_load(None)
         for conn in self._conns.values():
-            others = {r: [t[i] - conn.load.get(r, (0, 0, 0))[i] for i in range(3)] for r, t in total.items()}
-            data = encode_json(b"R", {r: f for r, f in others.items() if any(f)})
+            data = encode_json(b"R", self._loads.others(conn.number))
             if data != conn.sent_load:
                 conn.sent_load = data
                 conn.send(data)

@@ -50,13 +50,15 @@ from gateway.local_hub_codec import (
     frame,
     read_frame,
 )
+from gateway.local_hub_load import LoadReporter, remote_loads
 from gateway.local_hub_touch import Touch, TouchBatcher
-from gateway.replica_load import RemoteLoad
 from gateway.shared_state_codec import CodecError, decode_hello, decode_ops, decode_snapshot
 from gateway.workers_metrics import merge_expositions
+from gateway.workers_ttft import RelayedTtftModel
 from router_policies import placement
-from router_policies.placement import TouchRule
+from router_policies.placement import TouchRule, TtftFeed
 from router_policies.prefix_index import IndexBoundError, PrefixIndex
+from router_policies.ttft.params import TtftParams
 
 if TYPE_CHECKING:
     from gateway.app import GatewayApp
@@ -73,8 +75,20 @@ class WorkerFleet(Fleet):
     """A worker's fleet: the speculative entries its routing records also go to the parent."""
 
     def __init__(self, config: GatewayConfig, index: PrefixIndex, link: HubClient) -> None:
+        self._link = link  # before the fleet's TTFT feed is made (_new_ttft)
         super().__init__(config, index)
-        self._link = link
+
+    def _new_ttft(self, prior: TtftParams) -> TtftFeed:
+        """First tokens are fitted by the parent, which publishes the fits (gateway/workers_ttft.py)."""
+        return TtftFeed(RelayedTtftModel(prior, self._link.send), self._clock, self._ttft_sample)
+
+    def publish_ttft(self, payload: bytes) -> None:
+        """The parent's fit of a replica (frame ``U``): routed on from now."""
+        model = self.ttft.model
+        assert isinstance(model, RelayedTtftModel)
+        rec = self.get(model.publish(payload))
+        if rec is not None:
+            rec.ttft_model = model.params(rec.id)
 
     def touch(self, replica: str, keys: Sequence[int], speculative_ttl_s: float) -> None:
         if self.get(replica) is None:
@@ -182,16 +196,12 @@ class HubClient:
 
     async def _send_load(self) -> None:
         assert self._app is not None
-        fleet, last = self._app.fleet, b""
+        fleet, last, reporter = self._app.fleet, b"", LoadReporter()
         while True:
             await asyncio.sleep(LOAD_INTERVAL_S)
-            doc = {
-                r.id: [r.in_flight_requests, r.in_flight_tokens, r.pending_prefill_tokens]
-                for r in fleet.records()
-                if r.in_flight_requests or r.pending_prefill_tokens
-            }
+            doc = reporter.report(fleet.records())
             data = encode_json(b"L", doc)
-            if data != last:
+            if data != last or doc["held"] or doc["freed"]:
                 last = data
                 self.send(data)
 
@@ -245,10 +255,10 @@ class HubClient:
             replica, ok, error = decode_json(payload)
             fleet.check_result(str(replica), bool(ok), str(error))
         elif kind == b"R":
-            doc = decode_json(payload)
-            fleet.apply_remote_load(
-                {str(r): RemoteLoad(int(f[0]), int(f[1]), int(f[2])) for r, f in doc.items()}
-            )
+            fleet.apply_remote_load(remote_loads(decode_json(payload), lambda r: _block_size(fleet, r)))
+        elif kind == b"U":
+            assert isinstance(fleet, WorkerFleet)
+            fleet.publish_ttft(payload)
         elif kind == b"Q":
             self._remote_reload = True
             try:
@@ -302,3 +312,9 @@ def _replay_speculative(index: PrefixIndex, replica: str, keys: list[int], expir
             with contextlib.suppress(IndexBoundError):
                 index.touch_approximate(replica, keys[start:i][::-1], expiries[start] - ttl)
             start = i
+
+
+def _block_size(fleet: Fleet, replica: str) -> int:
+    """The tokens of one of ``replica``'s blocks as this gateway keys them (0: not in the fleet)."""
+    rec = fleet.get(replica)
+    return fleet.key_block_size(rec.models) if rec is not None else 0

@@ -9,11 +9,12 @@ frames carry JSON (orjson).
 
 Parent to worker: ``H`` registration, ``A`` agent link state, ``E`` engine state, ``N`` engine
 load, ``C`` health-check result, ``S`` precise snapshot, ``V`` speculative entries (key, expiry),
-``O`` ops, ``T`` another worker's speculative touch, ``R`` the other workers' load, ``Q`` reload,
-``G`` metrics pull, ``M`` merged metrics, ``Y`` end of the initial state.
+``O`` ops, ``T`` another worker's speculative touch, ``R`` the other workers' load, ``U`` a
+replica's TTFT fit, ``Q`` reload, ``G`` metrics pull, ``M`` merged metrics, ``Y`` end of the
+initial state.
 Worker to parent: ``W`` hello (worker number, pid), ``K`` listening, ``T`` speculative touch,
-``L`` this worker's load, ``P`` held-prefix hint, ``Q`` reloaded, ``X`` metrics request, ``g``
-metrics answer.
+``L`` this worker's load (gateway/local_hub_load.py), ``F`` a first token (gateway/workers_ttft.py),
+``P`` held-prefix hint, ``Q`` reloaded, ``X`` metrics request, ``g`` metrics answer.
 
 Decoders raise ``CodecError`` on malformed input.
 """

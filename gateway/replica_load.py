@@ -31,6 +31,15 @@ class RemoteLoad:
     tokens: int
     prefill: int
     engine: tuple[int, int, float] | None = None
+    # the queue the TTFT model reads beside those (FlightCounters' figures; 0 / None when the
+    # exchange does not carry them: the Redis one): the attention pairs of the pending prefill,
+    # the cached tokens counted more than once over every process's flights (each block pinned
+    # once: the other workers' own sharing plus the blocks two processes' flights both hold),
+    # and when the oldest of their requests without a first byte started (CLOCK_MONOTONIC, one
+    # clock for every process of the host)
+    prefill_pairs: float = 0.0
+    shared_tokens: int = 0
+    oldest_pending: float | None = None
 
 
 NO_REMOTE_LOAD = RemoteLoad(0, 0, 0)
@@ -45,4 +54,18 @@ def combined_load(flights: FlightCounters, remote: RemoteLoad, engine: EngineLoa
         engine_running=engine.running,
         engine_waiting=engine.waiting,
         kv_usage=engine.kv_usage,
+    )
+
+
+def combined_queue(flights: FlightCounters, remote: RemoteLoad, now: float) -> tuple[float, int, float]:
+    """The TTFT model's queue figures over this process's flights and the others': pending
+    prefill pairs, shared cached tokens, and the pending age in ms at ``now`` (the oldest over
+    every process)."""
+    age = flights.pending_age_ms(now)
+    if remote.oldest_pending is not None:
+        age = max(age, (now - remote.oldest_pending) * 1000.0)
+    return (
+        flights.pending_prefill_pairs + remote.prefill_pairs,
+        flights.shared_tokens + remote.shared_tokens,
+        age,
     )

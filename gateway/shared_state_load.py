@@ -9,12 +9,22 @@ Invariants
   checks Redis's run_id: a restarted Redis (keys lost) ends the session (``Restarted``).
 * The fleet's remote load has one writer: this loop (and the supervisor's reset to none when
   Redis goes away).
+* Compatible both ways: the TTFT model's queue figures of a replica (pending prefill pairs,
+  shared cached tokens, pending age in ms when published) go in a field of their own,
+  ``QUEUE_FIELD + replica``, beside the replica's unchanged load value: an older instance reads
+  it as a replica whose value does not decode (counted in ``errors{kind="decode"}``) and keeps
+  every load it read before; an older writer's load reads as no queue figures.
+* Across instances those figures are bounds: shared tokens are the sum of each instance's own
+  (a block two instances' flights hold counts in neither: KV demand over-estimated), and the
+  pending age is the oldest as published (under-estimated by up to ``load_interval_s``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import time
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -24,6 +34,25 @@ from gateway.fleet import RemoteLoad, ReplicaRecord
 from gateway.shared_state_codec import CodecError, LoadFigures, decode_load, encode_load
 from gateway.shared_state_context import REPLICA_KEYS_TTL_S, Redis, Restarted, SharedContext
 from gateway.shared_state_publisher import AgentStreams
+
+QUEUE_FIELD = "\x00q:"  # hash field of a replica's queue figures: QUEUE_FIELD + replica id
+
+
+def queue_figures(rec: ReplicaRecord, now: float) -> bytes | None:
+    """The TTFT model's queue figures this instance publishes of one replica (None: none)."""
+    f = rec.flights
+    age = f.pending_age_ms(now)
+    if not (f.pending_prefill_pairs or f.shared_tokens or age):
+        return None
+    return f"{f.pending_prefill_pairs:.1f},{f.shared_tokens},{age:.1f}".encode()
+
+
+def decode_queue(data: bytes) -> tuple[float, int, float]:
+    try:
+        pairs, shared, age = data.decode().split(",")[:3]
+        return float(pairs), int(shared), float(age)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CodecError(f"malformed queue value {data[:60]!r}: {exc}") from None
 
 
 class LoadFleet(Protocol):
@@ -76,10 +105,14 @@ class LoadExchange:
     async def _publish(self, client: Redis) -> None:
         ctx, keys = self._ctx, self._ctx.keys
         figures: dict[str, bytes] = {}
+        now = time.monotonic()  # the clock flights start on
         for rec in self._fleet.records():
             f = local_figures(rec)
             if f is not None:
                 figures[rec.id] = encode_load(f)
+            queue = queue_figures(rec, now)
+            if queue is not None:
+                figures[QUEUE_FIELD + rec.id] = queue
         key = keys.load(ctx.instance_id)
         pipe = client.pipeline(transaction=True)
         pipe.delete(key)
@@ -104,6 +137,7 @@ class LoadExchange:
             pipe.exists(keys.load(inst))
         replies = await pipe.execute() if others else []
         totals: dict[str, list[int]] = {}
+        queues: dict[str, list[float]] = {}  # replica -> pairs, shared tokens, oldest age (ms)
         engine: dict[str, tuple[int, int, float]] = {}
         gone: list[str] = []
         live = 0
@@ -116,6 +150,9 @@ class LoadExchange:
             for raw_replica, raw_value in doc.items():
                 replica = raw_replica.decode()
                 try:
+                    if replica.startswith(QUEUE_FIELD):
+                        _add_queue(queues, replica[len(QUEUE_FIELD) :], decode_queue(raw_value))
+                        continue
                     f = decode_load(raw_value)
                 except CodecError:
                     ctx.metrics.errors.labels("decode").inc()
@@ -130,7 +167,20 @@ class LoadExchange:
             # an instance without a load key publishes nothing; it re-adds itself next round
             await client.srem(keys.instances, *gone)
         ctx.metrics.instances.set(live)
-        self._fleet.apply_remote_load(
-            {r: RemoteLoad(t[0], t[1], t[2], engine.get(r)) for r, t in totals.items()}
-            | {r: RemoteLoad(0, 0, 0, e) for r, e in engine.items() if r not in totals}
-        )
+        now = time.monotonic()
+        loads = {r: RemoteLoad(t[0], t[1], t[2], engine.get(r)) for r, t in totals.items()}
+        loads |= {r: RemoteLoad(0, 0, 0, e) for r, e in engine.items() if r not in totals}
+        for r, (pairs, shared, age) in queues.items():
+            if r in loads:  # queue figures come with the load of the same flights
+                oldest = now - age / 1000.0 if age > 0 else None
+                loads[r] = dataclasses.replace(
+                    loads[r], prefill_pairs=pairs, shared_tokens=int(shared), oldest_pending=oldest
+                )
+        self._fleet.apply_remote_load(loads)
+
+
+def _add_queue(queues: dict[str, list[float]], replica: str, figures: tuple[float, int, float]) -> None:
+    q = queues.setdefault(replica, [0.0, 0.0, 0.0])
+    q[0] += figures[0]
+    q[1] += figures[1]
+    q[2] = max(q[2], figures[2])

@@ -23,7 +23,7 @@ Invariants
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, KeysView, Sequence
 from dataclasses import dataclass, field
 
 from router_policies.policy import FleetSnapshot, ReplicaState, RequestFeatures
@@ -85,9 +85,16 @@ class FlightCounters:
 
     def pending_age_ms(self, now: float) -> float:
         """How long the oldest request still awaiting its first byte here has waited (0: none)."""
-        for start in self._pending_starts.values():
-            return max(0.0, (now - start) * 1000.0)
-        return 0.0
+        start = self.oldest_pending_start()
+        return 0.0 if start is None else max(0.0, (now - start) * 1000.0)
+
+    def oldest_pending_start(self) -> float | None:
+        """When the oldest request still awaiting its first byte here started (None: none)."""
+        return next(iter(self._pending_starts.values()), None)
+
+    def held_keys(self) -> KeysView[int]:
+        """The block keys predicted cached for at least one flight in progress (each once)."""
+        return self._cached_refs.keys()
 
     def _hold(self, keys: Sequence[int], block_size: int) -> None:
         refs = self._cached_refs

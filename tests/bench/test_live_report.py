@@ -42,6 +42,15 @@ kvgate_prediction_audit_inexact_total{replica="a",cause="evicted"} 1.0
     got = live_metrics.kvgate_audit(text)
     assert got["ttft_audit_median_abs_error"] == pytest.approx((0.1 * 30 + 0.4 * 10) / 40)
     assert got["cached_audit_exact_fraction"] == 0.9 and got["cached_audit_causes"] == {"evicted": 1}
+    # several workers (kvgate serve --workers 2): each audits its own first tokens of a replica
+    workers = """kvgate_ttft_prediction_median_abs_error{replica="a",worker="0"} 0.1
+kvgate_ttft_prediction_median_abs_error{replica="a",worker="1"} 0.4
+kvgate_ttft_prediction_relative_error_count{replica="a",worker="0"} 30.0
+kvgate_ttft_prediction_relative_error_count{replica="a",worker="1"} 10.0
+"""
+    got = live_metrics.kvgate_audit(workers)
+    assert got["ttft_audit_median_abs_error"] == pytest.approx((0.1 * 30 + 0.4 * 10) / 40)
+    assert got["ttft_audit_first_tokens"] == 40
 
 
 def _row(

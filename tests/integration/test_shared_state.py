@@ -175,6 +175,13 @@ def test_two_gateways_share_index_and_load_and_survive_redis_outage(
             return bool(sum(r["in_flight_requests"] for r in doc["replicas"]) >= n_long)
 
         wait_until(b_sees_a_load, CONVERGE_S, "A's in-flight requests in B's explain")
+
+        def b_sees_a_sharing() -> bool:
+            # the three flights predicted cached on one replica: A's shared tokens, sent beside its load
+            doc = explain(pair.b.url, pair.b_headers, PROMPTS[1])
+            return any(r["in_flight_shared_tokens"] > 0 for r in doc["replicas"])
+
+        wait_until(b_sees_a_sharing, CONVERGE_S, "A's shared cached tokens in B's explain")
         b_local = pair.b.replicas()
         assert sum(r["in_flight_requests"] for r in b_local.values()) == 0  # none routed by B itself
         assert sum(r["remote_in_flight_requests"] for r in b_local.values()) >= n_long

@@ -115,6 +115,21 @@ def test_a_speculative_entry_made_by_one_worker_is_seen_by_the_other(procs: Proc
     body = {**BODY, "prompt": "speculative " * 40}
     status, first, _ = post(gw, body)
     assert status == 200 and first["x-kvgate-matched-tokens"] == "0"
+    # relayed through the parent within moments (a request the other worker takes sooner can
+    # miss them: the answer may come back faster than the relay)
+    raw = json.dumps(body).encode()
+
+    def matched_in_both() -> bool:
+        answers = from_each_worker(lambda: http("POST", gw.url + "/admin/explain", raw, {**JSON, **ADMIN}))
+        docs = [json.loads(a[2]) for a in answers.values()]
+        return all(
+            r["matched_blocks"] > 0
+            for d in docs
+            for r in d["replicas"]
+            if r["id"] == first["x-kvgate-replica"]
+        )
+
+    wait_until(matched_in_both, 5.0, "the first worker's speculative entries in both")
     for _ in range(MAX_TRIES):
         status, headers, _ = post(gw, body)
         if headers["x-kvgate-worker"] != first["x-kvgate-worker"]:
@@ -250,7 +265,90 @@ def test_in_flight_load_is_seen_by_every_worker(procs: Procs) -> None:
     )
 
 
-def _hang(gw: Gateway, body: dict[str, Any]) -> None:
-    """A request the backend never answers; the client gives up after a few seconds."""
+def _hang(gw: Gateway, body: dict[str, Any], timeout: float = 3.0) -> None:
+    """A request the backend never answers; the client gives up after ``timeout`` seconds."""
     with contextlib.suppress(OSError):
-        http("POST", gw.url + "/v1/completions", json.dumps(body).encode(), JSON, timeout=3)
+        http("POST", gw.url + "/v1/completions", json.dumps(body).encode(), JSON, timeout=timeout)
+
+
+def test_every_worker_sees_the_queue_of_the_others_flights(procs: Procs) -> None:
+    """The TTFT model's queue figures in each worker's snapshot (``/admin/explain``) are those of
+    the whole gateway: the pending age of the oldest request (wherever it waits) and the cached
+    tokens shared by flights of both workers, each block counted pinned once."""
+    r0 = procs.backend("r0")
+    gw = procs.gateway(base_config(r0, policy={"name": "kv_aware"}, server=WORKERS))
+    wait_until(lambda: registered(gw, lambda reps: reps["r0"]["healthy"]), what="healthy")
+    hang = {"model": "m", "prompt": "hang-forever " + "a shared prefix of many blocks " * 20, "max_tokens": 4}
+    threads = [threading.Thread(target=_hang, args=(gw, hang, 25.0))]
+    threads[0].start()
+    first = time.monotonic()
+    # the first flight's speculative entries reach both workers: the next flights predict them cached
+    cached = wait_until(lambda: _cached_in_both(gw, hang), what="the prefix predicted cached in both")
+    time.sleep(1.0)  # the oldest request is the first one by a margin
+    while not _both_hold_flights(gw):  # later flights land on either worker, by the client's port
+        assert len(threads) < 40, "the flights never landed on both workers"
+        threads.append(threading.Thread(target=_hang, args=(gw, hang, 25.0)))
+        threads[-1].start()
+        time.sleep(0.05)
+    n = len(threads)
+
+    def whole(r: dict[str, Any]) -> bool:
+        # as one process would count: n - 1 flights each hold the prefix's blocks: pinned once
+        return bool(
+            r["in_flight_requests"] == n
+            and r["in_flight_shared_tokens"] == (n - 2) * cached
+            and r["pending_age_ms"] >= (time.monotonic() - first - 0.5) * 1000
+        )
+
+    wait_until(lambda: all(whole(r) for r in _explained(gw, hang).values()), what="both see the whole queue")
+    for t in threads:
+        t.join(30)
+    wait_until(
+        lambda: all(r["pending_age_ms"] == 0 for r in _explained(gw, hang).values()), what="the queue gone"
+    )
+
+
+def _explained(gw: Gateway, body: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Worker -> r0 as its snapshot shows it."""
+    raw = json.dumps(body).encode()
+    answers = from_each_worker(lambda: http("POST", gw.url + "/admin/explain", raw, {**JSON, **ADMIN}))
+    return {w: json.loads(a[2])["replicas"][0] for w, a in answers.items()}
+
+
+def _cached_in_both(gw: Gateway, body: dict[str, Any]) -> int | None:
+    raw = json.dumps(body).encode()
+    answers = from_each_worker(lambda: http("POST", gw.url + "/admin/explain", raw, {**JSON, **ADMIN}))
+    cached = {json.loads(a[2])["decision"]["predicted_cached_tokens"] for a in answers.values()}
+    return cached.pop() if len(cached) == 1 and min(cached) > 0 else None
+
+
+def _both_hold_flights(gw: Gateway) -> bool:
+    """Each worker has flights of its own beyond the first (which held no cached block)."""
+    answers = from_each_worker(lambda: http("GET", gw.url + "/admin/replicas", headers=ADMIN))
+    return all(
+        {r["id"]: r for r in json.loads(a[2])["replicas"]}["r0"]["in_flight_requests"] >= 2
+        for a in answers.values()
+    )
+
+
+def test_every_worker_routes_on_one_ttft_fit_of_every_first_token(procs: Procs) -> None:
+    """The parent fits each replica's TTFT model on the first tokens of both workers' requests and
+    publishes it: both workers hold the same fit, which counts every first token."""
+    r0 = procs.backend("r0")
+    gw = procs.gateway(base_config(r0, policy={"name": "kv_aware"}, server=WORKERS))
+    wait_until(lambda: registered(gw, lambda reps: reps["r0"]["healthy"]), what="healthy")
+    workers: dict[str, int] = {}
+    while len(workers) < 2 or sum(workers.values()) < 12:
+        status, headers, _ = post(gw, BODY)
+        assert status == 200
+        workers[headers["x-kvgate-worker"]] = workers.get(headers["x-kvgate-worker"], 0) + 1
+        assert sum(workers.values()) < MAX_TRIES
+    total = sum(workers.values())
+
+    def models() -> list[dict[str, Any]] | None:
+        answers = from_each_worker(lambda: http("GET", gw.url + "/admin/replicas", headers=ADMIN))
+        fits = [json.loads(a[2])["replicas"][0]["ttft_audit"]["model"] for a in answers.values()]
+        return fits if all(f is not None and f["observations"] == total for f in fits) else None
+
+    fits = wait_until(models, what="both workers' fits count every first token")
+    assert fits[0] == fits[1]

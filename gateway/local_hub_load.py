@@ -1,0 +1,166 @@
+"""The in-flight load the HTTP workers exchange through the parent (``kvgate serve --workers N``;
+docs/architecture.md, "Workers"), so that every worker's fleet snapshot carries what one process
+routing every request would see: requests, tokens, pending prefill and its attention pairs, the
+cached tokens the flights share, and the age of the oldest request without a first byte.
+
+* ``LoadReporter`` (worker): this worker's figures per replica, and the changes of the set of
+  block keys its flights hold (predicted cached; ``FlightCounters.held_keys``) since its last
+  report: ``{"load": {replica: [requests, tokens, prefill, pairs, shared, oldest start]},
+  "held": {replica: [keys]}, "freed": {replica: [keys]}}``.
+* ``LoadTable`` (parent): every worker's last figures and held keys; ``others(n)`` is what
+  worker ``n`` adds to its own: the other workers' sums, the oldest start among them, and the
+  blocks held by more than one worker (``overlap``).
+* ``remote_loads`` (worker): the parent's answer as ``RemoteLoad`` per replica.
+
+Shared tokens: one process counts ``sum over held blocks of (flights holding it - 1)`` blocks.
+Over workers that is each worker's own count plus, per block, the workers holding it less one
+(a block two workers' flights hold is pinned once by the engine); so the parent keeps, per
+replica, how many workers hold each key, and ``overlap`` (in blocks) is exact at the time of the
+last reports. A sum of the workers' own counts alone would miss every prefix two workers hold.
+
+Invariants
+* The parent's key table mirrors the workers' ``FlightCounters`` key sets: bounded, like them,
+  by the flights in progress; a worker gone takes its keys and figures with it (``drop``).
+* A worker reports a key as held once, then as freed once (the set difference of its key set
+  between reports); a freed key the parent does not hold for it is ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from gateway.replica_load import RemoteLoad
+from gateway.replica_record import ReplicaRecord
+
+# figures a worker reports per replica: requests, tokens, prefill, pairs, shared, oldest start
+_SUMMED = 5
+
+
+class LoadReporter:
+    """A worker's load reports (see the module docstring); one per worker, its load task's."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, set[int]] = {}  # replica -> keys last reported held
+        self._marks: dict[str, tuple[int, int]] = {}  # replica -> (started, requests) then
+
+    def report(self, records: Iterable[ReplicaRecord]) -> dict[str, Any]:
+        load: dict[str, list[Any]] = {}
+        held: dict[str, list[int]] = {}
+        freed: dict[str, list[int]] = {}
+        seen = set()
+        for rec in records:
+            c, rid = rec.flights, rec.id
+            seen.add(rid)
+            if c.requests or c.pending_prefill_tokens:
+                figures = [c.requests, c.tokens, c.pending_prefill_tokens, c.pending_prefill_pairs]
+                load[rid] = [*figures, c.shared_tokens, c.oldest_pending_start()]
+            mark = (c.started, c.requests)  # the key set changes only when a flight starts or ends
+            if self._marks.get(rid) != mark:
+                self._marks[rid] = mark
+                self._diff(rid, set(c.held_keys()), held, freed)
+        for rid in [r for r in self._sent if r not in seen]:  # left the fleet
+            self._marks.pop(rid, None)
+            self._diff(rid, set(), held, freed)
+        return {"load": load, "held": held, "freed": freed}
+
+    def _diff(self, rid: str, now: set[int], held: dict[str, list[int]], freed: dict[str, list[int]]) -> None:
+        before = self._sent.get(rid, set())
+        if added := now - before:
+            held[rid] = sorted(added)
+        if removed := before - now:
+            freed[rid] = sorted(removed)
+        if now:
+            self._sent[rid] = now
+        else:
+            self._sent.pop(rid, None)
+
+
+class LoadTable:
+    """Every worker's last load report (the parent's; written by its channel readers only)."""
+
+    def __init__(self) -> None:
+        self._figures: dict[int, dict[str, list[Any]]] = {}
+        self._held: dict[int, dict[str, set[int]]] = {}
+        self._holders: dict[str, dict[int, int]] = {}  # replica -> key -> workers holding it
+        self._overlap: dict[str, int] = {}  # replica -> sum over keys of (holders - 1)
+
+    def update(self, worker: int, doc: Mapping[str, Any]) -> None:
+        self._figures[worker] = {str(r): list(f) for r, f in doc["load"].items()}
+        mine = self._held.setdefault(worker, {})
+        for replica, keys in doc["held"].items():
+            self._hold(mine.setdefault(str(replica), set()), str(replica), keys)
+        for replica, keys in doc["freed"].items():
+            self._free(mine.get(str(replica), set()), str(replica), keys)
+        for replica in [r for r, ks in mine.items() if not ks]:
+            del mine[replica]
+
+    def drop(self, worker: int) -> None:
+        """The worker is gone: its flights with it."""
+        self._figures.pop(worker, None)
+        for replica, keys in self._held.pop(worker, {}).items():
+            self._free(keys, replica, list(keys))
+
+    def _hold(self, mine: set[int], replica: str, keys: Iterable[int]) -> None:
+        holders = self._holders.setdefault(replica, {})
+        for k in keys:
+            k = int(k)
+            if k in mine:
+                continue
+            mine.add(k)
+            n = holders.get(k, 0)
+            holders[k] = n + 1
+            if n:
+                self._overlap[replica] = self._overlap.get(replica, 0) + 1
+
+    def _free(self, mine: set[int], replica: str, keys: Iterable[int]) -> None:
+        holders = self._holders.get(replica, {})
+        for k in keys:
+            k = int(k)
+            if k not in mine:
+                continue
+            mine.discard(k)
+            n = holders[k] - 1
+            if n:
+                holders[k] = n
+                self._overlap[replica] -= 1
+            else:
+                del holders[k]
+        if not holders:
+            self._holders.pop(replica, None)
+            self._overlap.pop(replica, None)
+
+    def others(self, but: int | None) -> dict[str, list[Any]]:
+        """Per replica, what worker ``but`` adds to its own flights: the other workers' summed
+        requests, tokens, prefill, pairs and shared tokens, the oldest start among them (None:
+        none), and the blocks held by more than one worker."""
+        out: dict[str, list[Any]] = {}
+        for number, figures in self._figures.items():
+            if number == but:
+                continue
+            for replica, f in figures.items():
+                t = out.setdefault(replica, [0, 0, 0, 0.0, 0, None, 0])
+                for i in range(_SUMMED):
+                    t[i] += f[i]
+                if f[5] is not None and (t[5] is None or f[5] < t[5]):
+                    t[5] = f[5]
+        for replica, blocks in self._overlap.items():
+            if blocks:
+                out.setdefault(replica, [0, 0, 0, 0.0, 0, None, 0])[6] = blocks
+        return out
+
+
+def remote_loads(doc: Mapping[str, Any], block_size: Callable[[str], int]) -> dict[str, RemoteLoad]:
+    """The parent's ``others`` for this worker as each replica's ``RemoteLoad`` (``block_size``:
+    the tokens of one of the replica's blocks, which the overlap is counted in)."""
+    return {
+        str(r): RemoteLoad(
+            int(f[0]),
+            int(f[1]),
+            int(f[2]),
+            prefill_pairs=float(f[3]),
+            shared_tokens=int(f[4]) + int(f[6]) * block_size(str(r)),
+            oldest_pending=None if f[5] is None else float(f[5]),
+        )
+        for r, f in doc.items()
+    }
