@@ -36,6 +36,7 @@ def check_comparison(h: Harness, seed: int) -> dict[str, float]:
         after = h.hits()
         hit_tokens[policy] = sum(after[k] - before[k] for k in after)
         h.details[f"agents_{policy}"] = rows
+        h.details[f"audits_{policy}"] = h.gateway_audits()  # this gateway's, before its restart
         h.details[f"index_after_{policy}"] = h.wait_index_equal()
         h.details[f"hits_{policy}"] = {k: after[k] - before[k] for k in after}
     return hit_tokens

@@ -105,6 +105,17 @@ def table(result: dict[str, Any], verdicts: dict[str, bool]) -> str:
     return "\n".join(lines)
 
 
+def audit_line(audit: dict[str, Any]) -> str:
+    """The gateway's audits (``Harness.gateway_audits``) as one reported line under the table."""
+    err, exact = audit["ttft_audit_median_abs_error"], audit["cached_audit_exact_fraction"]
+    return (
+        "TTFT audit (agent sessions, kv_aware): median |predicted - observed| / observed "
+        f"{'n/a' if err is None else f'{err:.3f}'} over {audit['ttft_audit_first_tokens']} first tokens; "
+        f"cached-token audit {'n/a' if exact is None else f'{exact:.3f}'} exact, inexact by cause "
+        f"{audit['cached_audit_causes'] or 'none'}"
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm/bin/python")
@@ -182,6 +193,7 @@ def main() -> int:
         "vllm_version": version,
     }
     result["lora"] = {k: v for k, v in lora["summary"].items() if k != "pass"}
+    result["ttft_audit"] = h.details["audits_kv_aware"]  # the agent sessions under kv_aware
     result["models"] = [
         {"name": MODEL, "hybrid": False, "prediction_exact_fraction": result["prediction_exact_fraction"]}
         | {"index_equal": index_equal},
@@ -228,6 +240,7 @@ def main() -> int:
     }
     (args.out / "e2e-vllm-details.json").write_text(json.dumps(h.details, indent=1, default=str) + "\n")
     print(table(result, verdicts))
+    print(audit_line(result["ttft_audit"]))
     print(
         f"({n_exact}/{total} predictions exact; BlockRemoved events r0={removed['r0']} "
         f"r1={removed['r1']}; after restart {past_exact}/{past_total} + {after_exact}/{after_total} exact; "
