@@ -63,7 +63,6 @@ from gateway.tls import http_ssl_context
 from gateway.tracing import Tracing
 from gateway.upstream_client import UpstreamClient
 from gateway.workers_link import AppLink
-from gateway.workers_ttft import warm_up
 from router_policies.errors import UserInputError
 from router_policies.placement import EXPIRE_INTERVAL_S
 from router_policies.prefix_index import PrefixIndex
@@ -294,8 +293,6 @@ class GatewayApp:
         self._expire_task = loop.create_task(self._expire_loop(), name="kvgate-index-expiry")
         if self._link is not None and not worker:
             return  # the parent of workers serves no API
-        if self._link is None:  # one process fits its own TTFT model (a parent does it for workers)
-            warm_up()  # the first fit's one-time kernel load, before serving rather than on a request
         self._runner = HardenedRunner(
             self._web_app(),
             cfg.server,

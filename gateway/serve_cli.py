@@ -26,6 +26,7 @@ from gateway.app import GatewayApp, freeze_startup_heap
 from gateway.config import GatewayConfig, load_config
 from gateway.local_hub_client import HubClient
 from gateway.workers import serve_workers, worker_count
+from gateway.workers_ttft import warm_up
 from router_policies.errors import UserInputError
 
 
@@ -51,6 +52,8 @@ async def _serve(args: argparse.Namespace, config: GatewayConfig | None = None) 
     config = config if config is not None else load_config(args.config)
     link = HubClient(args.worker_of, args.worker_index) if args.worker_of else None
     app = GatewayApp(config, config_path=args.config, link=link)
+    if link is None:  # one process fits its own TTFT model (the parent of workers fits theirs)
+        warm_up()  # the first fit's one-time kernel load: before the freeze, not on a request
     freeze_startup_heap()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
