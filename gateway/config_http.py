@@ -63,8 +63,8 @@ class ProxyConfig(_Strict):
     memo_cache_bytes: int = Field(
         32 * 1024 * 1024,
         ge=0,
-        description="Bytes the cache of chat-template outputs and block keys of prompts seen "
-        "before may hold (0: off); least recently used first out.",
+        description="Bytes the cache of chat-template outputs, texts' token ids and block keys of "
+        "prompts seen before may hold (0: off); least recently used first out.",
     )
     max_prompt_chars: int = Field(
         2_000_000,

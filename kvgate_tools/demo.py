@@ -204,8 +204,10 @@ def run_policy(policy: str, sessions: list[Session], opts: FleetOptions) -> Poli
     # the gateway audits every request it predicted for and the engine reported on, each inexact
     # one under its cause; a difference with what the client saw would be a gap in the audit
     unexplained = len(audited) - exact - sum(causes.values())
-    if unexplained:
+    if unexplained > 0:  # inexact as the client saw it, with no cause from the gateway
         causes["unexplained"] = unexplained
+    elif unexplained < 0:  # causes the gateway counted for predictions the client saw as exact
+        causes["gateway_only"] = -unexplained
     return PolicyRun(
         policy=policy,
         engine_hit_rate=hits / queries if queries else 0.0,
