@@ -26,7 +26,7 @@ from typing import Any
 from e2e import http_client, vllm_replica
 from e2e.event_tap import EventTap, Frame, HeldBlocks, decode_payload, replay
 from e2e.workload import Corpus
-from kvgate_tools.procs import ProcessGroup
+from kvgate_tools.procs import LowPorts, ProcessGroup
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny-llama"
@@ -64,7 +64,7 @@ def capture(python: Path, model_dir: Path, out_dir: Path, name: str, int_hashes:
         "vllm-capture",
         core=0,
         kv_cache_bytes=2 * 1024 * 1024,
-        rng=random.Random(os.getpid()),
+        ports=LowPorts(random.Random(os.getpid())),
         int_hashes=int_hashes,
         max_model_len=1024,
     )

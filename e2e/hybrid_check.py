@@ -33,7 +33,7 @@ from e2e import http_client, vllm_replica, workload
 from e2e.harness import KV_CACHE_BYTES, Harness, Replica, equal, exact
 from e2e.kvgate_procs import Gateway, start_agent
 from e2e.vllm_replica import BLOCK_SIZE
-from kvgate_tools.procs import ProcessGroup
+from kvgate_tools.procs import LowPorts, ProcessGroup
 from router_policies.block_keys import block_keys
 
 HYBRID_MODEL = "tiny-gemma3"
@@ -78,8 +78,8 @@ def run(vllm_python: Path, model_dir: Path, logs: Path, seed: int) -> dict[str, 
     """Run the hybrid phase; returns its summary (the ``models`` entry and the details)."""
     ensure_model(vllm_python, model_dir)
     procs = ProcessGroup(logs / "hybrid")
-    ports = random.Random(os.getpid() + 1)  # port choice only, as in run.py
-    spec = vllm_replica.new_spec("g0", core=0, kv_cache_bytes=KV_CACHE_BYTES, rng=ports)
+    ports = LowPorts(random.Random(os.getpid() + 1))  # port choice only, as in run.py
+    spec = vllm_replica.new_spec("g0", core=0, kv_cache_bytes=KV_CACHE_BYTES, ports=ports)
     replica = Replica("g0", spec, model=HYBRID_MODEL, hybrid=True)
     gateway = Gateway(procs, logs / "hybrid", HYBRID_MODEL, model_dir, [("g0", spec)], ports)
     h = Harness(procs, vllm_python, model_dir, [replica], gateway, model=HYBRID_MODEL)

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import random
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ import yaml
 
 from e2e import http_client
 from e2e.vllm_replica import BLOCK_SIZE, ReplicaSpec, seconds_until_ready
-from kvgate_tools.procs import ProcessGroup, Ready, low_free_port
+from kvgate_tools.procs import LowPorts, ProcessGroup, Ready
 
 ADMIN_TOKEN = "e2e-admin-token"
 AGENT_TOKEN = "e2e-agent-token"
@@ -38,7 +37,7 @@ class Gateway:
     model: str
     tokenizer: Path
     replicas: Sequence[tuple[str, ReplicaSpec]]
-    rng: random.Random
+    ports: LowPorts
     http_port: int = 0
     inventory_port: int = 0
     url: str = field(init=False)  # http://127.0.0.1:<http_port>
@@ -50,8 +49,8 @@ class Gateway:
 
     def __post_init__(self) -> None:
         # Fixed for the gateway's lifetime across restarts, so agents reconnect to the same port.
-        self.http_port = low_free_port(self.rng)
-        self.inventory_port = low_free_port(self.rng)
+        self.http_port = self.ports.take()
+        self.inventory_port = self.ports.take()
         self.url = f"http://127.0.0.1:{self.http_port}"
         self.inventory = f"127.0.0.1:{self.inventory_port}"
 

@@ -36,7 +36,7 @@ from typing import Any
 from e2e import http_client, vllm_replica, workload
 from e2e.harness import KV_CACHE_BYTES, MODEL, int_or_none
 from e2e.kvgate_procs import Gateway, start_agent
-from kvgate_tools.procs import ProcessGroup
+from kvgate_tools.procs import LowPorts, ProcessGroup
 
 ADAPTER = "sql"
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,8 +111,10 @@ def run(vllm_python: Path, model_dir: Path, logs: Path, seed: int) -> dict[str, 
     adapter_dir = model_dir.parent / (model_dir.name + "-lora")
     ensure_adapter(vllm_python, model_dir, adapter_dir)
     procs = ProcessGroup(logs / "lora")
-    ports = random.Random(os.getpid() + 2)  # port choice only, as in run.py
-    specs = [vllm_replica.new_spec(f"l{i}", core=i, kv_cache_bytes=KV_CACHE_BYTES, rng=ports) for i in (0, 1)]
+    ports = LowPorts(random.Random(os.getpid() + 2))  # port choice only, as in run.py
+    specs = [
+        vllm_replica.new_spec(f"l{i}", core=i, kv_cache_bytes=KV_CACHE_BYTES, ports=ports) for i in (0, 1)
+    ]
     gateway = Gateway(
         procs,
         logs / "lora",

@@ -52,7 +52,7 @@ from e2e import hybrid_check, lora_check, vllm_replica
 from e2e.checks import check_comparison, check_prediction_and_index, check_restart, count_removed
 from e2e.harness import KV_CACHE_BYTES, MODEL, Harness, Replica, equal, exact
 from e2e.kvgate_procs import Gateway, start_agent
-from kvgate_tools.procs import ProcessGroup
+from kvgate_tools.procs import LowPorts, ProcessGroup
 
 ROOT = Path(__file__).resolve().parent.parent
 THRESHOLDS = {"prediction_exact_fraction": 0.99, "restart_recovery_s": 5.0, "hit_ratio": 1.6}
@@ -137,11 +137,11 @@ def main() -> int:
         raise KeyboardInterrupt  # unwinds into the finally below, which stops every process
 
     signal.signal(signal.SIGTERM, on_term)
-    ports = random.Random(os.getpid())  # port choice only; concurrent runs try different ports
+    ports = LowPorts(random.Random(os.getpid()))  # port choice only; concurrent runs try different ports
     while True:  # each port was free when drawn; draw again until no two are the same
         replicas = [
-            Replica("r0", vllm_replica.new_spec("r0", core=0, kv_cache_bytes=KV_CACHE_BYTES, rng=ports)),
-            Replica("r1", vllm_replica.new_spec("r1", core=1, kv_cache_bytes=KV_CACHE_BYTES, rng=ports)),
+            Replica("r0", vllm_replica.new_spec("r0", core=0, kv_cache_bytes=KV_CACHE_BYTES, ports=ports)),
+            Replica("r1", vllm_replica.new_spec("r1", core=1, kv_cache_bytes=KV_CACHE_BYTES, ports=ports)),
         ]
         gateway = Gateway(procs, logs, MODEL, args.model, [(r.rid, r.spec) for r in replicas], ports)
         used = [gateway.http_port, gateway.inventory_port]

@@ -9,13 +9,12 @@ for HTTP, KV events and replay, and a KV budget in bytes small enough to force e
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvgate_tools.procs import ProcessGroup, Ready, low_free_port
+from kvgate_tools.procs import LowPorts, ProcessGroup, Ready
 
 BLOCK_SIZE = 32  # the CPU attention backend refuses block sizes that are not multiples of 32
 TOPIC = "kv-events"
@@ -49,7 +48,7 @@ def new_spec(
     name: str,
     core: int,
     kv_cache_bytes: int,
-    rng: random.Random,
+    ports: LowPorts,
     int_hashes: bool = True,
     max_model_len: int = 2048,
 ) -> ReplicaSpec:
@@ -57,9 +56,9 @@ def new_spec(
         name=name,
         core=core,
         kv_cache_bytes=kv_cache_bytes,
-        http_port=low_free_port(rng),
-        events_port=low_free_port(rng),
-        replay_port=low_free_port(rng),
+        http_port=ports.take(),
+        events_port=ports.take(),
+        replay_port=ports.take(),
         int_hashes=int_hashes,
         max_model_len=max_model_len,
     )

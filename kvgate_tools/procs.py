@@ -56,11 +56,35 @@ def low_free_port(rng: random.Random | None = None) -> int:
     Without ``rng`` the pick comes from the OS's randomness, so concurrent runs try different ports;
     each port is checked free by binding it.
     """
-    pick = rng or random.SystemRandom()
+    return _draw_low_port(rng or random.SystemRandom(), frozenset())
+
+
+@dataclass
+class LowPorts:
+    """The ports of one run's processes, drawn as ``low_free_port`` draws them, none drawn twice.
+
+    A port is checked free when it is drawn, but the process that binds it may start much later:
+    two draws of a run before either process starts could pick the same port (the e2e's LoRA check
+    once lost a replica's API port to the other replica's engine, which had bound it for its KV
+    events). Invariant: ``take`` never returns a port in ``given``, and adds what it returns.
+    """
+
+    rng: random.Random
+    given: set[int] = field(default_factory=set)
+
+    def take(self) -> int:
+        port = _draw_low_port(self.rng, frozenset(self.given))
+        self.given.add(port)
+        return port
+
+
+def _draw_low_port(pick: random.Random, avoid: frozenset[int]) -> int:
     high = _ephemeral_low()
     low = max(1024, high - 12_768)
     for _ in range(500):
         port = pick.randrange(low, high)
+        if port in avoid:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))

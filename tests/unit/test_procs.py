@@ -1,11 +1,14 @@
-"""kvgate_tools.procs: a restarted child is found ready by what it printed this time."""
+"""kvgate_tools.procs: a restarted child is found ready by what it printed this time; one run's
+ports are never drawn twice."""
 
 from __future__ import annotations
 
+import random
+import socket
 import sys
 from pathlib import Path
 
-from kvgate_tools.procs import ProcessGroup, Ready
+from kvgate_tools.procs import LowPorts, ProcessGroup, Ready, low_free_port
 
 
 def test_a_restarted_child_is_ready_on_its_new_output(tmp_path: Path) -> None:
@@ -20,3 +23,29 @@ def test_a_restarted_child_is_ready_on_its_new_output(tmp_path: Path) -> None:
             assert m is not None and m.group(1) == str(port)  # not the first run's line, still in the log
             group.stop(proc)
         assert (tmp_path / "child.log").read_text().count("listening") == 2  # one log, appended
+
+
+class _Replay(random.Random):
+    """Draws the given values in order: the same port drawn twice in a row, then others."""
+
+    def __init__(self, values: list[int]) -> None:
+        super().__init__(0)
+        self.values = values
+
+    def randrange(self, start: int, stop: int | None = None, step: int = 1) -> int:
+        value = self.values.pop(0)
+        assert stop is not None and start <= value < stop and step == 1  # the range low_free_port draws from
+        return value
+
+
+def test_a_run_never_draws_the_same_port_twice_even_when_unbound() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        busy = low_free_port()
+        s.bind(("127.0.0.1", busy))
+        free = sorted({low_free_port() for _ in range(6)} - {busy})[:2]
+        ports = LowPorts(_Replay([free[0], free[0], busy, free[0], free[1]]))
+        first = ports.take()
+        # The first port again (not bound by anyone yet), then a bound port: both skipped.
+        second = ports.take()
+    assert (first, second) == (free[0], free[1])
+    assert ports.given == set(free)
