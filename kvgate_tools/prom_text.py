@@ -1,6 +1,7 @@
-"""Prometheus text exposition read back (docs/architecture.md, "Tools"): its samples, sums of
-named samples over several scrapes, and kvgate's own audits from its ``/metrics``. Shared by
-``kvgate demo`` (kvgate_tools/demo.py), the live bench (bench/live_metrics.py) and the e2e harness.
+"""Prometheus text exposition read back (docs/architecture.md, section 2, kvgate_tools): its
+samples, sums of named samples over several scrapes, and kvgate's own audits from its
+``/metrics``. Shared by ``kvgate demo`` (kvgate_tools/demo.py), the live bench
+(bench/live_metrics.py) and the e2e harness.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""The abusive inventory streams (docs/faults.md; docs/gateway.md, "Agent credentials"): one
-table, played against an in-process inventory server by tests/integration/test_inventory_abuse.py
-and against a real ``kvgate serve`` by ``make faults`` (kvgate_tools/faults/inventory_faults.py).
+"""The abusive inventory streams (docs/architecture.md, section 4; docs/faults.md; docs/gateway.md,
+"Agent credentials"): one table, played against an in-process inventory server by
+tests/integration/test_inventory_abuse.py and against a real ``kvgate serve`` by ``make faults``
+(kvgate_tools/faults/inventory_faults.py).
 
 The fleet both build: static r0 and r1 with tokens of their own, an agent-registered a0 at
 ``A0_URL`` (its token's hash in a file), a shared token, registration allowed at
