@@ -60,6 +60,11 @@ def _tree(root: int) -> dict[int, float]:
     return out
 
 
+def tree_pids(root: int) -> list[int]:
+    """``root`` and its live descendants (children, grandchildren, ...)."""
+    return list(_tree(root))
+
+
 def tree_cpu_s(root: int) -> float:
     """CPU seconds used so far by ``root`` and its live descendants."""
     return sum(_tree(root).values())

@@ -280,7 +280,7 @@ def one_run(
         results, wall = uvloop.run(replay(url, reqs, args.speedup, args.timeout))
         h1, q1, b1 = engine_state(urls)
         if router.startswith("kvgate"):
-            audit = live_metrics.kvgate_audit(live_metrics.scrape(url))
+            audit = dict(live_metrics.kvgate_audit(live_metrics.scrape(url)))
             # the fleet as kvgate saw it (fitted TTFT models)
             with (
                 contextlib.suppress(OSError),

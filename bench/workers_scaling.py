@@ -31,15 +31,17 @@ from typing import Any
 import yaml
 
 from bench import loadgen
+from bench.cpu_time import tree_pids
 from bench.overhead import MODEL, TOKENIZER, kvgate_config, measure
 from bench.results_file import write_results
+from kvgate_tools.local_fleet import http
 from kvgate_tools.procs import ProcessGroup, Ready
+from kvgate_tools.stream_agent import StreamAgent
 from proto.kvgate.v1 import inventory_pb2 as pb
-from tests.integration.gateway_harness import AGENT_TOKEN, http
-from tests.integration.test_gateway_observability import _Agent
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY_BASE = 1 << 40
+AGENT_TOKEN = "bench-agent-token"
 
 
 def start_fake_backends(procs: ProcessGroup, count: int) -> list[int]:
@@ -113,10 +115,6 @@ def _rss_kb(pid: int) -> int:
     return 0
 
 
-def _tree(pid: int) -> list[int]:
-    return [pid, *(int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split())]
-
-
 def _index_in_every_worker(port: int, replica: str, check: Any, workers: int = 2) -> None:
     seen: set[str] = set()
     while len(seen) < workers:
@@ -133,7 +131,7 @@ def staleness_and_memory(
     port, inv, proc = start_gateway(procs, tmp, backends, 2, index=index, tag="staleness")
     pid = proc.pid
     time.sleep(1.0)
-    agent = _Agent(inv)
+    agent = StreamAgent(inv, AGENT_TOKEN)
     agent.send(hello=pb.Hello(replica_id="agent0", url="http://127.0.0.1:9", models=[MODEL], block_size=16,
                               engine="bench", protocol_version=1))  # fmt: skip
     agent.send(snapshot=pb.SnapshotChunk(snapshot_id=1, keys=[], medium="GPU", last=True))
@@ -145,7 +143,7 @@ def staleness_and_memory(
         agent.send(events=pb.Events(events=[pb.Event(stored=pb.Stored(keys=[key]))]))
         _index_in_every_worker(port, "agent0", lambda d, k=key: k in d["keys"])
         lags.append((time.perf_counter() - t0) * 1e3)
-    before = {p: _rss_kb(p) for p in _tree(pid)}
+    before = {p: _rss_kb(p) for p in tree_pids(pid)}
     keys = list(range(2 * KEY_BASE, 2 * KEY_BASE + args.blocks))
     t0 = time.perf_counter()
     for start in range(0, len(keys), 65536):
@@ -154,7 +152,7 @@ def staleness_and_memory(
         agent.send(snapshot=pb.SnapshotChunk(snapshot_id=2, keys=chunk, medium="GPU", last=last))
     _index_in_every_worker(port, "", lambda d: d.get("entries", 0) >= args.blocks)
     snapshot_s = time.perf_counter() - t0
-    after = {p: _rss_kb(p) for p in _tree(pid)}
+    after = {p: _rss_kb(p) for p in tree_pids(pid)}
     agent.close()
     per_block = {str(p): 1024 * (after[p] - before.get(p, 0)) / args.blocks for p in after}
     lags.sort()

@@ -95,10 +95,10 @@ class Harness:
         self.settle()
 
     def gateway_audits(self) -> dict[str, object]:
-        """The running gateway's audits from its /metrics (bench/live_metrics.kvgate_audit): the
+        """The running gateway's audits from its /metrics (kvgate_tools/prom_text.kvgate_audit): the
         TTFT model's median absolute relative error over its first tokens, the cached-token
         audit's exact share and causes. Reported, not judged: issue 11's bar is on the live bench."""
-        return kvgate_audit(http_client.get(self.gateway.url + "/metrics").body.decode())
+        return dict(kvgate_audit(http_client.get(self.gateway.url + "/metrics").body.decode()))
 
     def hits(self) -> dict[str, float]:
         out = {}

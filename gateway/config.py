@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.config_http import ProxyConfig, ServerConfig, _Strict
+from gateway.documents import read_document
 from gateway.operator_config import OperatorConfig
 from router_policies.errors import UserInputError
 from router_policies.prefix_index import IndexConfig
@@ -366,12 +367,7 @@ def parse_config(data: Any, source: str = "config") -> GatewayConfig:
 def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> GatewayConfig:
     """Load, override from ``KVGATE_*`` environment variables and validate."""
     p = Path(path)
-    try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"{p}: cannot read: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{p}: invalid YAML: {exc}") from None
+    data = read_document(p, "YAML", lambda why: ConfigError(f"{p}: {why}"))
     if data is not None and not isinstance(data, Mapping):
         raise ConfigError(f"{p}: the top level must be a mapping")
     tree = apply_env(dict(data or {}), os.environ if env is None else env)

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, overload
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.fleet import Fleet
+from gateway.metric_specs import Metric as Spec
+from gateway.metric_specs import MetricSet
 from gateway.replica_audit import TTFT_WINDOW
 from router_policies.placement import TtftSample
 from router_policies.prefix_index import PrefixIndex
@@ -89,13 +91,13 @@ class Batches:
     def __init__(self) -> None:
         self.children: list[Batched] = []
 
+    @overload
+    def of(self, metric: Histogram) -> BatchedHistogram: ...
+    @overload
+    def of(self, metric: Any) -> Batched: ...
     def of(self, metric: Any) -> Batched:
+        """``metric`` (a histogram or counter, or a child of one) batched, flushed with the rest."""
         b: Batched = BatchedHistogram(metric) if isinstance(metric, Histogram) else BatchedCounter(metric)
-        self.children.append(b)
-        return b
-
-    def histogram(self, metric: Histogram) -> BatchedHistogram:
-        b = BatchedHistogram(metric)
         self.children.append(b)
         return b
 
@@ -218,7 +220,24 @@ class _StateCollector(Collector):
         yield ttft_mae
 
 
-class GatewayMetrics:
+class GatewayMetrics(MetricSet):
+    # one metric a line: kind, name, help, labels (and buckets)
+    # fmt: off
+    requests = Spec(Counter, "kvgate_requests", "Proxied requests by policy, replica (none when not routed) and HTTP status.", ("policy", "replica", "status"))
+    retries = Spec(Counter, "kvgate_retries", "Attempts retried on another replica, by cause.", ("reason",))
+    features_seconds = Spec(Histogram, "kvgate_features_seconds", "Request features per request: chat template, tokenization, block keys.", buckets=_DECISION_BUCKETS)
+    decision_seconds = Spec(Histogram, "kvgate_decision_seconds", "Index match, fleet snapshot, policy choice and speculative index entry per request.", buckets=_DECISION_BUCKETS)
+    predicted_tokens = Spec(Histogram, "kvgate_predicted_matched_tokens", "Cached prompt tokens predicted on the chosen replica.", ("policy",), _TOKEN_BUCKETS)
+    ttft_seconds = Spec(Histogram, "kvgate_ttft_seconds", "Time to the first upstream byte, seen through the proxy.", ("replica",), _LATENCY_BUCKETS)
+    e2e_seconds = Spec(Histogram, "kvgate_e2e_seconds", "Request start to last byte, seen through the proxy.", ("replica",), _LATENCY_BUCKETS)
+    audit = Spec(Counter, "kvgate_prediction_audit", "Requests whose engine reported cached tokens, by outcome (exact, over, under).", ("replica", "outcome"))
+    audit_error = Spec(Histogram, "kvgate_prediction_error_tokens", "Predicted minus engine-reported cached tokens.", ("replica",), _ERROR_BUCKETS)
+    audit_cause = Spec(Counter, "kvgate_prediction_audit_inexact", "Inexact cached-token predictions by cause (concurrent_not_stored, evicted, stale_index, not_yet_reported, tokenization).", ("replica", "cause"))
+    ttft_error = Spec(Histogram, "kvgate_ttft_prediction_relative_error", "TTFT model: (predicted - observed) / observed time to first byte, per first token.", ("replica",), _RELATIVE_BUCKETS)
+    features = Spec(Counter, "kvgate_features", "Requests featurized, by how the tokens were obtained (local, remote, token_ids, chars) and whether the keys are approximate character blocks.", ("mode", "approximate"))
+    reloads = Spec(Counter, "kvgate_config_reloads", "Config reloads by result.", ("result",))
+    # fmt: on
+
     def __init__(
         self,
         registry: CollectorRegistry,
@@ -230,89 +249,11 @@ class GatewayMetrics:
         # batched request-path updates, flushed before anything else is collected
         self.batches = Batches()
         registry.register(self.batches)
-        self.requests = Counter(
-            "kvgate_requests",
-            "Proxied requests by policy, replica (none when not routed) and HTTP status.",
-            ["policy", "replica", "status"],
-            registry=registry,
-        )
-        self.retries = Counter(
-            "kvgate_retries", "Attempts retried on another replica, by cause.", ["reason"], registry=registry
-        )
-        self.features_seconds = Histogram(
-            "kvgate_features_seconds",
-            "Request features per request: chat template, tokenization, block keys.",
-            buckets=_DECISION_BUCKETS,
-            registry=registry,
-        )
-        self.decision_seconds = Histogram(
-            "kvgate_decision_seconds",
-            "Index match, fleet snapshot, policy choice and speculative index entry per request.",
-            buckets=_DECISION_BUCKETS,
-            registry=registry,
-        )
-        self.predicted_tokens = Histogram(
-            "kvgate_predicted_matched_tokens",
-            "Cached prompt tokens predicted on the chosen replica.",
-            ["policy"],
-            buckets=_TOKEN_BUCKETS,
-            registry=registry,
-        )
-        self.ttft_seconds = Histogram(
-            "kvgate_ttft_seconds",
-            "Time to the first upstream byte, seen through the proxy.",
-            ["replica"],
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.e2e_seconds = Histogram(
-            "kvgate_e2e_seconds",
-            "Request start to last byte, seen through the proxy.",
-            ["replica"],
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.audit = Counter(
-            "kvgate_prediction_audit",
-            "Requests whose engine reported cached tokens, by outcome (exact, over, under).",
-            ["replica", "outcome"],
-            registry=registry,
-        )
-        self.audit_error = Histogram(
-            "kvgate_prediction_error_tokens",
-            "Predicted minus engine-reported cached tokens.",
-            ["replica"],
-            buckets=_ERROR_BUCKETS,
-            registry=registry,
-        )
-        self.audit_cause = Counter(
-            "kvgate_prediction_audit_inexact",
-            "Inexact cached-token predictions by cause (concurrent_not_stored, evicted, stale_index, "
-            "not_yet_reported, tokenization).",
-            ["replica", "cause"],
-            registry=registry,
-        )
-        self.ttft_error = Histogram(
-            "kvgate_ttft_prediction_relative_error",
-            "TTFT model: (predicted - observed) / observed time to first byte, per first token.",
-            ["replica"],
-            buckets=_RELATIVE_BUCKETS,
-            registry=registry,
-        )
-        self.features = Counter(
-            "kvgate_features",
-            "Requests featurized, by how the tokens were obtained (local, remote, token_ids, chars) and "
-            "whether the keys are approximate character blocks.",
-            ["mode", "approximate"],
-            registry=registry,
-        )
-        self.reloads = Counter(
-            "kvgate_config_reloads", "Config reloads by result.", ["result"], registry=registry
-        )
+        super().__init__(registry)
         # request-path access to the labelled metrics, through cached children
         b = self.batches
-        self.features_time = b.histogram(self.features_seconds)
-        self.decision_time = b.histogram(self.decision_seconds)
+        self.features_time = b.of(self.features_seconds)
+        self.decision_time = b.of(self.decision_seconds)
         self.requests_by = Children(self.requests, b)
         self.retries_by = Children(self.retries, b)
         self.predicted_by = Children(self.predicted_tokens, b)

@@ -9,7 +9,7 @@ workload over real HTTP, and reports:
 * client-measured TTFT p50/p99 (request sent -> first streamed content chunk) and throughput;
 * the prediction audit's exact fraction: requests whose predicted cached tokens (the gateway's
   ``x-kvgate-matched-tokens``) equal the engine-reported ``usage.prompt_tokens_details.cached_tokens``;
-  the gateway's own audit (``/admin/replicas``) explains every inexact one by its cause
+  the gateway's own audit (its ``/metrics``) explains every inexact one by its cause
   (``gateway/prediction_audit.py``: approximate_features, concurrent_not_stored, evicted,
   tokenization, stale_index, deferred_encode, not_yet_reported); inexact ones the client saw but
   the gateway did not count would show as ``unexplained`` (the audit covers every request);
@@ -33,7 +33,8 @@ from typing import Any
 import aiohttp
 
 from kvgate_tools.demo_workload import AgentWorkloadSpec, Session, agent_sessions
-from kvgate_tools.local_fleet import FleetOptions, LocalFleet
+from kvgate_tools.local_fleet import FleetOptions, LocalFleet, http_text
+from kvgate_tools.prom_text import KvgateAudit, kvgate_audit
 from router_policies.errors import UserInputError
 from router_policies.flags import options_from_flags
 
@@ -65,31 +66,17 @@ class PolicyRun:
     inexact_causes: dict[str, int] | None = None
 
 
-def gateway_audits(replicas: list[dict[str, Any]]) -> tuple[float | None, dict[str, int]]:
-    """From ``/admin/replicas``: the TTFT audit's median absolute error (each replica's weighted
-    by its first tokens) and the inexact cached-token predictions by cause, over the fleet."""
-    weighted = total = 0.0
-    causes: dict[str, int] = {}
-    for r in replicas:
-        ttft = r.get("ttft_audit") or {}
-        n, mae = ttft.get("total") or 0, ttft.get("median_abs_error")
-        if n and mae is not None:
-            weighted += n * mae
-            total += n
-        for cause, count in ((r.get("prediction_audit") or {}).get("inexact_causes") or {}).items():
-            causes[cause] = causes.get(cause, 0) + int(count)
-    return (weighted / total if total else None), causes
-
-
-def audited_replicas(fleet: LocalFleet, expected: int, timeout_s: float = 10.0) -> list[dict[str, Any]]:
-    """``/admin/replicas`` once the gateway has audited ``expected`` requests (an audit waiting
-    for a deferred encode's keys lands a moment after its answer), or after ``timeout_s``."""
+def gateway_audit(fleet: LocalFleet, expected: int, timeout_s: float = 10.0) -> KvgateAudit:
+    """The gateway's audits from its ``/metrics`` (``prom_text.kvgate_audit``: the TTFT audit's
+    median absolute error, each replica's weighted by its first tokens, and the inexact
+    cached-token predictions by cause, over the fleet) once it has audited ``expected`` requests
+    (an audit waiting for a deferred encode's keys lands a moment after its answer), or after
+    ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
-        replicas: list[dict[str, Any]] = fleet.replicas()
-        total = sum(int((r.get("prediction_audit") or {}).get("total") or 0) for r in replicas)
-        if total >= expected or time.monotonic() > deadline:
-            return replicas
+        audit = kvgate_audit(http_text(f"{fleet.gateway_url}/metrics"))
+        if audit["cached_audit_requests"] >= expected or time.monotonic() > deadline:
+            return audit
         time.sleep(0.1)
 
 
@@ -191,7 +178,8 @@ def run_policy(policy: str, sessions: list[Session], opts: FleetOptions) -> Poli
         outcomes, wall = asyncio.run(replay(fleet.gateway_url, sessions))
         print(f"  {policy}: {len(outcomes)} requests replayed in {wall:.1f}s", flush=True)
         seen = sum(1 for o in outcomes if o.ok and o.predicted is not None and o.cached is not None)
-        ttft_error, causes = gateway_audits(audited_replicas(fleet, seen))
+        audit = gateway_audit(fleet, seen)
+        ttft_error, causes = audit["ttft_audit_median_abs_error"], dict(audit["cached_audit_causes"])
         hits = queries = 0.0
         for i in range(len(fleet.engines)):
             h, q = engine_hit_counters(fleet.engine_metrics(i))

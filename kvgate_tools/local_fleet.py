@@ -31,6 +31,23 @@ __all__ = ["EngineSpec", "FleetOptions", "LocalFleet", "free_port", "http_json",
 DEFAULT_TOKENIZER = REPO_ROOT / "assets" / "tokenizers" / "kvgate-tiny"
 
 
+def http(
+    method: str,
+    url: str,
+    body: bytes | None = None,
+    headers: Mapping[str, str] | None = None,
+    timeout: float = 10.0,
+) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers with lower-case names, body) of one request; an HTTP error status is an
+    answer like any other."""
+    req = urllib.request.Request(url, data=body, method=method, headers=dict(headers or {}))
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, {k.lower(): v for k, v in resp.headers.items()}, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read()
+
+
 def http_json(
     url: str, body: Any = None, timeout: float = 5.0, headers: Mapping[str, str] | None = None
 ) -> Any:

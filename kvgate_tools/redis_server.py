@@ -16,6 +16,7 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from typing import Any
 
 from kvgate_tools.procs import ProcessGroup, low_free_port, stop_group
 
@@ -87,3 +88,19 @@ class RedisServer:
         if self.proc is not None:
             self._group.stop(self.proc)
             self.proc = None
+
+
+def shared_fleet_config(redis: RedisServer) -> dict[str, Any]:
+    """A test fleet's gateway config sharing state through ``redis`` (the shared-state tests' and
+    ``make faults``' settings): short load and reconnect periods so that a test converges fast."""
+    return {
+        "shared_state": {
+            "redis_url": redis.url,
+            "key_prefix": "kvgtest",
+            "load_interval_s": 0.2,
+            "load_ttl_s": 1.5,
+            "reconnect_max_s": 0.5,
+        },
+        # the sim engines do not report cached tokens the way the proxy's audit needs; keep logs small
+        "telemetry": {"access_log": False},
+    }

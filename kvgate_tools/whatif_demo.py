@@ -30,6 +30,7 @@ from kvgate_tools.demo import engine_hit_counters, percentile
 from kvgate_tools.demo_workload import AgentWorkloadSpec, agent_sessions
 from kvgate_tools.local_fleet import FleetOptions, LocalFleet, http_json
 from kvgate_tools.operator_replay import replay_sessions
+from router_policies.flags import options_from_flags
 from router_policies.sim.simulator import prepare
 from router_policies.sim.traces import load_trace
 from router_policies.sim.whatif import FleetModel, engine_of, format_table, variations, whatif, write_plot
@@ -57,14 +58,10 @@ def live_run(args: argparse.Namespace, trace_path: Path) -> dict[str, Any]:
         "prices": {"kvgate-tiny": {"input": PRICE_IN, "cached_input": PRICE_CACHED,
                                    "source": "DeepSeek-V3 API prices, written down 2026-12-01"}},
     }  # fmt: skip
-    opts = FleetOptions(
-        replicas=args.replicas,
-        cache_blocks=args.cache_blocks,
-        profile=args.profile,
-        time_scale=args.time_scale,
-        seed=args.seed,
-        extra_config={"operator": operator},
-        log_dir=args.out / "whatif-logs",
+    fleet_flags = ("replicas", "cache_blocks", "profile", "time_scale", "seed")
+    extra = {"operator": operator}
+    opts = options_from_flags(
+        FleetOptions, args, fleet_flags, extra_config=extra, log_dir=args.out / "whatif-logs"
     )
     spec = AgentWorkloadSpec(sessions=args.sessions, think_time_mean_s=args.think_s, seed=args.seed)
     sessions = agent_sessions(opts.model, spec)

@@ -24,7 +24,6 @@ conversions) may differ: route such a model with ``tokenizer: remote``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer
 
+from gateway.documents import read_document
 from router_policies.errors import UserInputError
 
 # transformers' SPECIAL_TOKENS_ATTRIBUTES, in its order
@@ -89,12 +89,7 @@ def _added_token(value: Any, *, special: bool) -> AddedToken | None:
 
 
 def _read_json(path: Path, where: str) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise FeatureConfigError(f"{where}: cannot read {path}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise FeatureConfigError(f"{where}: {path} is not valid JSON: {exc}") from None
+    data = read_document(path, "JSON", lambda why: FeatureConfigError(f"{where}: {path}: {why}"))
     if not isinstance(data, dict):
         raise FeatureConfigError(f"{where}: {path} must hold a JSON object")
     return data

@@ -1,5 +1,5 @@
 """Abusive inventory streams against a real ``kvgate serve`` (docs/faults.md): the table of
-``tests/integration/test_inventory_abuse.py`` (reused, not copied: 23 cases, impersonation with
+``kvgate_tools/faults/abuse_cases.py`` (tests/integration/test_inventory_abuse.py's too: 23 cases, impersonation with
 per-replica tokens, a token file, a shared token and registration rules), each over real gRPC.
 
 Must hold: the right status every time, and no replica's index entries, URL or membership changed
@@ -15,16 +15,16 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import grpc
 import grpc.aio
 import yaml
 
+from kvgate_tools.faults.abuse_cases import A0_URL, CASES, TOKENS, bearer
 from kvgate_tools.faults.common import Result, Sampler, Tally
 from kvgate_tools.procs import ProcessGroup, Ready, free_port
-from tests.integration.test_inventory_abuse import A0_URL, CASES, TOKENS, Rig, bearer, hello, run_stream
-from tests.integration.test_inventory_server import snap
+from kvgate_tools.stream_agent import ChannelCaller, hello, run_stream, snap
 
 ADMIN = "faults-admin"
 SEED = (("r0", "", [1, 2, 3]), ("r1", "", [11, 12]), ("a0", A0_URL, [21, 22]))
@@ -53,15 +53,6 @@ def config(tmp: Path, http_port: int, inv_port: int) -> dict[str, Any]:
     }
 
 
-class Client:
-    """What ``run_stream`` uses of the test's ``Rig``: its ``call`` (a stream on ``channel``)."""
-
-    call = Rig.call
-
-    def __init__(self, channel: grpc.aio.Channel) -> None:
-        self.channel = channel
-
-
 class Admin:
     def __init__(self, base: str) -> None:
         self.base = base
@@ -88,7 +79,7 @@ class Admin:
 
 async def play(inv_port: int, admin: Admin, bad: list[str], tally: Tally) -> None:
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{inv_port}")
-    rig = cast(Rig, Client(channel))  # run_stream only calls rig.call
+    rig = ChannelCaller(channel)
     try:
         for who, url, keys in SEED:  # the legitimate agents first
             code = await run_stream(rig, bearer(who), [hello(who, url), snap(2, keys)])
@@ -127,7 +118,7 @@ def abusive_streams(tmp: Path) -> Result:
         admin = Admin(f"http://127.0.0.1:{http_port}")
         with Sampler(proc.pid) as s:
             asyncio.run(play(inv_port, admin, bad, tally))
-    notes = f"{len(CASES)} cases from tests/integration/test_inventory_abuse.py; " + "; ".join(bad)
+    notes = f"{len(CASES)} cases from kvgate_tools/faults/abuse_cases.py; " + "; ".join(bad)
     return Result(
         "abusive_inventory_streams", tally, None, s.peak_rss_mb, not bad and tally.sent >= 15, notes
     )

@@ -17,8 +17,7 @@ from kvgate_tools.faults.common import Call, Load, Result, Sampler, Tally, chat_
 from kvgate_tools.faults.fleet_faults import CLIENT_BOUND_S, clean, prompt
 from kvgate_tools.local_fleet import FleetOptions, LocalFleet
 from kvgate_tools.procs import ProcessGroup, Ready, free_port
-from kvgate_tools.redis_server import RedisServer
-from tests.integration.test_shared_state import shared_config  # the shared-state tests' settings
+from kvgate_tools.redis_server import RedisServer, shared_fleet_config
 
 REDIS_DOWN_S = 3.0
 
@@ -47,7 +46,9 @@ def redis_restart_two_gateways(tmp: Path) -> Result:
     redis.start()
     tally = Tally()
     try:
-        opts = FleetOptions(replicas=2, cache_blocks=2048, extra_config=shared_config(redis), log_dir=tmp)
+        opts = FleetOptions(
+            replicas=2, cache_blocks=2048, extra_config=shared_fleet_config(redis), log_dir=tmp
+        )
         with LocalFleet(opts) as fleet, ProcessGroup(tmp) as group:
             b_url = start_b(fleet, group, tmp)
             gateways = [fleet.gateway_url, b_url]

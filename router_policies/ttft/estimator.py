@@ -71,10 +71,16 @@ class FitConfig:
         assert 0 < self.scale_rate < 1 and self.min_norm_ms > 0 and self.max_multiple > 1
 
 
+def residual_norm(predicted_ms: float, y_ms: float, cfg: FitConfig) -> float:
+    """sqrt(p y), each at least ``min_norm_ms``: the geometric mean of prediction and observation
+    a residual is divided by, so that (y - p) / sqrt(p y) ~ log(y / p)."""
+    return math.sqrt(max(predicted_ms, cfg.min_norm_ms) * max(y_ms, cfg.min_norm_ms))
+
+
 def relative_residual(predicted_ms: float, y_ms: float, cfg: FitConfig) -> float:
-    """(y - p) / sqrt(p y), each at least ``min_norm_ms``: the residual the fit minimises."""
+    """(y - p) / sqrt(p y) (``residual_norm``): the residual the fit minimises."""
     p = max(predicted_ms, cfg.min_norm_ms)
-    return (y_ms - p) / math.sqrt(p * max(y_ms, cfg.min_norm_ms))
+    return (y_ms - p) / residual_norm(p, y_ms, cfg)
 
 
 def next_scale(scale: float, residual: float, cfg: FitConfig, rate: float = 0.0, clip: float = 0.0) -> float:
@@ -135,8 +141,7 @@ class RobustRls:
         cfg = self._cfg
         z = np.asarray(x, dtype=np.float64) * self._ref
         predicted = max(float(np.dot(z, self._w)), cfg.min_norm_ms)
-        # the geometric mean of prediction and observation: (y - p) / sqrt(p y) ~ log(y / p)
-        norm = math.sqrt(predicted * max(y_ms, cfg.min_norm_ms))
+        norm = residual_norm(predicted, y_ms, cfg)  # the fit minimises relative_residual's
         z /= norm
         s = self._scale
         clip = cfg.huber_k * s

@@ -11,8 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +25,7 @@ from gateway.config import GatewayConfig
 from gateway.fleet import Fleet
 from gateway.inventory_server import InventoryServer
 from gateway.shared_state import SharedState
+from kvgate_tools.local_fleet import http as http  # re-exported for the tests
 from kvgate_tools.procs import ProcessGroup, read_line
 from kvgate_tools.procs import low_free_port as low_free_port  # re-exported for the tests
 from kvgate_tools.redis_server import RedisServer as RedisServer  # re-exported for the tests
@@ -38,21 +37,6 @@ TOKENIZER = REPO / "assets" / "tokenizers" / "kvgate-tiny"
 ADMIN_TOKEN = "test-admin-token"
 AGENT_TOKEN = "test-agent-token"
 START_TIMEOUT_S = 30.0
-
-
-def http(
-    method: str,
-    url: str,
-    body: bytes | None = None,
-    headers: Mapping[str, str] | None = None,
-    timeout: float = 10.0,
-) -> tuple[int, dict[str, str], bytes]:
-    req = urllib.request.Request(url, data=body, method=method, headers=dict(headers or {}))
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, {k.lower(): v for k, v in resp.headers.items()}, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read()
 
 
 @dataclass

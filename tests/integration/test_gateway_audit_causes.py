@@ -16,10 +16,11 @@ import pytest
 
 from gateway.app_parts import build_state
 from gateway.config import parse_config
+from kvgate_tools.stream_agent import StreamAgent
 from proto.kvgate.v1 import inventory_pb2 as pb
-from tests.integration.gateway_harness import Backend, Gateway, Procs, base_config, http
+from tests.integration.gateway_harness import AGENT_TOKEN, Backend, Gateway, Procs, base_config, http
 from tests.integration.test_gateway_deferred import _doc
-from tests.integration.test_gateway_observability import _access_lines, _Agent
+from tests.integration.test_gateway_observability import _access_lines
 from tests.polling import wait_until
 
 BS = 16
@@ -33,7 +34,7 @@ class Fleet:
 
     gw: Gateway
     backend: Backend
-    agent: _Agent
+    agent: StreamAgent
     cfg: dict[str, Any]
 
     def features(self, prompt: str) -> tuple[list[int], int]:
@@ -93,7 +94,7 @@ def fleet(procs: Procs) -> Iterator[Fleet]:
     b = procs.backend("r0")
     cfg = base_config(b, proxy={"tokenize_defer_chars": DEFER_CHARS})
     gw = procs.gateway(cfg)
-    agent = _Agent(gw.inventory_port)
+    agent = StreamAgent(gw.inventory_port, AGENT_TOKEN)
     try:
         agent.send(hello=pb.Hello(replica_id="r0", url=b.url, models=["m"], block_size=BS, engine="fake",
                                   protocol_version=1))  # fmt: skip

@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import threading
-from collections.abc import Iterator
 from concurrent import futures
 from typing import Any
 
@@ -19,6 +17,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as otl
 from gateway.app_parts import build_state
 from gateway.config import parse_config
 from gateway.request import Endpoint
+from kvgate_tools.stream_agent import StreamAgent
 from proto.kvgate.v1 import inventory_pb2 as pb
 from tests.integration.gateway_harness import AGENT_TOKEN, Gateway, Procs, base_config, http
 from tests.polling import wait_until
@@ -28,55 +27,6 @@ JSON = {"content-type": "application/json"}
 
 def _post(gw: Gateway, doc: dict[str, Any]) -> tuple[int, dict[str, str], bytes]:
     return http("POST", gw.url + "/v1/completions", json.dumps(doc).encode(), JSON)
-
-
-class _Agent:
-    """A minimal agent speaking the inventory stream, so the test decides exactly what the index
-    holds."""
-
-    def __init__(self, port: int) -> None:
-        self._channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        self._queue: list[pb.AgentMessage] = []
-        self._cond = threading.Condition()
-        self._closed = False
-        call = self._channel.stream_stream(
-            "/kvgate.v1.Inventory/Sync",
-            request_serializer=pb.AgentMessage.SerializeToString,
-            response_deserializer=pb.GatewayMessage.FromString,
-        )
-        self._responses = call(self._requests(), metadata=(("authorization", f"Bearer {AGENT_TOKEN}"),))
-        self._reader = threading.Thread(target=self._drain, daemon=True)
-        self._reader.start()
-        self._seq = 0
-
-    def _requests(self) -> Iterator[pb.AgentMessage]:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if self._closed and not self._queue:
-                    return
-                msg = self._queue.pop(0)
-            yield msg
-
-    def _drain(self) -> None:
-        try:
-            for _ in self._responses:
-                pass
-        except grpc.RpcError:
-            pass
-
-    def send(self, **body: Any) -> None:
-        self._seq += 1
-        with self._cond:
-            self._queue.append(pb.AgentMessage(seq=self._seq, **body))
-            self._cond.notify()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        self._channel.close()
 
 
 def _keys_for(cfg: dict[str, Any], body: dict[str, Any]) -> tuple[list[int], int]:
@@ -97,7 +47,7 @@ def test_agent_inventory_drives_routing_and_admin_views(procs: Procs) -> None:
     keys, block_size = _keys_for(cfg, body)
     engine_block = cfg["models"][0].get("block_size", 16)
     assert len(keys) >= 3
-    agent = _Agent(gw.inventory_port)
+    agent = StreamAgent(gw.inventory_port, AGENT_TOKEN)
     try:
         agent.send(hello=pb.Hello(replica_id="r1", url=r1.url, models=["m"], block_size=engine_block,
                                   engine="fake", protocol_version=1))  # fmt: skip

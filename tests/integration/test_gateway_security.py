@@ -20,9 +20,9 @@ import grpc
 import grpc.aio
 import pytest
 
+from kvgate_tools.stream_agent import hello
 from proto.kvgate.v1 import inventory_pb2 as pb
 from tests.integration.gateway_harness import AGENT_TOKEN, REPO, Procs, base_config, procs
-from tests.integration.test_inventory_abuse import hello
 
 __all__ = ["procs"]  # the fixture
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,15 +23,23 @@ from gateway.agent_credentials import stream_access_of
 from gateway.config import parse_config
 from gateway.fleet import Fleet
 from gateway.inventory_server import InventoryServer
+from kvgate_tools.faults.abuse_cases import A0_URL, CASES, TOKENS, bearer
+from kvgate_tools.stream_agent import (
+    authorization,
+    events,
+    hello,
+    run_stream,
+    snap,
+    status_after_reading,
+    stored,
+    sync_call,
+)
 from proto.kvgate.v1 import inventory_pb2 as pb
 from replica_agent.gateway_client import GatewayClient, HelloInfo, Link, Sources
 from replica_agent.inventory import AgentInventory
 from replica_agent.outbox import Outbox
 from router_policies.prefix_index import IndexConfig, PrefixIndex
-from tests.integration.test_inventory_server import events, snap, status_after_reading, stored
 
-TOKENS = {"r0": "tok-r0", "r1": "tok-r1", "a0": "tok-a0", "shared": "tok-shared"}
-A0_URL = "http://10.0.0.5:8000"
 State = tuple[dict[str, list[int]], dict[str, str]]
 
 
@@ -45,55 +53,12 @@ class Rig:
     port: int
 
     def call(self, token: str | None) -> grpc.aio.StreamStreamCall:
-        sync = self.channel.stream_stream(
-            "/kvgate.v1.Inventory/Sync",
-            request_serializer=lambda m: m if isinstance(m, bytes) else m.SerializeToString(),
-            response_deserializer=pb.GatewayMessage.FromString,
-        )
-        return sync(metadata=(("authorization", token),) if token is not None else None)
+        return sync_call(self.channel, authorization(token))
 
     def state(self) -> State:
         """Every replica's precise keys and URL (the fleet's membership is the URL map's keys)."""
         keys = {r: sorted(self.index.precise_keys(r)) for r in self.index.replicas}
         return keys, {rec.id: rec.identity.url for rec in self.fleet.records()}
-
-
-def hello(
-    replica: str, url: str = "", *, seq: int = 1, block_size: int = 16, capacity: int = 100, version: int = 1
-) -> pb.AgentMessage:
-    return pb.AgentMessage(
-        seq=seq,
-        hello=pb.Hello(
-            replica_id=replica,
-            url=url,
-            block_size=block_size,
-            capacity_blocks=capacity,
-            models=["m"],
-            engine="vllm",
-            protocol_version=version,
-        ),
-    )
-
-
-def bearer(who: str) -> str:
-    return f"Bearer {TOKENS[who]}"
-
-
-async def run_stream(rig: Rig, token: str | None, msgs: Sequence[pb.AgentMessage | bytes]) -> grpc.StatusCode:
-    """Send ``msgs`` as a well-behaved agent does, each after the previous one's Ack, and return
-    the stream's status. (A grpc.aio client whose write fails after the server's status arrived
-    reports INTERNAL instead of that status, grpc/grpc#36066; the real agent waits for the Hello's
-    Ack for the same reason.)"""
-    call = rig.call(token)
-    try:
-        for m in msgs:
-            await call.write(m)
-            if await call.read() is grpc.aio.EOF:
-                return await call.code()
-        await call.done_writing()
-    except grpc.aio.AioRpcError:
-        return await call.code()
-    return await status_after_reading(call)
 
 
 @pytest.fixture
@@ -144,41 +109,6 @@ async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
         await server.stop(0)
 
 
-_P = grpc.StatusCode.PERMISSION_DENIED
-_I = grpc.StatusCode.INVALID_ARGUMENT
-_U = grpc.StatusCode.UNAUTHENTICATED
-_F = grpc.StatusCode.FAILED_PRECONDITION
-
-# (name, token, messages, expected status, refusal metric reason)
-CASES: list[tuple[str, str | None, list[pb.AgentMessage | bytes], grpc.StatusCode, str]] = [
-    ("no token", None, [hello("r0"), snap(2, [99])], _U, "auth"),
-    ("wrong token", "Bearer nope", [hello("r0"), snap(2, [99])], _U, "auth"),
-    ("token without Bearer", TOKENS["r0"], [hello("r0"), snap(2, [99])], _U, "auth"),
-    ("r0's token as r1", bearer("r0"), [hello("r1"), snap(2, [99])], _P, "identity"),
-    ("r0's token as agent-registered a0", bearer("r0"), [hello("a0", A0_URL), snap(2, [99])], _P, "identity"),
-    ("a0's token (file) as r0", bearer("a0"), [hello("r0"), snap(2, [99])], _P, "identity"),
-    ("shared token as r0 (has its own)", bearer("shared"), [hello("r0"), snap(2, [99])], _P, "identity"),
-    ("shared token as a0, moving its URL", bearer("shared"), [hello("a0", "http://10.0.0.6:8000")], _P, "identity"),
-    ("r0's token registering a new id", bearer("r0"), [hello("n1", "http://10.0.0.7:8000")], _P, "identity"),
-    ("new replica at an arbitrary URL", bearer("shared"), [hello("n1", "http://evil.example:8000")], _P, "registration"),
-    ("pattern label spoof", bearer("shared"), [hello("n1", "http://10.0.0.5.evil.com:8000")], _P, "registration"),
-    ("user info spoof", bearer("shared"), [hello("n1", "http://10.0.0.1@evil.com:8000")], _P, "registration"),
-    ("allowed host, other port", bearer("shared"), [hello("n1", "http://10.0.0.7:9999")], _P, "registration"),
-    ("outside the CIDR", bearer("shared"), [hello("n1", "http://192.169.0.1:8000")], _P, "registration"),
-    ("a0 moving itself to an arbitrary URL", bearer("a0"), [hello("a0", "http://evil.example:8000")], _P, "registration"),
-    ("garbage bytes", bearer("r0"), [b"\xff\xff\xff"], _I, "malformed"),
-    ("events before hello", bearer("r0"), [events(1, stored(99))], _I, "protocol"),
-    ("hello with seq 5", bearer("r0"), [hello("r0", seq=5)], _I, "protocol"),
-    ("empty replica id", bearer("shared"), [hello("")], _I, "malformed"),
-    ("second hello as another replica", bearer("r1"), [hello("r1"), hello("r0", seq=2)], _I, "protocol"),
-    ("block size mismatch", bearer("r0"), [hello("r0", block_size=5), snap(2, [99])], _F, "hello_refused"),
-    ("keys at a divisor, not re-keyed", bearer("r0"), [hello("r0", block_size=8), snap(2, [99])], _F, "block_size"),
-    ("protocol version 99", bearer("r0"), [hello("r0", version=99), snap(2, [99])], _F, "protocol"),
-    ("snapshot over its bound", bearer("r1"), [hello("r1", capacity=1), snap(2, list(range(100, 200)))],
-     grpc.StatusCode.RESOURCE_EXHAUSTED, "block_bound"),
-]  # fmt: skip
-
-
 @pytest.mark.parametrize(("name", "token", "msgs", "code", "reason"), CASES, ids=[c[0] for c in CASES])
 async def test_abusive_stream_is_refused_and_changes_nothing(
     rig: Rig,
@@ -225,7 +155,10 @@ async def test_impersonation_does_not_supersede_the_live_stream(rig: Rig) -> Non
     await live.write(snap(2, [5]))
     while (await live.read()).ack.seq != 2:
         pass
-    assert await run_stream(rig, bearer("r1"), [hello("r0"), snap(2, [666])]) == _P
+    assert (
+        await run_stream(rig, bearer("r1"), [hello("r0"), snap(2, [666])])
+        == grpc.StatusCode.PERMISSION_DENIED
+    )
     await live.write(events(3, stored(6)))
     while (await live.read()).ack.seq != 3:
         pass

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.inventory_server import InventoryServer, InventorySettings
 from gateway.inventory_sink import AgentLoad
+from kvgate_tools.stream_agent import events, hello, removed, snap, status_after_reading, stored, sync_call
 from proto.kvgate.v1 import inventory_pb2 as pb
 from router_policies.prefix_index import IndexConfig, PrefixIndex
 from tests.integration.fleet_recorder import RecordingFleet
@@ -41,12 +42,7 @@ class Rig:
         )
 
     def call(self, metadata: Sequence[tuple[str, str]] | None = AUTH) -> grpc.aio.StreamStreamCall:
-        sync = self.channel.stream_stream(
-            "/kvgate.v1.Inventory/Sync",
-            request_serializer=lambda m: m if isinstance(m, bytes) else m.SerializeToString(),
-            response_deserializer=pb.GatewayMessage.FromString,
-        )
-        return sync(metadata=metadata)
+        return sync_call(self.channel, metadata)
 
     def refused(self, reason: str) -> float:
         value = self.registry.get_sample_value("kvgate_inventory_streams_refused_total", {"reason": reason})
@@ -78,49 +74,10 @@ async def rig() -> AsyncIterator[Rig]:
         await server.stop(0)
 
 
-def hello(replica: str = "r0", block_size: int = 16, capacity: int = 100) -> pb.AgentMessage:
-    return pb.AgentMessage(
-        seq=1,
-        hello=pb.Hello(
-            replica_id=replica,
-            block_size=block_size,
-            capacity_blocks=capacity,
-            models=["m"],
-            engine="vllm",
-            protocol_version=1,
-        ),
-    )
-
-
-def snap(seq: int, keys: Sequence[int], sid: int = 1, last: bool = True) -> pb.AgentMessage:
-    return pb.AgentMessage(seq=seq, snapshot=pb.SnapshotChunk(snapshot_id=sid, keys=list(keys), last=last))
-
-
-def events(seq: int, *evs: pb.Event) -> pb.AgentMessage:
-    return pb.AgentMessage(seq=seq, events=pb.Events(events=list(evs)))
-
-
-def stored(*keys: int) -> pb.Event:
-    return pb.Event(stored=pb.Stored(keys=list(keys)))
-
-
-def removed(*keys: int) -> pb.Event:
-    return pb.Event(removed=pb.Removed(keys=list(keys)))
-
-
 async def send(call: grpc.aio.StreamStreamCall, msg: pb.AgentMessage | bytes) -> None:
     """Write to a stream the server may already have closed (its status is what a test checks)."""
     with contextlib.suppress(Exception):
         await call.write(msg)
-
-
-async def status_after_reading(call: grpc.aio.StreamStreamCall) -> grpc.StatusCode:
-    """The stream's status, read as an agent does: every message first (gRPC hands a client its
-    status only once the messages before it are read)."""
-    with contextlib.suppress(grpc.aio.AioRpcError):
-        while await call.read() is not grpc.aio.EOF:
-            pass
-    return await call.code()
 
 
 async def read_until_ack(call: grpc.aio.StreamStreamCall, seq: int) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from kvgate_tools.local_fleet import FleetOptions, LocalFleet, http_json, http_text
+from kvgate_tools.redis_server import shared_fleet_config
 from tests.integration.gateway_harness import Gateway, Procs, RedisServer, http
 from tests.polling import wait_until
 
@@ -98,27 +99,13 @@ class Pair:
             )
 
 
-def shared_config(redis: RedisServer) -> dict[str, Any]:
-    return {
-        "shared_state": {
-            "redis_url": redis.url,
-            "key_prefix": "kvgtest",
-            "load_interval_s": 0.2,
-            "load_ttl_s": 1.5,
-            "reconnect_max_s": 0.5,
-        },
-        # the sim engines do not report cached tokens the way the proxy's audit needs; keep logs small
-        "telemetry": {"access_log": False},
-    }
-
-
 @pytest.fixture
 def pair(redis_server: RedisServer, procs: Procs, tmp_path: Path) -> Iterator[Pair]:
     opts = FleetOptions(
         replicas=2,
         cache_blocks=512,
         policy="kv_aware",
-        extra_config=shared_config(redis_server),
+        extra_config=shared_fleet_config(redis_server),
         log_dir=tmp_path,
     )
     with LocalFleet(opts) as fleet:

@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 import yaml
 
+from kvgate_tools.stream_agent import StreamAgent
 from proto.kvgate.v1 import inventory_pb2 as pb
-from tests.integration.gateway_harness import ADMIN_TOKEN, Gateway, Procs, base_config, http
-from tests.integration.test_gateway_observability import _Agent, _keys_for
+from tests.integration.gateway_harness import ADMIN_TOKEN, AGENT_TOKEN, Gateway, Procs, base_config, http
+from tests.integration.test_gateway_observability import _keys_for
 from tests.polling import wait_until
 
 JSON = {"content-type": "application/json"}
@@ -74,8 +75,8 @@ def registered(gw: Gateway, check: Callable[[dict[str, Any]], bool]) -> bool:
     return all(check({r["id"]: r for r in json.loads(a[2])["replicas"]}) for a in answers.values())
 
 
-def connect_agent(gw: Gateway, url: str, keys: list[int], block: int) -> _Agent:
-    agent = _Agent(gw.inventory_port)
+def connect_agent(gw: Gateway, url: str, keys: list[int], block: int) -> StreamAgent:
+    agent = StreamAgent(gw.inventory_port, AGENT_TOKEN)
     agent.send(hello=pb.Hello(replica_id="r1", url=url, models=["m"], block_size=block, engine="fake",
                               protocol_version=1))  # fmt: skip
     agent.send(snapshot=pb.SnapshotChunk(snapshot_id=1, keys=keys, medium="GPU", last=True))

@@ -1,0 +1,29 @@
+"""A YAML or JSON document read from a file, a failure told in the reader's own terms
+(docs/architecture.md, section 10): the gateway's config file and a model's tokenizer files.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+_PARSERS: dict[str, tuple[Callable[[str], Any], type[Exception]]] = {
+    "YAML": (yaml.safe_load, yaml.YAMLError),
+    "JSON": (json.loads, json.JSONDecodeError),
+}
+
+
+def read_document(path: Path, kind: Literal["YAML", "JSON"], fail: Callable[[str], Exception]) -> Any:
+    """The document at ``path``; raises ``fail("cannot read: <why>")`` when the file cannot be
+    read and ``fail("invalid <kind>: <where>")`` when it does not parse (nothing else is caught)."""
+    parse, invalid = _PARSERS[kind]
+    try:
+        return parse(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise fail(f"cannot read: {exc.strerror}") from None
+    except invalid as exc:
+        raise fail(f"invalid {kind}: {exc}") from None
