@@ -39,11 +39,20 @@ class Fleet:
 
     def features(self, prompt: str) -> tuple[list[int], int]:
         """The keys and prompt length the gateway computes for ``prompt`` when it is encoded
-        whole (a deferred request's keys once its encode is done)."""
+        whole (a deferred request's keys once its encode is done); the featurizer built for it
+        is closed before this returns (its encode threads end with it)."""
         state = build_state(parse_config({**self.cfg, "proxy": {"tokenize_defer_chars": 0}}))
-        body = {"model": "m", "prompt": prompt}
-        feats, _info = asyncio.run(state.featurizer.features("completions", body))
-        return list(feats.block_keys), feats.prompt_tokens
+
+        async def encode() -> tuple[list[int], int]:
+            try:
+                feats, _info = await state.featurizer.features(
+                    "completions", {"model": "m", "prompt": prompt}
+                )
+                return list(feats.block_keys), feats.prompt_tokens
+            finally:
+                await state.featurizer.close()
+
+        return asyncio.run(encode())
 
     def events(self, **event: Any) -> None:
         self.agent.send(events=pb.Events(events=[pb.Event(**event)]))
