@@ -92,17 +92,21 @@ class TtftParams:
     tiers: Mapping[str, TierCost] = field(default_factory=lambda: DEFAULT_TIERS)
     observations: int = 0  # first tokens the fit has seen (0: the prior itself)
     error_ratio: float = 0.0  # the fit's robust scale of relative residuals (0: no observation)
+    # the coefficients in ``COEFFICIENTS`` order, as floats: derived from the fields above, set
+    # once by ``__post_init__`` or ``with_coefficients`` (every prediction reads them)
+    _theta: tuple[float, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            v = getattr(self, f.name)
+            v = getattr(self, f.name, None)
             if isinstance(v, int | float) and v < 0:
                 raise ValueError(f"{f.name}: must be >= 0")
         if self.chunk_tokens < 2 or self.max_num_seqs < 1:
             raise ValueError("chunk_tokens must be >= 2 and max_num_seqs >= 1")
+        object.__setattr__(self, "_theta", tuple(float(getattr(self, n)) for n in COEFFICIENTS))
 
     def coefficients(self) -> tuple[float, ...]:
-        return tuple(float(getattr(self, n)) for n in COEFFICIENTS)
+        return self._theta
 
     def with_coefficients(
         self, values: tuple[float, ...], observations: int, error_ratio: float
@@ -118,6 +122,7 @@ class TtftParams:
             object.__setattr__(new, name, getattr(self, name))
         for name, v in zip(COEFFICIENTS, values, strict=True):
             object.__setattr__(new, name, v)
+        object.__setattr__(new, "_theta", tuple(map(float, values)))
         object.__setattr__(new, "observations", observations)
         object.__setattr__(new, "error_ratio", error_ratio)
         return new
