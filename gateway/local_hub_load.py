@@ -9,7 +9,8 @@ cached tokens the flights share, and the age of the oldest request without a fir
   "held": {replica: [keys]}, "freed": {replica: [keys]}}``.
 * ``LoadTable`` (parent): every worker's last figures and held keys; ``others(n)`` is what
   worker ``n`` adds to its own: the other workers' sums, the oldest start among them, and the
-  blocks held by more than one worker (``overlap``).
+  blocks held by more than one worker (``overlap``); ``others_each``: that for every worker in
+  one pass (the parent's relay).
 * ``remote_loads`` (worker): the parent's answer as ``RemoteLoad`` per replica.
 
 Shared tokens: one process counts ``sum over held blocks of (flights holding it - 1)`` blocks.
