@@ -339,6 +339,10 @@ class Fleet:
             rec.engine_load = EngineLoad()
 
     # ------------------------------------------------------------------ shared state
+    def now(self) -> float:
+        """The fleet's clock (monotonic seconds): the one flights start on."""
+        return self._clock()
+
     def apply_remote_load(self, loads: Mapping[str, RemoteLoad]) -> None:
         """The other gateway instances' summed load (absent replicas: none). Engine figures are
         taken only for replicas whose agent is not connected here (ours are fresher)."""

@@ -342,8 +342,9 @@ class Hub:
     def _send_load(self) -> None:
         """Each worker gets the other workers' in-flight load (when it changed)."""
         self._load_timer = None
+        others = self._loads.others_each(conn.number for conn in self._conns.values())
         for conn in self._conns.values():
-            data = encode_json(b"R", self._loads.others(conn.number))
+            data = encode_json(b"R", others[conn.number])
             if data != conn.sent_load:
                 conn.sent_load = data
                 conn.send(data)

@@ -9,7 +9,8 @@ cached tokens the flights share, and the age of the oldest request without a fir
   "held": {replica: [keys]}, "freed": {replica: [keys]}}``.
 * ``LoadTable`` (parent): every worker's last figures and held keys; ``others(n)`` is what
   worker ``n`` adds to its own: the other workers' sums, the oldest start among them, and the
-  blocks held by more than one worker (``overlap``).
+  blocks held by more than one worker (``overlap``); ``others_each``: that for every worker in
+  one pass (the parent's relay).
 * ``remote_loads`` (worker): the parent's answer as ``RemoteLoad`` per replica.
 
 Shared tokens: one process counts ``sum over held blocks of (flights holding it - 1)`` blocks.
@@ -144,10 +145,64 @@ class LoadTable:
                     t[i] += f[i]
                 if f[5] is not None and (t[5] is None or f[5] < t[5]):
                     t[5] = f[5]
+        self._add_overlap(out)
+        return out
+
+    def others_each(self, workers: Iterable[int]) -> dict[int, dict[str, list[Any]]]:
+        """``others(n)`` for each worker ``n`` of ``workers``, from one pass over the figures
+        (``others`` per worker is quadratic in the workers: the parent relays load every
+        ``LOAD_RELAY_S``). Equal to it: the summed figures are integers (requests, tokens,
+        prefill, shared tokens) or attention pairs, integers too (``u x (c + (u + 1) / 2)``), so
+        taking a worker's own figures out of the total is exact; the oldest start is the earliest
+        of the two earliest that is not the worker's."""
+        # per replica: the five sums, the workers reporting it, the earliest start and its
+        # worker, the second earliest start (None: fewer)
+        totals: dict[str, list[Any]] = {}
+        for number, figures in self._figures.items():
+            for replica, f in figures.items():
+                t = totals.get(replica)
+                if t is None:
+                    totals[replica] = [f[0], f[1], f[2], f[3], f[4], 1, f[5], number, None]
+                    continue
+                t[0] += f[0]
+                t[1] += f[1]
+                t[2] += f[2]
+                t[3] += f[3]
+                t[4] += f[4]
+                t[5] += 1
+                start = f[5]
+                if start is not None:
+                    if t[6] is None or start < t[6]:
+                        t[6], t[7], t[8] = start, number, t[6]
+                    elif t[8] is None or start < t[8]:
+                        t[8] = start
+        out: dict[int, dict[str, list[Any]]] = {}
+        for w in workers:
+            mine = self._figures.get(w, {})
+            o: dict[str, list[Any]] = {}
+            for replica, t in totals.items():
+                own = mine.get(replica)
+                if own is None:
+                    o[replica] = [t[0], t[1], t[2], t[3], t[4], t[6], 0]
+                elif t[5] > 1:  # else only this worker's flights are there
+                    start = t[8] if t[7] == w else t[6]
+                    o[replica] = [
+                        t[0] - own[0],
+                        t[1] - own[1],
+                        t[2] - own[2],
+                        t[3] - own[3],
+                        t[4] - own[4],
+                        start,
+                        0,
+                    ]
+            self._add_overlap(o)
+            out[w] = o
+        return out
+
+    def _add_overlap(self, out: dict[str, list[Any]]) -> None:
         for replica, blocks in self._overlap.items():
             if blocks:
                 out.setdefault(replica, [0, 0, 0, 0.0, 0, None, 0])[6] = blocks
-        return out
 
 
 def remote_loads(doc: Mapping[str, Any], block_size: Callable[[str], int]) -> dict[str, RemoteLoad]:
@@ -159,7 +214,7 @@ def remote_loads(doc: Mapping[str, Any], block_size: Callable[[str], int]) -> di
             int(f[1]),
             int(f[2]),
             prefill_pairs=float(f[3]),
-            shared_tokens=int(f[4]) + int(f[6]) * block_size(str(r)),
+            shared_tokens=int(f[4]) + (int(f[6]) * block_size(str(r)) if f[6] else 0),
             oldest_pending=None if f[5] is None else float(f[5]),
         )
         for r, f in doc.items()

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import time
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -57,6 +56,8 @@ def decode_queue(data: bytes) -> tuple[float, int, float]:
 
 class LoadFleet(Protocol):
     def records(self) -> list[ReplicaRecord]: ...
+
+    def now(self) -> float: ...
 
     def apply_remote_load(self, loads: Mapping[str, RemoteLoad]) -> None: ...
 
@@ -105,7 +106,7 @@ class LoadExchange:
     async def _publish(self, client: Redis) -> None:
         ctx, keys = self._ctx, self._ctx.keys
         figures: dict[str, bytes] = {}
-        now = time.monotonic()  # the clock flights start on
+        now = self._fleet.now()  # the clock flights start on (the fleet's, injectable)
         for rec in self._fleet.records():
             f = local_figures(rec)
             if f is not None:
@@ -167,7 +168,7 @@ class LoadExchange:
             # an instance without a load key publishes nothing; it re-adds itself next round
             await client.srem(keys.instances, *gone)
         ctx.metrics.instances.set(live)
-        now = time.monotonic()
+        now = self._fleet.now()
         loads = {r: RemoteLoad(t[0], t[1], t[2], engine.get(r)) for r, t in totals.items()}
         loads |= {r: RemoteLoad(0, 0, 0, e) for r, e in engine.items() if r not in totals}
         for r, (pairs, shared, age) in queues.items():

@@ -88,11 +88,11 @@ class MemoCache:
         return self._lru.misses
 
     @contextlib.contextmanager
-    def read_only(self, on: bool = True) -> Iterator[None]:
+    def read_only(self) -> Iterator[None]:
         """Within: entries are read without counting or refreshing them, and nothing is kept
         (``/admin/explain`` changes nothing). Synchronous code only: the event loop runs no
         other request meanwhile."""
-        before, self._frozen = self._frozen, on or self._frozen
+        before, self._frozen = self._frozen, True
         try:
             yield
         finally:

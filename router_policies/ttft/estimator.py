@@ -109,7 +109,18 @@ class PriorScale:
 class RobustRls:
     """One replica's fit. ``update(x, y_ms)`` with the raw feature vector of the TTFT model."""
 
-    __slots__ = ("_cfg", "_p", "_p0_trace", "_ref", "_scale", "_slow_scale", "_w", "observations", "resets")
+    __slots__ = (
+        "_cfg",
+        "_consts",
+        "_p",
+        "_p0_trace",
+        "_ref",
+        "_scale",
+        "_slow_scale",
+        "_w",
+        "observations",
+        "resets",
+    )
 
     def __init__(self, prior: Sequence[float], config: FitConfig) -> None:
         assert len(prior) == len(REFERENCE_FLOORS)
@@ -119,13 +130,14 @@ class RobustRls:
         d = len(prior)
         self._p = np.eye(d) / config.prior_strength
         self._p0_trace = float(np.trace(self._p))
+        self._consts = np.array((0.0, config.forgetting, config.max_multiple, self._p0_trace))
         self._scale = config.initial_scale
         self._slow_scale = config.initial_scale
         self.observations = 0
         self.resets = 0
 
     def coefficients(self) -> tuple[float, ...]:
-        return tuple(float(v) for v in self._w * self._ref)
+        return tuple((self._w * self._ref).tolist())
 
     @property
     def scale(self) -> float:
@@ -145,7 +157,8 @@ class RobustRls:
         z /= norm
         s = self._scale
         clip = cfg.huber_k * s
-        consts = np.array((clip, cfg.forgetting, cfg.max_multiple, self._p0_trace))
+        consts = self._consts  # (clip, forgetting, max_multiple, p0_trace): only clip changes
+        consts[0] = clip
         e = rls_step(self._w, self._p, z, y_ms / norm, consts)
         self._scale = next_scale(s, e, cfg)
         self._slow_scale = next_scale(self._slow_scale, e, cfg, cfg.scale_rate / 10, clip)

@@ -47,6 +47,7 @@ doing):
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -138,7 +139,7 @@ def kv_excess_tokens(inputs: TtftInputs, uncached: int, cached: int, capacity: i
 
 def dot(x: Sequence[float], theta: Sequence[float]) -> float:
     assert len(x) == len(theta) == len(COEFFICIENTS)
-    return math.fsum(a * b for a, b in zip(x, theta, strict=True))
+    return math.fsum(map(operator.mul, x, theta))
 
 
 def predict(params: TtftParams, inputs: TtftInputs) -> TtftPrediction:

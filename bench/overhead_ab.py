@@ -1,0 +1,143 @@
+"""Interleaved A/B of the gateway's CPU per request and its unloaded tail between source trees
+(docs/performance.md, "Third pass"): on a shared machine only paired figures mean anything.
+
+Each round starts ``kvgate serve`` (one process) from every tree in turn, the order alternating
+between rounds, all on the same fake backends, and takes ``bench/overhead.py``'s own measurement:
+``prime`` of the 64 warm 8 KB chats, then ``measure`` of warm chats at concurrency 32 (``--reps``
+times ``--requests``: CPU of the gateway's process tree per request), then unique 8 KB chats at
+concurrency 1 (``--c1`` requests, the same seeded bodies for every tree of a round: the added
+latency against the backend measured directly just before). One JSON line per run, and a summary
+per tree at the end (CPU ms per request min / median, c=1 added p99 median / min / max).
+
+    .venv/bin/python -m bench.overhead_ab --trees base=/path/to/base branch=. [--rounds 8] [--out ab.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench import loadgen, overhead
+from kvgate_tools.procs import ProcessGroup, Ready, stop_group
+
+WARM_SEED = 11099
+
+
+def _one(
+    procs: ProcessGroup,
+    tree: Path,
+    cfg: Path,
+    bodies: tuple[list[bytes], list[bytes]],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """One gateway start from ``tree``: warm CPU per request (``args.reps`` runs) and the c=1 run."""
+    warm, unique = bodies
+    procs.cwd = tree
+    proc, m = procs.start(
+        f"kvgate_{tree.name}",
+        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)],
+        Ready(pattern=r"kvgate serve: http=[\d.]+:(\d+)"),
+        extra_env={"PYTHONPATH": str(tree)},
+    )
+    assert m is not None
+    try:
+        port = int(m.group(1))
+        time.sleep(1.0)  # first health rounds
+        overhead.prime(port, proc.pid, warm)
+        cpu = [
+            overhead.measure(port, proc.pid, warm, args.requests, 32, 60.0)["cpu_s_per_1000"]
+            for _ in range(args.reps)
+        ]
+        c1 = overhead.measure(port, proc.pid, unique, args.c1, 1, 120.0)
+        return {"cpu_ms": [round(c, 4) for c in cpu], "c1": c1}
+    finally:
+        stop_group(proc)
+        procs.started = [(n, p) for n, p in procs.started if p is not proc]
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    trees = {name: Path(path).resolve() for name, _, path in (t.partition("=") for t in args.trees)}
+    rows: list[dict[str, Any]] = []
+    tmp = args.out.parent / "tmp" / "overhead_ab"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with ProcessGroup(tmp) as procs, args.out.open("a") as out:
+        _, m = procs.start(
+            "fake_backend",
+            [
+                sys.executable,
+                "-m",
+                "bench.fake_backend",
+                "--ports",
+                "0",
+                "0",
+                "0",
+                "0",
+                "--model",
+                overhead.MODEL,
+            ],
+            Ready(pattern=r"fake_backend: ports=([\d,]+)"),
+        )
+        assert m is not None
+        backends = [int(p) for p in m.group(1).split(",")]
+        cfg = tmp / "kvgate.yaml"
+        cfg.write_text(
+            yaml.safe_dump({**overhead.kvgate_config(backends, overhead.TOKENIZER), "server": {"workers": 1}})
+        )
+        warm = loadgen.chat_bodies(overhead.WARM_POOL, 8192, False, seed=WARM_SEED, model=overhead.MODEL)
+        for r in range(args.rounds):
+            names = list(trees) if r % 2 == 0 else list(trees)[::-1]
+            unique = loadgen.chat_bodies(args.c1 + 60, 8192, False, seed=5000 + r, model=overhead.MODEL)
+            direct = overhead.measure(backends[0], None, unique, args.c1, 1, 120.0)
+            for name in names:
+                res = _one(procs, trees[name], cfg, (warm, unique), args)
+                c1 = res.pop("c1")
+                row = {
+                    "round": r,
+                    "tree": name,
+                    **res,
+                    "c1_added_p50": round(c1["p50_ms"] - direct["p50_ms"], 3),
+                    "c1_added_p99": round(c1["p99_ms"] - direct["p99_ms"], 3),
+                    "c1_cpu_ms": round(c1["cpu_s_per_1000"], 3),
+                    "load": round(os.getloadavg()[0], 2),
+                }
+                print(json.dumps(row), flush=True)
+                out.write(json.dumps(row) + "\n")
+                rows.append(row)
+    return rows
+
+
+def summary(rows: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for tree in dict.fromkeys(r["tree"] for r in rows):
+        cpu = [c for r in rows if r["tree"] == tree for c in r["cpu_ms"]]
+        p99 = [r["c1_added_p99"] for r in rows if r["tree"] == tree]
+        lines.append(
+            f"{tree}: CPU ms/request min {min(cpu):.3f} median {statistics.median(cpu):.3f} ({len(cpu)} runs); "
+            f"c=1 added p99 median {statistics.median(p99):.2f} (min {min(p99):.2f}, max {max(p99):.2f})"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trees", nargs="+", required=True, help="name=path of each source tree")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=3, help="warm c=32 measurements per gateway start")
+    ap.add_argument("--requests", type=int, default=3000, help="requests per warm measurement")
+    ap.add_argument("--c1", type=int, default=800, help="unique chats in the c=1 run")
+    ap.add_argument("--out", type=Path, default=overhead.ROOT / "bench/results/tmp/overhead_ab.jsonl")
+    args = ap.parse_args(argv)
+    print("\n".join(summary(run(args))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
