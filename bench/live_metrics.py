@@ -13,7 +13,7 @@ from __future__ import annotations
 import urllib.request
 from collections.abc import Iterable, Mapping
 
-from kvgate_tools.prom_text import kvgate_audit as kvgate_audit  # re-exported: bench/live.py, e2e
+from kvgate_tools.prom_text import kvgate_audit as kvgate_audit  # re-exported: bench/live.py
 from kvgate_tools.prom_text import samples
 from kvgate_tools.prom_text import sums as sums  # re-exported: bench/live.py
 

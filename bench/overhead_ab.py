@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from bench import loadgen, overhead
-from kvgate_tools.procs import ProcessGroup, Ready, stop_group
+from kvgate_tools.procs import ProcessGroup, Ready
 
 WARM_SEED = 11099
 
@@ -59,8 +59,7 @@ def _one(
         c1 = overhead.measure(port, proc.pid, unique, args.c1, 1, 120.0)
         return {"cpu_ms": [round(c, 4) for c in cpu], "c1": c1}
     finally:
-        stop_group(proc)
-        procs.started = [(n, p) for n, p in procs.started if p is not proc]
+        procs.stop(proc)
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:

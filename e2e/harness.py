@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.live_metrics import kvgate_audit
 from e2e import http_client, vllm_replica, workload
 from e2e.event_tap import EventTap, HeldBlocks, wait_quiet
 from e2e.kvgate_procs import Gateway
 from e2e.vllm_replica import BLOCK_SIZE, ReplicaSpec
 from kvgate_tools.procs import ProcessGroup
+from kvgate_tools.prom_text import kvgate_audit
 
 MODEL = "tiny-llama"
 KV_CACHE_BYTES = 3 * 1024 * 1024  # 96 blocks of 32 tokens of the tiny Llama (32 KiB per block)

@@ -138,16 +138,14 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     ports = LowPorts(random.Random(os.getpid()))  # port choice only; concurrent runs try different ports
-    while True:  # each port was free when drawn; draw again until no two are the same
-        replicas = [
-            Replica("r0", vllm_replica.new_spec("r0", core=0, kv_cache_bytes=KV_CACHE_BYTES, ports=ports)),
-            Replica("r1", vllm_replica.new_spec("r1", core=1, kv_cache_bytes=KV_CACHE_BYTES, ports=ports)),
-        ]
-        gateway = Gateway(procs, logs, MODEL, args.model, [(r.rid, r.spec) for r in replicas], ports)
-        used = [gateway.http_port, gateway.inventory_port]
-        used += [p for r in replicas for p in (r.spec.http_port, r.spec.events_port, r.spec.replay_port)]
-        if len(set(used)) == len(used):
-            break
+    replicas = [
+        Replica("r0", vllm_replica.new_spec("r0", core=0, kv_cache_bytes=KV_CACHE_BYTES, ports=ports)),
+        Replica("r1", vllm_replica.new_spec("r1", core=1, kv_cache_bytes=KV_CACHE_BYTES, ports=ports)),
+    ]
+    gateway = Gateway(procs, logs, MODEL, args.model, [(r.rid, r.spec) for r in replicas], ports)
+    used = [gateway.http_port, gateway.inventory_port]
+    used += [p for r in replicas for p in (r.spec.http_port, r.spec.events_port, r.spec.replay_port)]
+    assert len(set(used)) == len(used), used  # LowPorts never draws a port twice
     h = Harness(procs, args.vllm_python, args.model, replicas, gateway)
     try:
         for r in replicas:

@@ -1,5 +1,5 @@
 """Abusive inventory streams against a real ``kvgate serve`` (docs/faults.md): the table of
-``kvgate_tools/faults/abuse_cases.py`` (tests/integration/test_inventory_abuse.py's too: 23 cases, impersonation with
+``kvgate_tools/faults/abuse_cases.py`` (tests/integration/test_inventory_abuse.py's too: 24 cases, impersonation with
 per-replica tokens, a token file, a shared token and registration rules), each over real gRPC.
 
 Must hold: the right status every time, and no replica's index entries, URL or membership changed
