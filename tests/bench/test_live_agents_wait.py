@@ -19,7 +19,7 @@ def test_the_replay_waits_for_every_agent_and_no_longer(tmp_path: Path) -> None:
     args = argparse.Namespace(time_scale=0.25, cache_blocks=64)
     with ProcessGroup(tmp_path) as procs:
         fleet = live.start_fleet(procs, 1, args)
-        http, inventory = live.start_kvgate(procs, [u for u, *_ in fleet], tmp_path, {}, 1)
+        http, inventory = live.start_kvgate(procs, [u for u, *_ in fleet], tmp_path, {}, {})
         # no agent yet: the metrics' ``kvgate_inventory_streams_refused_created`` lines (a Unix
         # time each) once passed for connected streams
         t0 = time.monotonic()
