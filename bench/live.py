@@ -155,22 +155,71 @@ def start_fleet(
 
 
 def _wait_agents(gateway: str, n: int, timeout_s: float = 30.0) -> None:
-    """Until every agent's stream is up: the gateway's metrics show ``n`` connected agents (or,
-    if it exports no such gauge, a fixed grace period)."""
+    """Until every agent's stream is up (``/admin/replicas``: ``n`` replicas with
+    ``agent_connected``), so that no agent is still starting (its imports take about half a
+    CPU-second each) while the replay runs; raises ``TimeoutError`` after ``timeout_s``.
+
+    Not the ``kvgate_inventory_streams`` gauge by prefix: the lines of
+    ``kvgate_inventory_streams_refused_created`` (a Unix time per refusal reason) share it, and
+    their sum let the replay start before any agent had started (the first ~2 s of every kvgate
+    run then shared the two cores with four starting agents)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(f"http://{gateway}/metrics", timeout=2) as r:
-                text = r.read().decode()
-        except OSError:
-            text = ""
-        gauge = [ln for ln in text.splitlines() if ln.startswith("kvgate_inventory_streams")]
-        if not gauge:
-            time.sleep(2.0)
-            return
-        if sum(float(ln.rsplit(" ", 1)[1]) for ln in gauge) >= n:
+            with urllib.request.urlopen(f"http://{gateway}/admin/replicas", timeout=2) as r:
+                data = json.loads(r.read())
+        except (OSError, ValueError):
+            data = []
+        reps = data.get("replicas", data) if isinstance(data, dict) else data
+        if sum(1 for rep in reps if isinstance(rep, dict) and rep.get("agent_connected")) >= n:
             return
         time.sleep(0.1)
+    raise TimeoutError(f"live: {n} agents not connected to kvgate after {timeout_s:.0f} s")
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``over`` laid on it, mappings merged key by key."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def start_kvgate(
+    procs: ProcessGroup, urls: list[str], tmp: Path, params: dict[str, Any], overrides: dict[str, Any]
+) -> tuple[str, str]:
+    """``kvgate serve`` with kv_aware (``params``) in front of ``urls``, its config's other
+    settings as given in ``overrides`` (``--kvgate-config``): (http, inventory) addresses."""
+    cfg: dict[str, Any] = {
+        "listen": {"http": "127.0.0.1:0", "inventory": "127.0.0.1:0"},
+        "policy": {"name": "kv_aware", "kv_aware": params},
+        "models": [{"name": MODEL, "tokenizer": str(TOKENIZER), "block_size": 16}],
+        "replicas": [{"id": f"r{i}", "url": u, "models": [MODEL]} for i, u in enumerate(urls)],
+        "telemetry": {"access_log": False, "log_level": "WARNING"},
+        "server": {"workers": 1},  # the audit and TTFT figures are read from one process
+    }
+    path = tmp / "kvgate.yaml"
+    path.write_text(yaml.safe_dump(_merged(cfg, overrides)))
+    _, m = procs.start(
+        "kvgate",
+        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path)],
+        Ready(pattern=r"kvgate serve: http=([\d.]+:\d+) inventory=([\d.]+:\d+)"),
+    )
+    assert m is not None
+    return m.group(1), m.group(2)
+
+
+def start_agents(procs: ProcessGroup, fleet: list[tuple[str, str, str]], inventory: str) -> None:
+    """One ``kvgate agent`` per engine of ``fleet``, streaming to kvgate's ``inventory`` address."""
+    for i, (u, ev, replay_ep) in enumerate(fleet):
+        procs.spawn(
+            f"agent{i}",
+            [
+                sys.executable, "-m", "gateway.cli", "agent", "--replica-id", f"r{i}", "--engine-url", u,
+                "--events", ev, "--replay", replay_ep, "--gateway", inventory, "--model", MODEL,
+                "--log-level", "WARNING",
+            ],
+        )  # fmt: skip
 
 
 def start_router(
@@ -179,43 +228,21 @@ def start_router(
     fleet: list[tuple[str, str, str]],
     tmp: Path,
     kvgate_params: dict[str, Any] | None = None,
-    kvgate_workers: int = 1,
+    kvgate_config: dict[str, Any] | None = None,
 ) -> tuple[str, str]:
     """Start router ``name`` in front of ``fleet``; returns (base url, policy actually used).
-    ``kvgate_params``: kv_aware's parameters in kvgate's config; ``kvgate_workers``: its
-    ``server.workers`` (1 by default: the audit and TTFT figures are read from one process)."""
+    ``kvgate_params``: kv_aware's parameters in kvgate's config; ``kvgate_config``: its other
+    settings (``server.workers`` 1 unless given: the audit and TTFT figures are read from one
+    process)."""
     urls = [u for u, *_ in fleet]
     if name in KVGATE_RULES:
         params = dict(kvgate_params or {})
         if KVGATE_RULES[name]:  # a variant naming kv_aware's rule (compared in the same run)
             params["rule"] = KVGATE_RULES[name]
-        cfg = {
-            "listen": {"http": "127.0.0.1:0", "inventory": "127.0.0.1:0"},
-            "policy": {"name": "kv_aware", "kv_aware": params},
-            "models": [{"name": MODEL, "tokenizer": str(TOKENIZER), "block_size": 16}],
-            "replicas": [{"id": f"r{i}", "url": u, "models": [MODEL]} for i, u in enumerate(urls)],
-            "telemetry": {"access_log": False, "log_level": "WARNING"},
-            "server": {"workers": kvgate_workers},
-        }
-        path = tmp / "kvgate.yaml"
-        path.write_text(yaml.safe_dump(cfg))
-        _, m = procs.start(
-            "kvgate",
-            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path)],
-            Ready(pattern=r"kvgate serve: http=([\d.]+:\d+) inventory=([\d.]+:\d+)"),
-        )
-        assert m is not None
-        for i, (u, ev, replay_ep) in enumerate(fleet):
-            procs.spawn(
-                f"agent{i}",
-                [
-                    sys.executable, "-m", "gateway.cli", "agent", "--replica-id", f"r{i}", "--engine-url", u,
-                    "--events", ev, "--replay", replay_ep, "--gateway", m.group(2), "--model", MODEL,
-                    "--log-level", "WARNING",
-                ],
-            )  # fmt: skip
-        _wait_agents(m.group(1), len(fleet))
-        return "http://" + m.group(1), "kv_aware"
+        http, inventory = start_kvgate(procs, urls, tmp, params, kvgate_config or {})
+        start_agents(procs, fleet, inventory)
+        _wait_agents(http, len(fleet))
+        return "http://" + http, "kv_aware"
     port = free_port()
     common = ["--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port())]
     if name == "sglang_cache_aware":
@@ -274,7 +301,7 @@ def one_run(
     audit: dict[str, Any] = {}
     with ProcessGroup(tmp) as procs:
         fleet = start_fleet(procs, args.replicas, args, w)
-        url, policy = start_router(procs, router, fleet, tmp, args.kvgate_params, args.kvgate_workers)
+        url, policy = start_router(procs, router, fleet, tmp, args.kvgate_params, args.kvgate_config)
         urls = [u for u, *_ in fleet]
         h0, q0, b0 = engine_state(urls)
         results, wall = uvloop.run(replay(url, reqs, args.speedup, args.timeout))
@@ -342,7 +369,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--kvgate-workers", type=int, default=1, help="kvgate's server.workers (its audit read from one: 1)"
     )
+    ap.add_argument(
+        "--kvgate-config",
+        type=json.loads,
+        default={},
+        help='kvgate config settings laid over the bench\'s (JSON object, e.g. {"proxy": '
+        '{"tokenize_offload_chars": 2048}}); --kvgate-workers sets server.workers',
+    )
     args = ap.parse_args(argv)
+    if args.kvgate_workers != 1:
+        args.kvgate_config = _merged(args.kvgate_config, {"server": {"workers": args.kvgate_workers}})
     if args.workloads is None:
         args.workloads = (
             ["trace"] if args.trace else ["agent", "mooncake", "kv_pressure", "hetero", "decode_heavy"]
