@@ -45,7 +45,7 @@ from gateway.access_log import AccessLog, configure_logging
 from gateway.admin import Admin
 from gateway.api_keys import api_auth_middlewares
 from gateway.app_parts import build_inventory_server, build_state, env_token, wire_shared_state
-from gateway.asyncio_tasks import cancel_and_wait
+from gateway.asyncio_tasks import TaskSet, cancel_and_wait
 from gateway.config import GatewayConfig, load_config
 from gateway.features import Featurizer
 from gateway.features.budgets import MemoryCollector
@@ -137,7 +137,7 @@ class GatewayApp:
         self._health: HealthChecker | None = None
         self._expire_task: asyncio.Task[None] | None = None
         # featurizers replaced by a reload, closed once the requests featurizing with them are done
-        self._retiring: set[asyncio.Task[None]] = set()
+        self._retiring = TaskSet()  # featurizers replaced by a reload, closed after a grace
         self._runner: web.AppRunner | None = None
         self.http_port = 0
         self.inventory_port = 0
@@ -196,9 +196,7 @@ class GatewayApp:
             await asyncio.sleep(RETIRE_GRACE_S)
             await featurizer.close()
 
-        task = asyncio.get_running_loop().create_task(close_later(), name="kvgate-retire-featurizer")
-        self._retiring.add(task)
-        task.add_done_callback(self._retiring.discard)
+        self._retiring.start(close_later(), name="kvgate-retire-featurizer")
 
     # ------------------------------------------------------------------ HTTP
     def _web_app(self) -> web.Application:
@@ -329,8 +327,7 @@ class GatewayApp:
         await self.operator.stop()
         if self.shared_state is not None:
             await self.shared_state.stop()
-        for task in list(self._retiring):
-            await cancel_and_wait(task)
+        await self._retiring.stop()
         if self._proxy is not None:
             await self._proxy.stop()  # late audits wait on the featurizer's encodes: before it
         await self._state.featurizer.close()

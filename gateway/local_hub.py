@@ -38,6 +38,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from gateway.asyncio_tasks import TaskSet
 from gateway.config import GatewayConfig
 from gateway.fleet import Fleet
 from gateway.inventory_ops import Op
@@ -162,7 +163,7 @@ class Hub:
         self._hooks = hooks
         self._conns: dict[int, _Conn] = {}
         self._server: asyncio.AbstractServer | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet()  # worker channels and metrics gathers
         self._gathers: dict[int, _Gather] = {}
         self._gather_ids = itertools.count(1)
         self._bound = frame_bound(index)
@@ -229,16 +230,12 @@ class Hub:
             self._server = None
         for conn in list(self._conns.values()):
             conn.out.abort()
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._tasks.stop()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._tasks.add(task)
+        self._tasks.adopt(task)
         conn: _Conn | None = None
         try:
             kind, payload = await read_frame(reader, self._bound)
@@ -267,7 +264,6 @@ class Hub:
                 self._loads.drop(conn.number)
                 self._load_changed()  # its in-flight requests are gone with it
             writer.transport.abort()
-            self._tasks.discard(task)
 
     # ------------------------------------------------------------------ from the workers
     def _handle(self, conn: _Conn, kind: bytes, payload: bytes) -> None:
@@ -308,9 +304,7 @@ class Hub:
             raise CodecError(f"unknown frame kind {kind!r}")
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(coro, name="kvgate-metrics-gather")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.start(coro, name="kvgate-metrics-gather")
 
     async def _gather(self, asker: _Conn, tag: int) -> None:
         """Every worker's exposition (and the parent's), merged with a ``worker`` label."""

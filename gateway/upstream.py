@@ -29,7 +29,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from gateway.asyncio_tasks import cancel_and_wait
+from gateway.asyncio_tasks import TaskSet
 from gateway.fleet import Fleet
 from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import RequestError, sse_error_event
@@ -87,13 +87,12 @@ class Upstream:
         self._watch = EjectionWatch()
         # audits waiting for a deferred encode's keys (at most one per such request, each bounded
         # by LATE_AUDIT_S); held here so that they are not collected while they wait
-        self._late_audits: set[asyncio.Task[None]] = set()
+        self._late_audits = TaskSet()
 
     async def stop(self) -> None:
         """Cancel the audits still waiting for a deferred encode's keys (after the listener has
         closed: no request adds one; before the featurizer closes: they wait on its encodes)."""
-        for task in list(self._late_audits):
-            await cancel_and_wait(task)
+        await self._late_audits.stop()
 
     async def _post(self, a: Attempt) -> UpstreamResponse:
         """The replica's response headers; a failure to get them raises ``Retry``."""
@@ -156,9 +155,7 @@ class Upstream:
             return
         if a.choice.predicted_tokens != reported and audit.waiting():
             # its prompt's whole keys are being encoded (after routing): audited once known
-            task = asyncio.get_running_loop().create_task(self._audit_encoded(a, audit, use))
-            self._late_audits.add(task)
-            task.add_done_callback(self._late_audits.discard)
+            self._late_audits.start(self._audit_encoded(a, audit, use), name="kvgate-late-audit")
         else:
             cause = self._record_audit(a, audit, use)
             if cause is not None:

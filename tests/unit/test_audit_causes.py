@@ -201,8 +201,8 @@ async def test_upstream_stop_ends_the_audits_waiting_for_keys() -> None:
     fleet = Fleet(parse_config({"models": [{"name": "m", "block_size": 16}]}), index)
     upstream = Upstream(UpstreamClient(), fleet, GatewayMetrics(CollectorRegistry(), index, fleet, dict))
     never = asyncio.get_running_loop().create_future()
-    task = asyncio.get_running_loop().create_task(asyncio.wait_for(never, LATE_AUDIT_S))
-    upstream._late_audits.add(task)  # as Upstream._audit holds one
-    task.add_done_callback(upstream._late_audits.discard)
+    # Upstream._audit starts a late audit in this set and nowhere else (the set's own contract:
+    # tests/unit/test_asyncio_tasks.py)
+    task = upstream._late_audits.start(asyncio.wait_for(never, LATE_AUDIT_S))
     await upstream.stop()
-    assert task.cancelled() and not upstream._late_audits
+    assert task.cancelled() and len(upstream._late_audits) == 0
