@@ -171,21 +171,26 @@ def test_the_engines_kv_capacity_from_its_agent_enters_the_model() -> None:
 
 
 def test_cached_blocks_several_flights_share_are_counted_once_and_the_snapshot_carries_them() -> None:
-    c = FlightCounters()
-    feed = TtftFeed()
+    from gateway.config import parse_config
+    from gateway.fleet import Fleet
+
+    tree = {"models": [{"name": "m", "block_size": 16}], "replicas": [{"id": "r", "url": "http://r:1"}]}
+    fleet = Fleet(parse_config(tree), PrefixIndex(), clock=lambda: 0.0)
+    rec = fleet.get("r")
+    assert rec is not None
+    c = rec.flights
     keys = list(range(100, 200))  # 100 blocks of 16 tokens
 
     def go(cached_blocks: int, prompt_keys: list[int]) -> placement.Flight:
         d = Dispatch(ReplicaState("r"), 16 * len(prompt_keys), 16 * cached_blocks, 16, 50, prompt_keys)
-        return feed.flight(c, d, start=0.0)
+        return fleet.dispatch(rec, d)
 
     a = go(40, keys[:60])  # 40 blocks cached
     b = go(25, keys[:30])  # 25 of the same blocks: counted once already
     other = go(10, [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18])  # a different prefix
     assert c.shared_tokens == 25 * 16
-    cand = Candidate("r", True, ReplicaLoad(in_flight_tokens=c.tokens), 0.0, c.shared_tokens)
-    state = placement.snapshot([cand], IndexView({}, {}, PrefixIndex())).replicas[0]
-    assert state.in_flight_shared_tokens == 25 * 16
+    # the decision's snapshot, as the router takes it, carries the figure
+    assert fleet.snapshot([rec], {}, {}).replicas[0].in_flight_shared_tokens == 25 * 16
     a.first_byte(0.1)
     assert c.shared_tokens == 25 * 16  # held until the request ends: its KV stays pinned
     a.end()
