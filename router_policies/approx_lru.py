@@ -26,16 +26,21 @@ def lower_later_stamps(approx: Approx, stamp: float) -> None:
 
 
 def touch(
-    approx: Approx, rev_arr: npt.NDArray[np.uint64], held: npt.NDArray[np.uint8], stamp: float
+    approx: Approx,
+    rev_arr: npt.NDArray[np.uint64],
+    held: npt.NDArray[np.uint8],
+    stamp: float,
+    no_precise: bool = False,
 ) -> list[int]:
     """Move the touched keys ``rev_arr`` (a prompt's keys, leaf first) to the end, stamped
     ``stamp``, except those the replica holds precisely (``held`` set and not in ``approx``).
+    ``no_precise``: the replica holds nothing precisely (every set bit is an entry of ``approx``).
     Returns the keys that are new entries (their bits must be set by the caller)."""
     rev = rev_arr.tolist()
     if held.all():
-        if approx.keys().isdisjoint(rev):
+        if not no_precise and approx.keys().isdisjoint(rev):
             return []  # every key held precisely (a warm prompt): nothing to touch, in C-level checks
-        if all(map(approx.__contains__, rev)):
+        if no_precise or all(map(approx.__contains__, rev)):
             # every key an approximate entry (the refresh of a routed prompt, the usual full
             # touch): the per-key walk below without its branches, the moves in one C-level pass.
             # Moving (not deleting and re-inserting) also leaves the dict no dummy slots to
@@ -76,13 +81,9 @@ def touch(
 
 def pop_expired(approx: Approx, deadline: float) -> list[int]:
     """Pop the entries stamped before ``deadline`` (a prefix of the order: stamps are monotone)."""
-    gone: list[int] = []
-    while approx:
-        k, t = next(iter(approx.items()))
-        if t >= deadline:
-            break
-        del approx[k]
-        gone.append(k)
+    gone = [k for k, _ in itertools.takewhile(lambda kv: kv[1] < deadline, approx.items())]
+    for _ in gone:
+        approx.popitem(last=False)
     return gone
 
 
