@@ -275,7 +275,9 @@ class PrefixIndex:
             return
         approx = rep.approx
         rev_arr = batch[::-1].copy()  # contiguous: the layout the kernels are compiled for
-        fresh = approx_lru.touch(approx, rev_arr, self._table.has(rev_arr, rep.slot), now)
+        fresh = approx_lru.touch(
+            approx, rev_arr, self._table.has(rev_arr, rep.slot), now, not rep.precise_count
+        )
         if fresh:
             self._table.set(as_keys(fresh), rep.slot)
             self._entries += len(fresh)

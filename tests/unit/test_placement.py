@@ -3,11 +3,15 @@ accounting, snapshots, the speculative touch rule and the expiry sweep."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from router_policies import placement
 from router_policies.placement import predicted_cached_tokens, uncached_prompt_tokens
+from router_policies.policy import ReplicaState
 from router_policies.prefix_index import IndexConfig, PrefixIndex
+from router_policies.ttft.params import TtftParams
 
 
 def _index(**kw: float) -> PrefixIndex:
@@ -56,6 +60,39 @@ def test_snapshot_carries_load_match_fullness_and_exclusions() -> None:
     assert (a.engine_running, a.engine_waiting, a.kv_usage) == (4, 5, 0.5)
     assert (a.matched_blocks, a.match_score, a.held_blocks, a.healthy) == (2, 1.5, 3, True)
     assert (b.matched_blocks, b.held_blocks, b.healthy) == (0, 0, False)
+
+
+def test_snapshot_states_equal_the_constructors_and_stay_frozen() -> None:
+    """``snapshot`` writes ``ReplicaState``'s slots directly: the states must be the ones the
+    dataclass's constructor builds, every field, and as immutable."""
+    ix = _index()
+    ix.store("a", [1, 2])
+    params = TtftParams(step_ms=20.0, prefill_ms_per_token=0.05)
+    cand = placement.Candidate("a", True, placement.ReplicaLoad(1, 2, 3, 4, 5, 0.5), -1.0, -2, 7.5)
+    (a,) = placement.snapshot(
+        [cand], placement.IndexView({"a": 2}, {"a": 1.5}, ix), ttft=lambda _: params
+    ).replicas
+    expected = ReplicaState(
+        "a",
+        True,
+        1,
+        2,
+        3,
+        4,
+        5,
+        0.5,
+        matched_blocks=2,
+        match_score=1.5,
+        held_blocks=2,
+        pending_age_ms=7.5,
+        ttft=params,
+    )
+    assert a == expected
+    assert [getattr(a, f.name) for f in dataclasses.fields(a)] == [
+        getattr(expected, f.name) for f in dataclasses.fields(a)
+    ]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.healthy = False  # type: ignore[misc]
 
 
 def test_lifetime_is_short_with_an_agent_and_the_ttl_without() -> None:

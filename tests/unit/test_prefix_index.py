@@ -297,3 +297,45 @@ def test_stamps_stay_monotone_and_nothing_outlives_its_lifetime(
             assert t <= deadline[k]  # never later than the lifetime its last touch gave it
         ix.expire(now)
         assert all(t >= now for _, t in ix.approximate_expiry("a"))
+
+
+@settings(max_examples=300)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["touch", "touch", "store", "remove"]),
+            st.lists(st.integers(min_value=0, max_value=11), max_size=8),
+            st.sampled_from([0.0, 0.5, 2.0]),
+        ),
+        max_size=40,
+    )
+)
+def test_touch_moves_and_stamps_as_the_per_key_walk(seq: list[tuple[str, list[int], float]]) -> None:
+    """``approx_lru.touch``'s shortcuts (a refresh moved in one pass; no membership pass on a
+    replica without precise entries) leave the LRU order, the stamps and the expiries exactly
+    as the plain walk (leaf first: an approximate key moves to the end, restamped; a key not
+    held becomes a new entry; a precise one is skipped), then the cap's and the TTL's pops."""
+    ix = idx(("a",), approximate_blocks_per_replica=6, approximate_ttl_s=4)
+    model: dict[int, float] = {}  # insertion order = LRU order
+    precise: set[int] = set()
+    now = 0.0
+    for op, keys, step in seq:
+        now += step
+        if op == "store":
+            ix.store("a", keys)
+            precise |= set(keys)
+            model = {k: t for k, t in model.items() if k not in precise}
+        elif op == "remove":
+            ix.remove("a", keys)
+            precise -= {k for k in keys if k not in model}
+        else:
+            ix.touch_approximate("a", keys, now)
+            model = {k: t for k, t in model.items() if t >= now - 4}
+            model = {k: min(t, now) for k, t in model.items()}
+            for k in reversed(keys[:6]):
+                if k not in precise:
+                    model.pop(k, None)
+                    model[k] = now
+            while len(model) > 6:
+                del model[next(iter(model))]
+        assert ix.approximate_expiry("a") == [(k, t + 4) for k, t in model.items()]
