@@ -21,11 +21,8 @@ Invariants
 from __future__ import annotations
 
 import dataclasses
-import operator
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import repeat
 from typing import NamedTuple
 
 from router_policies.flights import MAX_ERROR_RATIO as MAX_ERROR_RATIO
@@ -95,43 +92,23 @@ def snapshot(
     """The immutable fleet a policy decides on; ``exclude`` (replicas already tried) count as
     unhealthy; ``ttft``: each replica's TTFT model (``TtftFeed.params``), None for the policy's
     prior."""
-    blocks, scores, held = view.blocks.get, view.scores.get, view.index.held_count
     return FleetSnapshot(
         tuple(
-            _replica_state(
-                (
-                    c.id,
-                    c.healthy and c.id not in exclude,
-                    *c.load,
-                    blocks(c.id, 0),
-                    scores(c.id, 0.0),
-                    held(c.id),
-                    (),  # matched_on_media
-                    max(0.0, c.pending_prefill_pairs),
-                    max(0, c.in_flight_shared_tokens),
-                    c.pending_age_ms,
-                    ttft(c.id) if ttft is not None else None,
-                )
+            ReplicaState(
+                c.id,
+                c.healthy and c.id not in exclude,
+                *c.load,
+                matched_blocks=view.blocks.get(c.id, 0),
+                match_score=view.scores.get(c.id, 0.0),
+                held_blocks=view.index.held_count(c.id),
+                pending_prefill_pairs=max(0.0, c.pending_prefill_pairs),
+                in_flight_shared_tokens=max(0, c.in_flight_shared_tokens),
+                pending_age_ms=c.pending_age_ms,
+                ttft=ttft(c.id) if ttft is not None else None,
             )
             for c in candidates
         )
     )
-
-
-# ``ReplicaState``'s slots in field order: ``snapshot`` writes them directly, as the frozen
-# dataclass's ``__init__`` (a ``object.__setattr__`` call per field) costs 1.6 us per replica per
-# request, these writes 0.9 us (docs/performance.md, "Fourth pass"); the result compares equal to
-# the constructor's and stays frozen (tests/unit/test_placement.py).
-_STATE_SLOTS = tuple(getattr(ReplicaState, f.name).__set__ for f in dataclasses.fields(ReplicaState))
-assert len(_STATE_SLOTS) == 16 and dataclasses.fields(ReplicaState)[11].name == "matched_on_media"
-
-
-def _replica_state(values: tuple[object, ...]) -> ReplicaState:
-    """A ``ReplicaState`` of ``values``, every field in declaration order."""
-    assert len(values) == len(_STATE_SLOTS)
-    state: ReplicaState = object.__new__(ReplicaState)
-    deque(map(operator.call, _STATE_SLOTS, repeat(state), values), maxlen=0)  # in C (-20%)
-    return state
 
 
 # ---------------------------------------------------------------------- speculative entries

@@ -63,8 +63,8 @@ def test_snapshot_carries_load_match_fullness_and_exclusions() -> None:
 
 
 def test_snapshot_states_equal_the_constructors_and_stay_frozen() -> None:
-    """``snapshot`` writes ``ReplicaState``'s slots directly: the states must be the ones the
-    dataclass's constructor builds, every field, and as immutable."""
+    """Every field of a snapshot's state, as the candidate and the index view give it (negative
+    queue figures clamped to 0), and immutable."""
     ix = _index()
     ix.store("a", [1, 2])
     params = TtftParams(step_ms=20.0, prefill_ms_per_token=0.05)
