@@ -38,9 +38,9 @@ from typing import Any
 import aiohttp
 import numpy as np
 import uvloop
-import yaml
 
 from bench import live_metrics
+from bench.live_kvgate import MODEL, merged, start_agents, start_kvgate, wait_agents
 from bench.live_workloads import (
     MOONCAKE,
     TOKENIZER,
@@ -55,7 +55,6 @@ from kvgate_tools.procs import ProcessGroup, Ready, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_VENV = Path(os.environ.get("KVGATE_BENCH_VENV", ROOT / ".venv-bench"))
-MODEL = "sim"
 # kvgate's router names: kv_aware as configured (``--kvgate-params``), or with its rule set, so
 # that both rules can be compared in one run (``--routers kvgate_kv_aware_ms kvgate_kv_aware_tokens ...``)
 KVGATE_RULES = {"kvgate_kv_aware": None, "kvgate_kv_aware_ms": "ms", "kvgate_kv_aware_tokens": "tokens"}
@@ -154,74 +153,6 @@ def start_fleet(
     return fleet
 
 
-def _wait_agents(gateway: str, n: int, timeout_s: float = 30.0) -> None:
-    """Until every agent's stream is up (``/admin/replicas``: ``n`` replicas with
-    ``agent_connected``), so that no agent is still starting (its imports take about half a
-    CPU-second each) while the replay runs; raises ``TimeoutError`` after ``timeout_s``.
-
-    Not the ``kvgate_inventory_streams`` gauge by prefix: the lines of
-    ``kvgate_inventory_streams_refused_created`` (a Unix time per refusal reason) share it, and
-    their sum let the replay start before any agent had started (the first ~2 s of every kvgate
-    run then shared the two cores with four starting agents)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://{gateway}/admin/replicas", timeout=2) as r:
-                data = json.loads(r.read())
-        except (OSError, ValueError):
-            data = []
-        reps = data.get("replicas", data) if isinstance(data, dict) else data
-        if sum(1 for rep in reps if isinstance(rep, dict) and rep.get("agent_connected")) >= n:
-            return
-        time.sleep(0.1)
-    raise TimeoutError(f"live: {n} agents not connected to kvgate after {timeout_s:.0f} s")
-
-
-def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    """``base`` with ``over`` laid on it, mappings merged key by key."""
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def start_kvgate(
-    procs: ProcessGroup, urls: list[str], tmp: Path, params: dict[str, Any], overrides: dict[str, Any]
-) -> tuple[str, str]:
-    """``kvgate serve`` with kv_aware (``params``) in front of ``urls``, its config's other
-    settings as given in ``overrides`` (``--kvgate-config``): (http, inventory) addresses."""
-    cfg: dict[str, Any] = {
-        "listen": {"http": "127.0.0.1:0", "inventory": "127.0.0.1:0"},
-        "policy": {"name": "kv_aware", "kv_aware": params},
-        "models": [{"name": MODEL, "tokenizer": str(TOKENIZER), "block_size": 16}],
-        "replicas": [{"id": f"r{i}", "url": u, "models": [MODEL]} for i, u in enumerate(urls)],
-        "telemetry": {"access_log": False, "log_level": "WARNING"},
-        "server": {"workers": 1},  # the audit and TTFT figures are read from one process
-    }
-    path = tmp / "kvgate.yaml"
-    path.write_text(yaml.safe_dump(_merged(cfg, overrides)))
-    _, m = procs.start(
-        "kvgate",
-        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path)],
-        Ready(pattern=r"kvgate serve: http=([\d.]+:\d+) inventory=([\d.]+:\d+)"),
-    )
-    assert m is not None
-    return m.group(1), m.group(2)
-
-
-def start_agents(procs: ProcessGroup, fleet: list[tuple[str, str, str]], inventory: str) -> None:
-    """One ``kvgate agent`` per engine of ``fleet``, streaming to kvgate's ``inventory`` address."""
-    for i, (u, ev, replay_ep) in enumerate(fleet):
-        procs.spawn(
-            f"agent{i}",
-            [
-                sys.executable, "-m", "gateway.cli", "agent", "--replica-id", f"r{i}", "--engine-url", u,
-                "--events", ev, "--replay", replay_ep, "--gateway", inventory, "--model", MODEL,
-                "--log-level", "WARNING",
-            ],
-        )  # fmt: skip
-
-
 def start_router(
     procs: ProcessGroup,
     name: str,
@@ -241,7 +172,7 @@ def start_router(
             params["rule"] = KVGATE_RULES[name]
         http, inventory = start_kvgate(procs, urls, tmp, params, kvgate_config or {})
         start_agents(procs, fleet, inventory)
-        _wait_agents(http, len(fleet))
+        wait_agents(http, len(fleet))
         return "http://" + http, "kv_aware"
     port = free_port()
     common = ["--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port())]
@@ -378,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     if args.kvgate_workers != 1:
-        args.kvgate_config = _merged(args.kvgate_config, {"server": {"workers": args.kvgate_workers}})
+        args.kvgate_config = merged(args.kvgate_config, {"server": {"workers": args.kvgate_workers}})
     if args.workloads is None:
         args.workloads = (
             ["trace"] if args.trace else ["agent", "mooncake", "kv_pressure", "hetero", "decode_heavy"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import live
+from bench import live, live_kvgate
 from kvgate_tools.procs import ProcessGroup
 
 
@@ -19,12 +19,12 @@ def test_the_replay_waits_for_every_agent_and_no_longer(tmp_path: Path) -> None:
     args = argparse.Namespace(time_scale=0.25, cache_blocks=64)
     with ProcessGroup(tmp_path) as procs:
         fleet = live.start_fleet(procs, 1, args)
-        http, inventory = live.start_kvgate(procs, [u for u, *_ in fleet], tmp_path, {}, {})
+        http, inventory = live_kvgate.start_kvgate(procs, [u for u, *_ in fleet], tmp_path, {}, {})
         # no agent yet: the metrics' ``kvgate_inventory_streams_refused_created`` lines (a Unix
         # time each) once passed for connected streams
         t0 = time.monotonic()
         with pytest.raises(TimeoutError):
-            live._wait_agents(http, 1, timeout_s=1.0)
+            live_kvgate.wait_agents(http, 1, timeout_s=1.0)
         assert time.monotonic() - t0 >= 1.0
-        live.start_agents(procs, fleet, inventory)
-        live._wait_agents(http, 1, timeout_s=30.0)
+        live_kvgate.start_agents(procs, fleet, inventory)
+        live_kvgate.wait_agents(http, 1, timeout_s=30.0)
