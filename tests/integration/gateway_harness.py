@@ -11,7 +11,8 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,9 +161,11 @@ class SharedStateInstance:
         return 0.0 if value is None else value
 
 
-def shared_state_instance(config: GatewayConfig, name: str) -> SharedStateInstance:
+def shared_state_instance(
+    config: GatewayConfig, name: str, clock: Callable[[], float] = time.monotonic
+) -> SharedStateInstance:
     index = PrefixIndex(config.index)
-    fleet = Fleet(config, index)
+    fleet = Fleet(config, index, clock)
     registry = CollectorRegistry()
     inventory = InventoryServer(index, fleet, token=None, registry=registry)
     shared = wire_shared_state(config, index, fleet, inventory, registry, instance_id=name)

@@ -9,7 +9,8 @@ queue, stream length, snapshot size) are enforced here; the codec's refusals too
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,8 @@ from gateway.shared_state_codec import (
     parse_stream_id,
 )
 from proto.kvgate.v1 import inventory_pb2 as pb
+from router_policies.flights import Dispatch
+from router_policies.policy import ReplicaState
 from tests.integration.gateway_harness import RedisServer, SharedStateInstance, shared_state_instance
 from tests.polling import until
 
@@ -103,7 +106,9 @@ def test_stream_ids_order_numerically() -> None:
 
 
 # ---------------------------------------------------------------------- two instances
-def make_instance(redis_url: str, name: str, **shared: Any) -> SharedStateInstance:
+def make_instance(
+    redis_url: str, name: str, clock: Callable[[], float] = time.monotonic, **shared: Any
+) -> SharedStateInstance:
     index_cfg = shared.pop("index", {})
     config = parse_config(
         {
@@ -120,7 +125,7 @@ def make_instance(redis_url: str, name: str, **shared: Any) -> SharedStateInstan
             },
         }
     )
-    return shared_state_instance(config, name)
+    return shared_state_instance(config, name, clock)
 
 
 def stored(keys: list[int], medium: str = "GPU") -> pb.Event:
@@ -319,3 +324,24 @@ async def test_a_replica_without_registration_is_forgotten(
     finally:
         await client.aclose()
     assert b.fleet.get("ghost") is None and "ghost" not in b.index.replicas
+
+
+async def test_the_queue_age_crosses_instances_on_the_fleets_clock(
+    redis_server: RedisServer, started: list[SharedStateInstance]
+) -> None:
+    """A request waiting for its first byte on A makes B's view of r0's queue as old as it is, by
+    the fleets' clock (the one flights start on, injectable), not the process's monotonic one."""
+    now = [500.0]
+    a = make_instance(redis_server.url, "a", clock=lambda: now[0])
+    b = make_instance(redis_server.url, "b", clock=lambda: now[0])
+    await start(started, a, b)
+    rec_a, rec_b = a.fleet.get("r0"), b.fleet.get("r0")
+    assert rec_a is not None and rec_b is not None
+    a.fleet.dispatch(rec_a, Dispatch(ReplicaState("r0"), 64, 0, 16, 8))  # dispatched at 500.0
+    now[0] = 501.5  # waiting 1.5 s
+
+    def age_at_b() -> float:
+        return b.fleet.snapshot([rec_b], {}, {}).replicas[0].pending_age_ms
+
+    await until(lambda: age_at_b() > 0, "B sees A's pending request")
+    assert age_at_b() == pytest.approx(1500.0, abs=1.0)
