@@ -1,7 +1,7 @@
 """Prometheus metrics declared as data: an owner of metrics (the request path's, the inventory
 server's, the shared state's) is a ``MetricSet`` whose class lists its metrics as ``Metric``
-attributes; each instance creates them on the registry the app owns (no global default registry). See docs/architecture.md,
-"Measuring ourselves".
+attributes; each instance creates them on the registry the app owns (no global default
+registry). See docs/architecture.md, "Measuring ourselves".
 """
 
 from __future__ import annotations
