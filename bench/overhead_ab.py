@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from bench import loadgen, overhead
+from bench.workers_scaling import start_fake_backends
 from kvgate_tools.procs import ProcessGroup, Ready
 
 WARM_SEED = 11099
@@ -68,24 +69,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     tmp = args.out.parent / "tmp" / "overhead_ab"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with ProcessGroup(tmp) as procs, args.out.open("a") as out:
-        _, m = procs.start(
-            "fake_backend",
-            [
-                sys.executable,
-                "-m",
-                "bench.fake_backend",
-                "--ports",
-                "0",
-                "0",
-                "0",
-                "0",
-                "--model",
-                overhead.MODEL,
-            ],
-            Ready(pattern=r"fake_backend: ports=([\d,]+)"),
-        )
-        assert m is not None
-        backends = [int(p) for p in m.group(1).split(",")]
+        backends = start_fake_backends(procs, 4)
         cfg = tmp / "kvgate.yaml"
         cfg.write_text(
             yaml.safe_dump({**overhead.kvgate_config(backends, overhead.TOKENIZER), "server": {"workers": 1}})
@@ -93,7 +77,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         warm = loadgen.chat_bodies(overhead.WARM_POOL, 8192, False, seed=WARM_SEED, model=overhead.MODEL)
         for r in range(args.rounds):
             names = list(trees) if r % 2 == 0 else list(trees)[::-1]
-            unique = loadgen.chat_bodies(args.c1 + 60, 8192, False, seed=5000 + r, model=overhead.MODEL)
+            unique = loadgen.chat_bodies(
+                args.c1 + overhead._warmup(args.c1, 1), 8192, False, seed=5000 + r, model=overhead.MODEL
+            )
             direct = overhead.measure(backends[0], None, unique, args.c1, 1, 120.0)
             for name in names:
                 res = _one(procs, trees[name], cfg, (warm, unique), args)

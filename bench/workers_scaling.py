@@ -45,8 +45,8 @@ AGENT_TOKEN = "bench-agent-token"
 
 
 def start_fake_backends(procs: ProcessGroup, count: int) -> list[int]:
-    """``count`` fast fake backends in one process (bench/fake_backend.py); their ports. (The same
-    start as bench/overhead.py's, which could call this.)"""
+    """``count`` fast fake backends in one process (bench/fake_backend.py); their ports (also the
+    start of bench/overhead_ab.py's)."""
     _, m = procs.start(
         "fake_backend",
         [sys.executable, "-m", "bench.fake_backend", "--ports", *["0"] * count, "--model", MODEL],

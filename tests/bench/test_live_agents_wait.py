@@ -1,12 +1,11 @@
-"""The live bench replays only once kvgate's agents are connected (``bench/live.py``,
-``_wait_agents``): an agent still starting shares the two cores with the first requests and
+"""The live bench replays only once kvgate's agents are connected (``bench/live_kvgate.py``,
+``wait_agents``): an agent still starting shares the two cores with the first requests and
 leaves the index empty while they are routed. Real processes: one sim-engine, ``kvgate serve``,
 one ``kvgate agent``."""
 
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import pytest
@@ -22,9 +21,7 @@ def test_the_replay_waits_for_every_agent_and_no_longer(tmp_path: Path) -> None:
         http, inventory = live_kvgate.start_kvgate(procs, [u for u, *_ in fleet], tmp_path, {}, {})
         # no agent yet: the metrics' ``kvgate_inventory_streams_refused_created`` lines (a Unix
         # time each) once passed for connected streams
-        t0 = time.monotonic()
         with pytest.raises(TimeoutError):
             live_kvgate.wait_agents(http, 1, timeout_s=1.0)
-        assert time.monotonic() - t0 >= 1.0
         live_kvgate.start_agents(procs, fleet, inventory)
         live_kvgate.wait_agents(http, 1, timeout_s=30.0)
