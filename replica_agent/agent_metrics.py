@@ -46,6 +46,11 @@ class AgentCollector:
             g.add_metric(["unrecovered"], st.unrecovered_gaps)
             yield g
             yield CounterMetricFamily(
+                "kvgate_agent_engine_tail_probes",
+                "Replay asked after a quiet period, for batches lost with none after them.",
+                value=st.tail_probes,
+            )
+            yield CounterMetricFamily(
                 "kvgate_agent_engine_restarts", "Engine restarts seen (seq reset).", value=st.engine_restarts
             )
             yield CounterMetricFamily(

@@ -18,6 +18,10 @@ Sequence rules (``seq`` is the engine publisher's per-batch counter, restarting 
 * On start the agent asks replay for everything from seq 0, so that it learns the engine's cache
   without waiting for its next batch; if the buffer no longer reaches back to 0 the inventory is
   marked degraded. (Without a replay endpoint, the first batch is a gap from 0 unless its seq is 0.)
+* A lost batch shows as a gap only when a later one arrives, and the engine may go quiet (batches
+  published after the start's replay, before our subscription reached the PUB socket, which drops
+  them). So ``tail_probe_s`` after the last batch applied (or a catch-up), replay is asked once for
+  what follows, handled as live frames: one round trip per quiet period.
 * The engine's PUB socket disconnecting means its process went away (the agent runs beside it), and
   its cache with it: the frames already received are applied, then the inventory is cleared at
   once rather than when the restarted engine's first batch shows its seq going back (an empty
@@ -37,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
@@ -65,6 +70,7 @@ class SubscriberStats:
     engine_disconnects: int = 0
     internal_errors: int = 0  # frames whose handling raised unexpectedly (inventory then cleared)
     replayed_batches: int = 0
+    tail_probes: int = 0  # replay asked after a quiet period (a lost tail shows no gap otherwise)
 
 
 def parse_seq(raw: bytes) -> int:
@@ -86,6 +92,7 @@ class EventSubscriber:
     replay_timeout_s: float = 1.0
     max_replay_batches: int = 100_000
     on_applied: Callable[[float], None] | None = None
+    tail_probe_s: float = 0.5  # quiet time after the last batch before replay is asked for more
     stats: SubscriberStats = field(default_factory=SubscriberStats, init=False)
     expected: int | None = field(default=None, init=False)  # next seq; None until the first batch
     last_ts: float = field(default=float("-inf"), init=False)  # engine time of the newest batch applied
@@ -93,6 +100,9 @@ class EventSubscriber:
     _rejoin: bool = field(default=False, init=False)
     # a new key block size to rebuild the inventory at (set by request_rekey, applied by run)
     _rekey: int | None = field(default=None, init=False)
+    # monotonic time at which to ask replay for batches after the last one applied; None: no
+    # probe owed (none since the last probe, or the engine is gone)
+    _probe_due: float | None = field(default=None, init=False)
 
     async def run(self) -> None:
         """Subscribe and apply until cancelled."""
@@ -112,6 +122,11 @@ class EventSubscriber:
                 except Exception as exc:
                     self._internal_error(exc)
             while True:
+                if self._probe_due is not None and time.monotonic() >= self._probe_due:
+                    try:
+                        await self.probe_tail()
+                    except Exception as exc:
+                        self._internal_error(exc)
                 # bounded wait: a re-key request (from the gateway stream's task) is applied here,
                 # between frames, never in the middle of a batch
                 ready = dict(await poller.poll(100 if self._rekey is None else 0))
@@ -173,6 +188,7 @@ class EventSubscriber:
         """Apply the engine's whole replay buffer (called once the SUB socket is connected, so that
         nothing published meanwhile is lost: later duplicates are recognised as stale). True when
         the buffer reached back to seq 0 and was applied whole (or the engine published nothing)."""
+        self._owe_probe()  # whatever is published before our subscription takes effect
         replayed = await self.replay(0)
         if not replayed:
             # nothing published yet, or no answer: the first live batch decides
@@ -194,6 +210,31 @@ class EventSubscriber:
                 self.expected = s + 1
             self.stats.replayed_batches += 1
         return whole
+
+    def _owe_probe(self) -> None:
+        if self.replay_endpoint is not None:
+            self._probe_due = time.monotonic() + self.tail_probe_s
+
+    async def probe_tail(self) -> None:
+        """Ask replay for the batches after the last one applied and handle them as live frames:
+        a tail the SUB socket never received is then a recovered gap (or, if replay no longer has
+        its start, an unrecoverable one). Nothing else runs on the subscriber meanwhile, so
+        ``expected`` holds across the await."""
+        self._probe_due = None
+        self.stats.tail_probes += 1
+        start = self.expected or 0
+        tail = [(s, p) for s, p in await self.replay(start) or [] if s >= start]
+        if tail and tail[0][0] == start:
+            self.stats.gaps += 1
+            self.stats.recovered_gaps += 1
+            self.stats.replayed_batches += len(tail)
+            log.info(
+                "replay had %d batch(es) from seq %d the live stream had not delivered", len(tail), start
+            )
+        for seq, payload in tail:
+            batch = self._decode(payload)
+            if batch is not None:
+                await self._handle(seq, batch)
 
     async def _drain(self, sub: zmq.asyncio.Socket) -> None:
         """Handle every frame already queued on ``sub``, without waiting for more (yielding to the
@@ -228,6 +269,7 @@ class EventSubscriber:
         self.inventory.mark_complete()
         self.expected = None
         self._rejoin = True
+        self._probe_due = None  # its replay endpoint went with it: the rejoin's catch-up owes one
 
     def _seq(self, frames: list[bytes], count: int) -> int | None:
         """The seq of a message of ``count`` frames ending ``[seq, payload]``; None, counted as a
@@ -252,6 +294,10 @@ class EventSubscriber:
             # batch we could not read may have removed blocks, so skipping it would leave the
             # index claiming blocks the engine no longer holds.
             return
+        await self._handle(seq, batch)
+
+    async def _handle(self, seq: int, batch: EventBatch) -> None:
+        """Apply one decoded batch by the sequence rules (module docstring)."""
         expected = self.expected
         if expected is None:
             expected = 0
@@ -290,6 +336,7 @@ class EventSubscriber:
         self.inventory.apply(batch.events)
         self.stats.batches_applied += 1
         self.expected = seq + 1
+        self._owe_probe()
         if batch.ts > self.last_ts:
             self.last_ts = batch.ts
         if self.on_applied is not None:

@@ -262,6 +262,12 @@ def test_index_equals_engine_through_faults(fleet: Fleet) -> None:
     fleet.faults(duplicate=3, reorder=3)
     fleet.workload(8)
     timings["duplicated+reordered events"] = fleet.converge("after duplicated and reordered events")
+    # the last batches lost with nothing after them: no later seq shows the gap, the agent asks
+    # replay once its engine's stream has been quiet
+    fleet.faults(drop=100)
+    fleet.workload(2)
+    fleet.faults(drop=0)
+    timings["dropped last batches"] = fleet.converge("after dropped last batches")
 
     # engine restart: seq starts again at 0 and the cache is empty
     assert fleet.stop(fleet.engine) is not None

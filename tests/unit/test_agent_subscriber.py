@@ -170,6 +170,31 @@ async def test_gap_recovered_by_replay(rig: Rig) -> None:
     assert not rig.inv.degraded
 
 
+async def test_a_lost_tail_is_replayed_once_the_stream_is_quiet(rig: Rig) -> None:
+    """The last batches are lost and the engine publishes nothing more, so no later seq shows the
+    gap (as when they went out before our subscription reached the PUB socket): replay supplies
+    them after ``tail_probe_s`` of quiet."""
+    await rig.pub.publish([stored(1, None, [1, 2])])
+    await rig.synced()
+    probes = rig.sub.stats.tail_probes
+    rig.pub.batch([stored(2, 1, [3, 4])])  # lost on the way, and nothing follows
+    rig.pub.batch([stored(3, 2, [5, 6])])
+    await rig.synced()
+    assert sorted(rig.inv.keys()) == sorted(block_keys([1, 2, 3, 4, 5, 6], BS, "m"))
+    assert rig.sub.stats.gaps == 1 and rig.sub.stats.recovered_gaps == 1
+    assert rig.sub.stats.tail_probes > probes and not rig.inv.degraded
+
+
+async def test_a_quiet_stream_probes_once(rig: Rig) -> None:
+    """A probe that finds nothing new owes no other: an idle engine is not polled."""
+    await rig.pub.publish([stored(1, None, [1, 2])])
+    await rig.synced()
+    await wait_for(lambda: rig.sub.stats.tail_probes >= 1)
+    probes = rig.sub.stats.tail_probes
+    await asyncio.sleep(3 * rig.sub.tail_probe_s)
+    assert rig.sub.stats.tail_probes == probes and rig.sub.stats.gaps == 0
+
+
 async def test_unrecoverable_gap_clears_and_degrades(rig: Rig) -> None:
     await rig.pub.publish([stored(1, None, [1, 2])])
     await rig.synced()
