@@ -289,3 +289,10 @@ def decode_payload(payload: bytes) -> EventBatch:
             last_removed = None
         events.append(ev)
     return EventBatch(float(ts), events, malformed)
+
+
+def parse_seq(raw: bytes) -> int:
+    """A batch's seq frame: 8 bytes, big-endian, signed (replay ends with -1)."""
+    if len(raw) != 8:
+        raise MalformedEvent(f"seq frame of {len(raw)} bytes, expected 8")
+    return int.from_bytes(raw, "big", signed=True)

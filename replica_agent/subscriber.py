@@ -6,10 +6,10 @@ Sequence rules (``seq`` is the engine publisher's per-batch counter, restarting 
 * ``seq == expected``: apply.
 * ``seq > expected``: a gap. Ask the replay endpoint (a DEALER sends ``["", start_seq]``; the engine
   answers one ``["", (topic,) seq, payload]`` per buffered batch, then a seq of -1: vLLM and
-  SGLang >= 0.5.22 send the topic, older SGLang does not) for
-  ``[expected, seq)``. If it returns them all, apply them, then this batch. If not (no replay
-  endpoint, a timeout, or the buffer no longer reaches back), the gap is unrecoverable: the
-  inventory is cleared and marked degraded until fresh events have rebuilt it.
+  SGLang >= 0.5.22 send the topic, older SGLang does not) for ``[expected, seq)``. If it returns
+  them all, apply them, then this batch. If not (no replay endpoint, a timeout, or the buffer no
+  longer reaches back), the gap is unrecoverable: the inventory is cleared and marked degraded
+  until fresh events have rebuilt it.
 * ``seq < expected``: either a stale copy (a duplicate, or a batch that arrived after its
   successor and was already recovered through replay), whose engine timestamp is not newer than
   the newest batch applied, and which is dropped; or the engine restarted (its seq went back and its
@@ -50,7 +50,7 @@ import zmq
 import zmq.asyncio
 import zmq.utils.monitor
 
-from replica_agent.engine_events import EventBatch, MalformedEvent, decode_payload
+from replica_agent.engine_events import EventBatch, MalformedEvent, decode_payload, parse_seq
 from replica_agent.inventory import AgentInventory
 
 log = logging.getLogger(__name__)
@@ -71,12 +71,6 @@ class SubscriberStats:
     internal_errors: int = 0  # frames whose handling raised unexpectedly (inventory then cleared)
     replayed_batches: int = 0
     tail_probes: int = 0  # replay asked after a quiet period (a lost tail shows no gap otherwise)
-
-
-def parse_seq(raw: bytes) -> int:
-    if len(raw) != 8:
-        raise MalformedEvent(f"seq frame of {len(raw)} bytes, expected 8")
-    return int.from_bytes(raw, "big", signed=True)
 
 
 @dataclass(eq=False, repr=False)  # identity equality and repr, as a service object
