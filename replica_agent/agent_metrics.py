@@ -1,6 +1,8 @@
 """The agent's Prometheus metrics: its counters, read when scraped (no global registry, no copies).
 
-Served on ``kvgate agent --metrics-port P`` at ``/metrics``.
+Served on ``kvgate agent --metrics-port P`` at ``/metrics`` (docs/architecture.md, "Engine KV events
+and the agent stream"; the families are listed in docs/agent.md). Each unlabelled family is a row
+(name, help, value) of a table; the order of families in the exposition carries no meaning.
 """
 
 from __future__ import annotations
