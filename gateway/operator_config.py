@@ -9,11 +9,9 @@ API models, each with the date it was written down; a configured price always wi
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+from gateway.config_http import _Strict  # the base of every config section
 
 
 class Price(_Strict):

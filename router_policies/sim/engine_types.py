@@ -5,7 +5,7 @@ step results and metrics, and the engine's per-request state."""
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 RequestId = Hashable
 
@@ -21,15 +21,9 @@ class StepCosts:
     decode_s_per_ctx_token: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in (
-            "step_overhead_s",
-            "prefill_s_per_token",
-            "prefill_s_per_token_ctx",
-            "decode_s_per_seq",
-            "decode_s_per_ctx_token",
-        ):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: must be >= 0")
+        for f in fields(self):  # every cost is a duration
+            if getattr(self, f.name) < 0:
+                raise ValueError(f"{f.name}: must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
