@@ -21,13 +21,14 @@ import select
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -146,6 +147,10 @@ class Ready:
     timeout_s: float = 60.0
 
 
+def _exit_on_signal(signum: int, _frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
 @dataclass
 class ProcessGroup:
     """The owner of a set of child processes; ``with ProcessGroup(log_dir) as group:`` stops each.
@@ -159,14 +164,31 @@ class ProcessGroup:
     cwd: Path = REPO_ROOT
     started: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
     _log_start: dict[str, int] = field(default_factory=dict)  # a log's size when its child started
+    _owns_sigterm: bool = field(default=False, init=False)  # __enter__ installed the SIGTERM handler
 
     def __enter__(self) -> ProcessGroup:
+        # SIGTERM (a CI job's timeout, `kill`) would end this process without ``__exit__``, and
+        # the children, each in its own session, would run on: while the group is entered, SIGTERM
+        # unwinds like Ctrl-C (main thread only, and only where nobody handles it already)
+        if (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        ):
+            signal.signal(signal.SIGTERM, _exit_on_signal)
+            self._owns_sigterm = True
         return self
 
     def __exit__(
         self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.stop_all()
+        if self._owns_sigterm:  # a second SIGTERM must not cut the children's stop short
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            self.stop_all()
+        finally:
+            if self._owns_sigterm:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                self._owns_sigterm = False
 
     def log_path(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"

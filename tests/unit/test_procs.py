@@ -3,12 +3,17 @@ ports are never drawn twice."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
-from kvgate_tools.procs import LowPorts, ProcessGroup, Ready, low_free_port
+import pytest
+
+from kvgate_tools.procs import REPO_ROOT, LowPorts, ProcessGroup, Ready, low_free_port
 
 
 def test_a_restarted_child_is_ready_on_its_new_output(tmp_path: Path) -> None:
@@ -49,3 +54,31 @@ def test_a_run_never_draws_the_same_port_twice_even_when_unbound() -> None:
         second = ports.take()
     assert (first, second) == (free[0], free[1])
     assert ports.given == set(free)
+
+
+def test_sigterm_stops_the_children_of_an_entered_group(tmp_path: Path) -> None:
+    """A process killed with SIGTERM inside ``with ProcessGroup`` stops its children on the way out
+    (they run in sessions of their own: without the handler they would outlive it)."""
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from kvgate_tools.procs import ProcessGroup\n"
+        f"with ProcessGroup(Path({str(tmp_path)!r})) as group:\n"
+        "    child = group.spawn('sleeper', [sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "    print(child.pid, flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, cwd=REPO_ROOT, text=True)
+    assert owner.stdout is not None
+    child = int(owner.stdout.readline())
+    owner.send_signal(signal.SIGTERM)
+    assert owner.wait(timeout=30) == 128 + signal.SIGTERM
+    with pytest.raises(ProcessLookupError):  # stopped and reaped by the owner, not left running
+        os.kill(child, 0)
+
+
+def test_an_entered_group_leaves_sigterm_as_it_found_it(tmp_path: Path) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    with ProcessGroup(tmp_path):
+        pass
+    assert signal.getsignal(signal.SIGTERM) == before
