@@ -147,8 +147,10 @@ class Ready:
     timeout_s: float = 60.0
 
 
-def _exit_on_signal(signum: int, _frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)
+def _interrupt_on_signal(_signum: int, _frame: FrameType | None) -> None:
+    # as Ctrl-C: scripts unwind their ``with`` blocks, and pytest ends the session (tearing its
+    # fixtures down) rather than counting one failed test and going on
+    raise KeyboardInterrupt
 
 
 @dataclass
@@ -174,7 +176,7 @@ class ProcessGroup:
             threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
         ):
-            signal.signal(signal.SIGTERM, _exit_on_signal)
+            signal.signal(signal.SIGTERM, _interrupt_on_signal)
             self._owns_sigterm = True
         return self
 
