@@ -242,11 +242,16 @@ async def test_replica_killed_mid_stream_ends_that_stream_only(procs: Procs) -> 
                 assert resp.status == 200
                 return resp.headers["x-kvgate-replica"], await resp.read()
 
-        # round robin: the first goes to r0 (which dies after two chunks), the second to r1
-        first = asyncio.ensure_future(stream("slow die-mid-stream@r0"))
-        await asyncio.sleep(0)  # let the first request be routed first
-        second = asyncio.ensure_future(stream("slow other stream"))
-        (rep0, dying), (rep1, healthy) = await asyncio.gather(first, second)
+        # round robin: the first goes to r0 (which dies after two chunks), the second to r1. The
+        # second is sent once the first is answering (routed), not merely sent: two requests
+        # sent together may reach the gateway in either order
+        body = {"model": "m", "prompt": "slow die-mid-stream@r0", "stream": True}
+        async with s.post(gw.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            rep0 = resp.headers["x-kvgate-replica"]
+            second = asyncio.ensure_future(stream("slow other stream"))
+            dying = await resp.read()
+        rep1, healthy = await second
     assert (rep0, rep1) == ("r0", "r1")
     events = [e for e in dying.decode().split("\n\n") if e]
     assert len(events) == 4  # two chunks, the error event, [DONE]
