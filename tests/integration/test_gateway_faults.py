@@ -248,7 +248,9 @@ def test_shutdown_flips_readiness_then_lets_in_flight_requests_finish(
 ) -> None:
     """Finding 8: shutdown drained for a hard-coded 5 s, with no readiness flip first."""
     e0, _ = two_engines
-    cfg = _sim_config(two_engines[:1], server={"drain_delay_s": 1.0, "shutdown_grace_s": 15.0})
+    # the readiness flip must be seen while the listener is still open (drain_delay_s), on a
+    # host that may be slow: a 3 s window
+    cfg = _sim_config(two_engines[:1], server={"drain_delay_s": 3.0, "shutdown_grace_s": 15.0})
     gw = procs.gateway(cfg)
     wait_until(lambda: http("GET", gw.url + "/ready")[0] == 200, what="ready")
     _faults(e0, {"slow": 1, "slow_ms": 7000})  # longer than the old hard-coded 5 s grace
@@ -257,10 +259,10 @@ def test_shutdown_flips_readiness_then_lets_in_flight_requests_finish(
         target=lambda: result.append(_chat(gw.url, "slow one", model="kvgate-sim", max_tokens=4)[0])
     )
     t.start()
-    time.sleep(0.5)
+    wait_until(lambda: gw.replicas()["e0"]["in_flight_requests"] == 1, what="the request in flight")
     os.kill(gw.proc.pid, signal.SIGTERM)
     _, _, raw = wait_until(
-        lambda: (r := http("GET", gw.url + "/ready", timeout=2))[0] == 503 and r, 1.0, "/ready 503"
+        lambda: (r := http("GET", gw.url + "/ready", timeout=2))[0] == 503 and r, 3.0, "/ready 503"
     )
     assert _error(raw)["code"] == "draining"
     t.join(30)

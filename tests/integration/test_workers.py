@@ -185,19 +185,22 @@ def _both_route_to_r1(gw: Gateway, body: dict[str, Any], tokens: int) -> dict[st
 
 def test_sigterm_drains_every_worker(procs: Procs) -> None:
     r0 = procs.backend("r0")
-    server = {**WORKERS, "drain_delay_s": 1.0, "shutdown_grace_s": 15.0}
+    # both workers' readiness flips must be seen while the listener is open (drain_delay_s): 3 s
+    # on a host that may be slow; the streams (16 chunks, 0.3 s each) are still going when it
+    # closes
+    server = {**WORKERS, "drain_delay_s": 3.0, "shutdown_grace_s": 15.0}
     gw = procs.gateway(base_config(r0, server=server))
     wait_until(lambda: http("GET", gw.url + "/ready")[0] == 200, what="ready")
     pids = worker_pids(gw)
-    slow = {"model": "m", "prompt": "slow", "max_tokens": 8, "stream": True}
+    slow = {"model": "m", "prompt": "slow", "max_tokens": 16, "stream": True}
     results: list[Answer] = []
     threads = [threading.Thread(target=lambda: results.append(post(gw, slow))) for _ in range(6)]
     for t in threads:
         t.start()
-    time.sleep(0.5)  # the streams are under way (0.3 s a chunk)
+    wait_until(lambda: r0.stats()["active"] == 6, what="the six streams under way")
     os.kill(gw.proc.pid, signal.SIGTERM)
     drained = wait_until(
-        lambda: _every_worker_draining(gw), 1.0, "/ready 503 from both workers", interval_s=0.01
+        lambda: _every_worker_draining(gw), 3.0, "/ready 503 from both workers", interval_s=0.01
     )
     assert drained
     for t in threads:

@@ -285,9 +285,11 @@ async def test_redis_down_at_start_then_up(tmp_path: Path, started: list[SharedS
     a = make_instance(server.url, "a")
     started.append(a)
     await a.shared.start()
-    await asyncio.sleep(0.3)
+    await until(
+        lambda: a.sample("kvgate_shared_state_errors_total", {"kind": "connection"}) >= 1,
+        "a failed connection counted",
+    )
     assert not a.shared.up and a.sample("kvgate_shared_state_up") == 0.0
-    assert a.sample("kvgate_shared_state_errors_total", {"kind": "connection"}) >= 1
     a.shared.publisher.inventory_ops("r0", ops_of_events([stored([1])]))  # never blocks, never raises
     assert a.sample("kvgate_shared_state_dropped_total", {"reason": "down"}) == 1
     try:
