@@ -31,7 +31,9 @@ class Publisher:
 
     def __init__(self, ctx: zmq.asyncio.Context, buffer: int = 100) -> None:
         self.ctx = ctx
-        self.pub = ctx.socket(zmq.PUB)
+        # XPUB: a PUB that also hands over its subscribers' subscriptions (``subscribed``)
+        self.pub = ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub_port = self.pub.bind_to_random_port("tcp://127.0.0.1")
         self.router = ctx.socket(zmq.ROUTER)
@@ -57,6 +59,12 @@ class Publisher:
                 if seq >= start_seq:
                     await self.router.send_multipart([ident, b"", b"kv", seq.to_bytes(8, "big"), payload])
             await self.router.send_multipart([ident, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    async def subscribed(self) -> None:
+        """Wait until a subscriber's subscription has reached this socket: from then on it gets
+        what is published (before, a PUB socket drops it)."""
+        while (await asyncio.wait_for(self.pub.recv(), 5.0))[:1] != b"\x01":
+            pass  # an unsubscription (a subscriber gone)
 
     def batch(self, events: list[Any]) -> tuple[int, bytes]:
         self.ts += 1.0
@@ -145,7 +153,7 @@ async def rig(pub: Publisher) -> AsyncIterator[Rig]:
     inv = AgentInventory("m", BS, max_blocks=1000)
     sub = pub.subscriber(inv, replay_timeout_s=2.0)
     async with running(sub):
-        await asyncio.sleep(0.2)  # let the SUB connect (a missed first batch would be replayed anyway)
+        await pub.subscribed()
         yield Rig(pub, sub, inv)
 
 
@@ -292,7 +300,7 @@ async def test_joining_late(pub: Publisher, replay: bool) -> None:
     inv = AgentInventory("m", BS, max_blocks=100)
     sub = pub.subscriber(inv, replay=replay)
     async with running(sub):
-        await asyncio.sleep(0.2)
+        await pub.subscribed()
         await pub.publish([stored(20, None, [9, 9])])
         await wait_for(lambda: sub.expected == pub.seq)
     early = [key(i, i) for i in range(3)] if replay else []
@@ -305,7 +313,7 @@ async def test_publisher_disconnect_clears_at_once(pub: Publisher) -> None:
     inv = AgentInventory("m", BS, max_blocks=100)
     sub = pub.subscriber(inv, replay=False)
     async with running(sub):
-        await asyncio.sleep(0.2)
+        await pub.subscribed()
         await pub.publish([stored(1, None, [1, 2])])
         await pub.publish([stored(2, 1, [3, 4])])
         await wait_for(lambda: len(inv) == 2)
@@ -319,7 +327,7 @@ async def test_replay_answer_is_bounded(pub: Publisher) -> None:
     inv = AgentInventory("m", BS, max_blocks=100)
     sub = pub.subscriber(inv, max_replay_batches=5)
     async with running(sub):
-        await asyncio.sleep(0.2)
+        await pub.subscribed()
         await pub.publish([stored(1, None, [1, 2])])
         await wait_for(lambda: sub.expected == 1)
         for i in range(20):
