@@ -40,6 +40,7 @@ class Publisher:
         self.router.setsockopt(zmq.LINGER, 0)
         self.replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer)
+        self.replays_answered = 0
         self.seq = 0
         self.ts = 1000.0
         self._task = asyncio.create_task(self._serve_replay())
@@ -59,12 +60,16 @@ class Publisher:
                 if seq >= start_seq:
                     await self.router.send_multipart([ident, b"", b"kv", seq.to_bytes(8, "big"), payload])
             await self.router.send_multipart([ident, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+            self.replays_answered += 1
 
-    async def subscribed(self) -> None:
-        """Wait until a subscriber's subscription has reached this socket: from then on it gets
-        what is published (before, a PUB socket drops it)."""
+    async def joined(self, replay: bool = True) -> None:
+        """Wait until a new subscriber's subscription has reached this socket (from then on it
+        gets what is published; before, a PUB socket drops it) and, with ``replay``, its start-up
+        replay has been answered (what is published from then on is not in that answer)."""
         while (await asyncio.wait_for(self.pub.recv(), 5.0))[:1] != b"\x01":
             pass  # an unsubscription (a subscriber gone)
+        if replay:
+            await wait_for(lambda: self.replays_answered >= 1)
 
     def batch(self, events: list[Any]) -> tuple[int, bytes]:
         self.ts += 1.0
@@ -153,7 +158,7 @@ async def rig(pub: Publisher) -> AsyncIterator[Rig]:
     inv = AgentInventory("m", BS, max_blocks=1000)
     sub = pub.subscriber(inv, replay_timeout_s=2.0)
     async with running(sub):
-        await pub.subscribed()
+        await pub.joined()
         yield Rig(pub, sub, inv)
 
 
@@ -300,7 +305,7 @@ async def test_joining_late(pub: Publisher, replay: bool) -> None:
     inv = AgentInventory("m", BS, max_blocks=100)
     sub = pub.subscriber(inv, replay=replay)
     async with running(sub):
-        await pub.subscribed()
+        await pub.joined(replay)
         await pub.publish([stored(20, None, [9, 9])])
         await wait_for(lambda: sub.expected == pub.seq)
     early = [key(i, i) for i in range(3)] if replay else []
@@ -313,7 +318,7 @@ async def test_publisher_disconnect_clears_at_once(pub: Publisher) -> None:
     inv = AgentInventory("m", BS, max_blocks=100)
     sub = pub.subscriber(inv, replay=False)
     async with running(sub):
-        await pub.subscribed()
+        await pub.joined(replay=False)
         await pub.publish([stored(1, None, [1, 2])])
         await pub.publish([stored(2, 1, [3, 4])])
         await wait_for(lambda: len(inv) == 2)
@@ -327,7 +332,7 @@ async def test_replay_answer_is_bounded(pub: Publisher) -> None:
     inv = AgentInventory("m", BS, max_blocks=100)
     sub = pub.subscriber(inv, max_replay_batches=5)
     async with running(sub):
-        await pub.subscribed()
+        await pub.joined()
         await pub.publish([stored(1, None, [1, 2])])
         await wait_for(lambda: sub.expected == 1)
         for i in range(20):
