@@ -10,6 +10,8 @@ period before SIGKILL, and it runs on every exit path of the ``with`` block (doc
 from __future__ import annotations
 
 import json
+import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -24,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from kvgate_tools.procs import REPO_ROOT, ProcessGroup, Ready, free_port
+from kvgate_tools.procs import REPO_ROOT, LowPorts, ProcessGroup, Ready, free_port
 
 __all__ = ["EngineSpec", "FleetOptions", "LocalFleet", "free_port", "http_json", "http_text"]
 
@@ -102,11 +104,15 @@ class FleetOptions:
 class LocalFleet:
     def __init__(self, opts: FleetOptions) -> None:
         self.opts = opts
+        # every port drawn before any process binds one: none drawn twice, none from the ephemeral
+        # range that the fleet's own outgoing connections draw from (the choice is not a result:
+        # not seeded by the run's seed)
+        ports = LowPorts(random.Random(os.getpid()))
         self.engines = [
-            EngineSpec(f"r{i}", free_port(), free_port(), free_port()) for i in range(opts.replicas)
+            EngineSpec(f"r{i}", ports.take(), ports.take(), ports.take()) for i in range(opts.replicas)
         ]
-        self.gateway_port = free_port()
-        self.inventory_port = free_port()
+        self.gateway_port = ports.take()
+        self.inventory_port = ports.take()
         self._tmp = tempfile.TemporaryDirectory(prefix="kvgate-fleet-")
         self.workdir = Path(self._tmp.name)
         self.log_dir = opts.log_dir or self.workdir
