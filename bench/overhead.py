@@ -118,8 +118,21 @@ def start_routers(
 WARM_POOL = 64
 
 
-def _warmup(count: int, concurrency: int) -> int:
+def warmup_requests(count: int, concurrency: int) -> int:
+    """Requests sent before a measurement of ``count`` at ``concurrency`` (not measured)."""
     return max(min(count // 10 + concurrency, 200), WARM_POOL)
+
+
+def start_fake_backends(procs: ProcessGroup, count: int, *flags: str) -> list[int]:
+    """``count`` fake backends in one process (bench/fake_backend.py, more ``flags`` for it):
+    their ports. Every hop benchmark starts its backends here."""
+    _, m = procs.start(
+        "fake_backend",
+        [sys.executable, "-m", "bench.fake_backend", "--ports", *["0"] * count, "--model", MODEL, *flags],
+        Ready(pattern=r"fake_backend: ports=([\d,]+)"),
+    )
+    assert m is not None
+    return [int(p) for p in m.group(1).split(",")]
 
 
 def prime(port: int, pid: int, bodies: list[bytes]) -> None:
@@ -138,7 +151,7 @@ def prime(port: int, pid: int, bodies: list[bytes]) -> None:
 def measure(
     port: int, pid: int | None, bodies: list[bytes], count: int, concurrency: int, max_s: float
 ) -> dict[str, float]:
-    warmup = _warmup(count, concurrency)
+    warmup = warmup_requests(count, concurrency)
     cpu0 = tree_cpu_s(pid) if pid else 0.0
     bg0 = tree_threads_cpu_s(pid, DEFERRED_THREAD) if pid else 0.0
     res = uvloop.run(loadgen.run("127.0.0.1", port, PATH, bodies, count, concurrency, max_s, warmup=warmup))
@@ -168,13 +181,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     tmp = args.out.parent / "tmp" / "overhead"
     with ProcessGroup(tmp) as procs:
-        _, m = procs.start(
-            "fake_backend",
-            [sys.executable, "-m", "bench.fake_backend", "--ports", *["0"] * args.backends, "--model", MODEL],
-            Ready(pattern=r"fake_backend: ports=([\d,]+)"),
-        )
-        assert m is not None
-        backends = [int(p) for p in m.group(1).split(",")]
+        backends = start_fake_backends(procs, args.backends)
         routers = start_routers(procs, backends, tmp, peers=not args.no_peers, only=args.routers)
         time.sleep(1.0)  # first health rounds
         for point, (stream, size, conc, warm) in enumerate(scenarios):
@@ -182,7 +189,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # unique: every request a new user message after one of 16 shared system prompts, so
             # that each one pays for tokenizing its new text, as a chat workload does; warm: a
             # pool of WARM_POOL such chats, resent (the warm-up sends each at least once)
-            n = WARM_POOL if warm else count + _warmup(count, conc)
+            n = WARM_POOL if warm else count + warmup_requests(count, conc)
             bodies = loadgen.chat_bodies(n, size, stream, seed=args.seed * 1000 + point, model=MODEL)
             direct = measure(backends[0], None, bodies, count, conc, args.max_seconds)
             row: dict[str, Any] = {

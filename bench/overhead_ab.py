@@ -26,7 +26,6 @@ from typing import Any
 import yaml
 
 from bench import loadgen, overhead
-from bench.workers_scaling import start_fake_backends
 from kvgate_tools.procs import ProcessGroup, Ready
 
 WARM_SEED = 11099
@@ -69,7 +68,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     tmp = args.out.parent / "tmp" / "overhead_ab"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with ProcessGroup(tmp) as procs, args.out.open("a") as out:
-        backends = start_fake_backends(procs, 4)
+        backends = overhead.start_fake_backends(procs, 4)
         cfg = tmp / "kvgate.yaml"
         cfg.write_text(
             yaml.safe_dump({**overhead.kvgate_config(backends, overhead.TOKENIZER), "server": {"workers": 1}})
@@ -78,7 +77,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         for r in range(args.rounds):
             names = list(trees) if r % 2 == 0 else list(trees)[::-1]
             unique = loadgen.chat_bodies(
-                args.c1 + overhead._warmup(args.c1, 1), 8192, False, seed=5000 + r, model=overhead.MODEL
+                args.c1 + overhead.warmup_requests(args.c1, 1),
+                8192,
+                False,
+                seed=5000 + r,
+                model=overhead.MODEL,
             )
             direct = overhead.measure(backends[0], None, unique, args.c1, 1, 120.0)
             for name in names:

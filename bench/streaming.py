@@ -48,9 +48,9 @@ from typing import Any
 import uvloop
 
 from bench import loadgen
-from bench.overhead import MODEL, PATH, start_routers
+from bench.overhead import MODEL, PATH, start_fake_backends, start_routers
 from bench.results_file import write_results
-from kvgate_tools.procs import ProcessGroup, Ready
+from kvgate_tools.procs import ProcessGroup
 
 ROOT = Path(__file__).resolve().parent.parent
 BASELINE = "sglang_cache_aware"
@@ -220,16 +220,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # each run's logs only
     shutil.rmtree(tmp, ignore_errors=True)
     with ProcessGroup(tmp) as procs:
-        _, m = procs.start(
-            "fake_backend",
-            [
-                sys.executable, "-m", "bench.fake_backend", "--ports", *["0"] * args.backends,
-                "--model", MODEL, "--chunks", "0", "--gap-ms", str(args.gap_ms),
-            ],
-            Ready(pattern=r"fake_backend: ports=([\d,]+)"),
-        )  # fmt: skip
-        assert m is not None
-        backends = [int(p) for p in m.group(1).split(",")]
+        backends = start_fake_backends(procs, args.backends, "--chunks", "0", "--gap-ms", str(args.gap_ms))
         started = start_routers(procs, backends, tmp, peers=not args.no_peers, only=args.routers)
         time.sleep(1.0)  # first health rounds
         routers = {}

@@ -32,7 +32,7 @@ import yaml
 
 from bench import loadgen
 from bench.cpu_time import tree_pids
-from bench.overhead import MODEL, TOKENIZER, kvgate_config, measure
+from bench.overhead import MODEL, TOKENIZER, kvgate_config, measure, start_fake_backends
 from bench.results_file import write_results
 from kvgate_tools.local_fleet import http
 from kvgate_tools.procs import ProcessGroup, Ready
@@ -42,18 +42,6 @@ from proto.kvgate.v1 import inventory_pb2 as pb
 ROOT = Path(__file__).resolve().parent.parent
 KEY_BASE = 1 << 40
 AGENT_TOKEN = "bench-agent-token"
-
-
-def start_fake_backends(procs: ProcessGroup, count: int) -> list[int]:
-    """``count`` fast fake backends in one process (bench/fake_backend.py); their ports (also the
-    start of bench/overhead_ab.py's)."""
-    _, m = procs.start(
-        "fake_backend",
-        [sys.executable, "-m", "bench.fake_backend", "--ports", *["0"] * count, "--model", MODEL],
-        Ready(pattern=r"fake_backend: ports=([\d,]+)"),
-    )
-    assert m is not None
-    return [int(p) for p in m.group(1).split(",")]
 
 
 def start_gateway(
