@@ -45,14 +45,13 @@ import signal
 import sys
 import time
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from e2e import hybrid_check, lora_check, vllm_replica
 from e2e.checks import check_comparison, check_prediction_and_index, check_restart, count_removed
 from e2e.harness import KV_CACHE_BYTES, MODEL, Harness, Replica, equal, exact
 from e2e.kvgate_procs import Gateway, start_agent
-from kvgate_tools.procs import LowPorts, ProcessGroup
+from kvgate_tools.procs import LowPorts, ProcessGroup, interrupt_on_signal
 
 ROOT = Path(__file__).resolve().parent.parent
 THRESHOLDS = {"prediction_exact_fraction": 0.99, "restart_recovery_s": 5.0, "hit_ratio": 1.6}
@@ -132,11 +131,9 @@ def main() -> int:
     logs = args.out / "e2e-vllm-logs"
     shutil.rmtree(logs, ignore_errors=True)  # logs of this run only
     procs = ProcessGroup(logs)
-
-    def on_term(_signum: int, _frame: FrameType | None) -> None:
-        raise KeyboardInterrupt  # unwinds into the finally below, which stops every process
-
-    signal.signal(signal.SIGTERM, on_term)
+    # for the whole run (the hybrid and LoRA checks too): SIGTERM unwinds into the finally blocks,
+    # which stop every process
+    signal.signal(signal.SIGTERM, interrupt_on_signal)
     ports = LowPorts(random.Random(os.getpid()))  # port choice only; concurrent runs try different ports
     replicas = [
         Replica("r0", vllm_replica.new_spec("r0", core=0, kv_cache_bytes=KV_CACHE_BYTES, ports=ports)),

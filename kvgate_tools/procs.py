@@ -147,9 +147,10 @@ class Ready:
     timeout_s: float = 60.0
 
 
-def _interrupt_on_signal(_signum: int, _frame: FrameType | None) -> None:
-    # as Ctrl-C: scripts unwind their ``with`` blocks, and pytest ends the session (tearing its
-    # fixtures down) rather than counting one failed test and going on
+def interrupt_on_signal(_signum: int, _frame: FrameType | None) -> None:
+    """A signal handler that acts as Ctrl-C: scripts unwind their ``with`` and ``finally``
+    blocks (stopping their children), and pytest ends the session, tearing its fixtures down,
+    rather than counting one failed test and going on."""
     raise KeyboardInterrupt
 
 
@@ -176,7 +177,7 @@ class ProcessGroup:
             threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
         ):
-            signal.signal(signal.SIGTERM, _interrupt_on_signal)
+            signal.signal(signal.SIGTERM, interrupt_on_signal)
             self._owns_sigterm = True
         return self
 
