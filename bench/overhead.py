@@ -135,12 +135,24 @@ def start_fake_backends(procs: ProcessGroup, count: int, *flags: str) -> list[in
     return [int(p) for p in m.group(1).split(",")]
 
 
+# Priming sends each warm body this many times over as many connections. A process of kvgate
+# needs two sightings of a text (below); ``--workers N`` processes share the listening port and
+# the kernel gives each connection to one of them, so a body sent over one connection only warms
+# one worker's caches (the others' memo and segment caches are their own). With 16 sends over 16
+# connections a body misses one of two workers' second sighting with probability
+# P(Binomial(16, 1/2) <= 1) = 17 / 65536.
+PRIME_SENDS = 16
+
+
 def prime(port: int, pid: int, bodies: list[bytes]) -> None:
-    """Make ``bodies`` warm in a router: each sent twice (kvgate routes a text it has never seen
-    before encoding it, then encodes it in the background; the second sighting takes the exact
-    path and fills the memo), then wait until the router's CPU is idle again, so that no
-    background work of the priming is charged to, or competes with, the measured requests."""
+    """Make ``bodies`` warm in a router: each sent at least twice to every process that serves
+    the port (kvgate routes a text it has never seen before encoding it, then encodes it in the
+    background; the second sighting takes the exact path and fills the memo), then wait until
+    the router's CPU is idle again, so that no background work of the priming is charged to, or
+    competes with, the measured requests."""
     uvloop.run(loadgen.run("127.0.0.1", port, PATH, bodies, 2 * len(bodies), 1, 60.0))
+    sends = PRIME_SENDS * len(bodies)
+    uvloop.run(loadgen.run("127.0.0.1", port, PATH, bodies, sends, PRIME_SENDS, 60.0))
     for _ in range(100):  # at most ~10 s
         before = tree_cpu_s(pid)
         time.sleep(0.1)
