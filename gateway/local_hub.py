@@ -67,6 +67,9 @@ log = logging.getLogger("kvgate.workers")
 MAX_PENDING_BYTES = 256 * 1024 * 1024  # a worker this far behind is restarted and resynced
 METRICS_WAIT_S = 2.0  # how long a metrics gather waits for the workers' answers
 LOAD_RELAY_S = 0.01  # the workers' load is relayed at most this often
+# a replica's fit is published at most this often: the fits of the first tokens of one window
+# go out as one (the last) rather than one frame to every worker per first token
+FIT_PUBLISH_S = 0.01
 
 
 def frame_bound(index: PrefixIndex) -> int:
@@ -168,6 +171,8 @@ class Hub:
         self._gather_ids = itertools.count(1)
         self._bound = frame_bound(index)
         self._load_timer: asyncio.TimerHandle | None = None
+        self._fit_timer: asyncio.TimerHandle | None = None
+        self._fitted: dict[str, None] = {}  # replicas fitted since their fit was last published
         self._loads = LoadTable()  # every worker's in-flight load (gateway/local_hub_load.py)
         self._touches = TouchBatcher(
             index, lambda r: fleet.get(r) is not None, self._relay_touches, TOUCH_WINDOW_S
@@ -221,9 +226,10 @@ class Hub:
         self._server = await asyncio.start_unix_server(self._serve, path=path, limit=1 << 20)
 
     async def stop(self) -> None:
-        if self._load_timer is not None:
-            self._load_timer.cancel()
-            self._load_timer = None
+        for timer in (self._load_timer, self._fit_timer):
+            if timer is not None:
+                timer.cancel()
+        self._load_timer = self._fit_timer = None
         self._touches.cancel()
         if self._server is not None:
             self._server.close()
@@ -281,7 +287,7 @@ class Hub:
             if self._fleet.get(replica) is not None and model.observe_first_token(
                 replica, inputs, observed_ms
             ):
-                self.broadcast(fit_frame(model, replica))
+                self._fit_changed(replica)
         elif kind == b"P":
             replica, keys, tokens = decode_json(payload)
             self._hooks.held_prefix(str(replica), keys, tokens)
@@ -327,6 +333,22 @@ class Hub:
             for touch in batch:
                 if touch.origin != number:
                     conn.send(touch.frame)
+
+    def _fit_changed(self, replica: str) -> None:
+        """Publish ``replica``'s fit within ``FIT_PUBLISH_S`` (once, whatever it fits till then)."""
+        self._fitted[replica] = None
+        if self._fit_timer is None:
+            self._fit_timer = asyncio.get_running_loop().call_later(FIT_PUBLISH_S, self._publish_fits)
+
+    def _publish_fits(self) -> None:
+        """Every worker gets the fits changed since the last publication, in the order first
+        changed; a replica that left the fleet since is skipped (its fit went with it)."""
+        self._fit_timer = None
+        fitted, self._fitted = self._fitted, {}
+        model = self._fleet.ttft.model
+        for replica in fitted:
+            if self._fleet.get(replica) is not None:
+                self.broadcast(fit_frame(model, replica))
 
     def _load_changed(self) -> None:
         """Relay the workers' load once per ``LOAD_RELAY_S`` at most, however many report."""

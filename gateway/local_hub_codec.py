@@ -127,15 +127,22 @@ def decode_stamps(payload: bytes) -> tuple[str, list[int], list[float]]:
 
 class FrameWriter:
     """One side's writes to the channel, coalesced: frames queued during one turn of the event
-    loop go out in one write at its end. At most ``max_bytes`` wait (queued or in the transport's
-    buffer); beyond, the channel is aborted (the worker is then restarted and resynced)."""
+    loop (``window_s`` 0), or within ``window_s`` of the first one queued, go out in one write at
+    its end. At most ``max_bytes`` wait (queued or in the transport's buffer); beyond, the channel
+    is aborted (the worker is then restarted and resynced). Order is kept: frames go out in the
+    order they were queued."""
 
-    def __init__(self, writer: asyncio.StreamWriter, max_bytes: int, name: str) -> None:
+    def __init__(
+        self, writer: asyncio.StreamWriter, max_bytes: int, name: str, window_s: float = 0.0
+    ) -> None:
+        assert window_s >= 0
         self._writer = writer
         self._max = max_bytes
         self._name = name
+        self._window_s = window_s
         self._pending: list[bytes] = []
         self._pending_bytes = 0
+        self._timer: asyncio.TimerHandle | None = None
 
     def send(self, data: bytes) -> None:
         transport = self._writer.transport
@@ -147,11 +154,16 @@ class FrameWriter:
             transport.abort()
             return
         if not self._pending:
-            asyncio.get_running_loop().call_soon(self._flush)
+            loop = asyncio.get_running_loop()
+            if self._window_s:
+                self._timer = loop.call_later(self._window_s, self._flush)
+            else:
+                loop.call_soon(self._flush)
         self._pending.append(data)
         self._pending_bytes += len(data)
 
     def _flush(self) -> None:
+        self._timer = None
         data = b"".join(self._pending)
         self._pending.clear()
         self._pending_bytes = 0
@@ -159,4 +171,9 @@ class FrameWriter:
             self._writer.write(data)
 
     def abort(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._pending.clear()
+        self._pending_bytes = 0
         self._writer.transport.abort()
