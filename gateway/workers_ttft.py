@@ -55,7 +55,8 @@ def fit_frame(model: TtftModel, replica: str) -> bytes:
     """The owner's fit of ``replica``, as the workers apply it (``RelayedTtftModel.publish``)."""
     p = model.params(replica)
     return encode_json(
-        b"U", [replica, p.coefficients(), p.observations, p.error_ratio, model.prior_error(replica)]
+        b"U",
+        [replica, p.coefficients(), p.observations, p.error_ratio, model.prior_error(replica), p.calibration],
     )
 
 
@@ -76,9 +77,11 @@ class RelayedTtftModel(TtftModel):
 
     def publish(self, payload: bytes) -> str:
         """Apply the owner's fit (frame ``U``); returns its replica."""
-        replica, values, observations, error_ratio, prior_error = decode_json(payload)
+        replica, values, observations, error_ratio, prior_error, calibration = decode_json(payload)
         replica = str(replica)
-        fit = self.prior(replica).with_coefficients(tuple(values), int(observations), float(error_ratio))
+        fit = self.prior(replica).with_coefficients(
+            tuple(values), int(observations), float(error_ratio), float(calibration)
+        )
         self._published[replica] = (fit, float(prior_error))
         return replica
 

@@ -7,7 +7,9 @@ needs:
 * Relative errors: each observation is divided by the geometric mean of the current prediction
   and the observation (each at least ``min_norm_ms``), so a 20 ms first token weighs as much as a
   20 s one; the residual (y - p) / sqrt(p y) is log(y / p) to second order, symmetric in over-
-  and under-prediction, so the fit follows the median of a multiplicative noise, not its mean.
+  and under-prediction, so the fit follows the mean of log(y / p), the median of a symmetric
+  multiplicative noise, not its mean (noise skewed late still puts it above the median, which
+  the model's per-replica ``Calibration`` corrects, router_policies/ttft/model.py).
   Why: first tokens on a shared host are skewed (a stalled event loop makes one 3x late, never
   3x early); divided by the prediction alone, the late ones pulled the fit up and it over-
   predicted the typical first token (the first tokens of a live Mooncake run of bench/live.py

@@ -32,6 +32,9 @@ One linear model in the coefficients of ``TtftParams`` (so that it can be fitted
          + H x queue_age_ratio
          + fetch_ms                                              (KV tiers: known, not fitted)
 
+Every term but fetch_ms is then multiplied by ``params.calibration`` (1 for a prior): the fit's
+median bias, corrected per replica (``model.Calibration``).
+
 Its terms, reported by ``predict``: ``wait_ms`` is the same formula for the work ahead alone
 (Q, no request of its own: 0 steps when Q = 0), ``prefill_ms`` the rest of the compute
 (this request's own prefill, with the steps it adds), ``read_ms`` the cached-token term and
@@ -152,14 +155,14 @@ def predict(params: TtftParams, inputs: TtftInputs) -> TtftPrediction:
     u = inputs.uncached_tokens
     step_share = u / max(1, params.chunk_tokens - n)
     per_step = theta[0] + n * theta[3] + inputs.kv_tokens / 1e6 * theta[4]
+    k = params.calibration  # the fitted terms' median bias corrected; the tiers' fetch is known
     return TtftPrediction(
-        wait_ms=wait_ms,
-        prefill_ms=max(0.0, compute - wait_ms),
-        read_ms=read_ms,
+        wait_ms=k * wait_ms,
+        prefill_ms=k * max(0.0, compute - wait_ms),
+        read_ms=k * read_ms,
         fetch_ms=inputs.fetch_ms,
-        added_ms=u * theta[1]
-        + attention_pairs(u, inputs.cached_tokens) / 1e6 * theta[2]
-        + step_share * per_step,
+        added_ms=k
+        * (u * theta[1] + attention_pairs(u, inputs.cached_tokens) / 1e6 * theta[2] + step_share * per_step),
     )
 
 

@@ -95,6 +95,9 @@ class TtftParams:
     tiers: Mapping[str, TierCost] = field(default_factory=lambda: DEFAULT_TIERS)
     observations: int = 0  # first tokens the fit has seen (0: the prior itself)
     error_ratio: float = 0.0  # the fit's robust scale of relative residuals (0: no observation)
+    # every fitted term of a prediction is multiplied by it: the fit's median bias, corrected
+    # (``model.Calibration``); 1 for a prior
+    calibration: float = 1.0
     # the coefficients in ``COEFFICIENTS`` order, as floats: derived from the fields above, set
     # once by ``__post_init__`` or ``with_coefficients`` (every prediction reads them)
     _theta: tuple[float, ...] = field(init=False, repr=False, compare=False)
@@ -104,6 +107,8 @@ class TtftParams:
             v = getattr(self, f.name, None)
             if isinstance(v, int | float) and v < 0:
                 raise ValueError(f"{f.name}: must be >= 0")
+        if not self.calibration > 0:
+            raise ValueError("calibration: must be > 0")
         if self.chunk_tokens < 2 or self.max_num_seqs < 1:
             raise ValueError("chunk_tokens must be >= 2 and max_num_seqs >= 1")
         object.__setattr__(self, "_theta", tuple(float(getattr(self, n)) for n in COEFFICIENTS))
@@ -112,14 +117,16 @@ class TtftParams:
         return self._theta
 
     def with_coefficients(
-        self, values: tuple[float, ...], observations: int, error_ratio: float
+        self, values: tuple[float, ...], observations: int, error_ratio: float, calibration: float = 1.0
     ) -> TtftParams:
         """A copy with fitted coefficients. Called at every first byte, so it copies the slots
         instead of ``dataclasses.replace`` (whose field walk and re-validation cost ~30 us); the
-        one check that could fail on fitted values is repeated here."""
+        checks that could fail on fitted values are repeated here."""
         assert len(values) == len(COEFFICIENTS)
         if min(values) < 0 or observations < 0 or error_ratio < 0:
             raise ValueError("fitted coefficients must be >= 0")
+        if not calibration > 0:
+            raise ValueError("calibration must be > 0")
         new = object.__new__(TtftParams)
         # the slot writes in C-level passes (a Python loop over the slots was ~6 us)
         deque(map(_SET, repeat(new), _KEPT, _GET_KEPT(self)), maxlen=0)
@@ -127,6 +134,7 @@ class TtftParams:
         _SET(new, "_theta", tuple(map(float, values)))
         _SET(new, "observations", observations)
         _SET(new, "error_ratio", error_ratio)
+        _SET(new, "calibration", calibration)
         return new
 
     def tier(self, medium: str) -> TierCost | None:
@@ -137,7 +145,7 @@ class TtftParams:
 _KEPT = tuple(
     f.name
     for f in fields(TtftParams)
-    if f.name not in {*COEFFICIENTS, "_theta", "observations", "error_ratio"}
+    if f.name not in {*COEFFICIENTS, "_theta", "observations", "error_ratio", "calibration"}
 )
 _GET_KEPT = operator.attrgetter(*_KEPT)
 _SET = object.__setattr__  # a frozen dataclass's own __setattr__ refuses

@@ -71,7 +71,7 @@ def test_the_parent_publishes_one_fit_a_replica_per_window(tmp_path: Path) -> No
         writer.write(b"".join(observation_frame("a", inputs, 20.0 + i) for i in range(5)))
         kind, payload = await asyncio.wait_for(read_frame(reader, BOUND), 5)
         assert kind == b"U"
-        replica, _coefficients, observations, _error, _prior = decode_json(payload)
+        replica, _coefficients, observations, _error, _prior, _calibration = decode_json(payload)
         assert (replica, observations) == ("a", 5)  # one frame, after all five fits
         with pytest.raises(TimeoutError):  # and no other for them
             await asyncio.wait_for(read_frame(reader, BOUND), 3 * FIT_PUBLISH_S)
