@@ -128,7 +128,7 @@ class TtftModel:
         # the tiers' fetch time is known, not fitted: the fit sees the rest
         y = max(0.0, observed_ms - inputs.fetch_ms)
         x = feature_vector(inputs, params)
-        fit.prior_scale.update(dot(x, fit.prior.coefficients()), y)
+        fit.prior_scale.update(dot(x, fit.prior.coefficients()) * fit.prior.calibration, y)
         fit.calibration.update(dot(x, params.coefficients()) * params.calibration, y)
         fit.rls.update(x, y)
         fit.exported = params.with_coefficients(

@@ -85,3 +85,22 @@ def test_the_factor_scales_every_fitted_term_and_not_the_fetch() -> None:
     for term in ("wait_ms", "prefill_ms", "read_ms", "added_ms"):
         assert math.isclose(getattr(half, term), 0.5 * getattr(base, term)), term
     assert half.fetch_ms == base.fetch_ms == 5.0
+
+
+def test_a_prior_made_of_a_fit_keeps_its_factor_and_is_judged_with_it() -> None:
+    """``set_kv_capacity`` and ``adopt`` make a fit into a prior: its factor stays part of its
+    predictions, in routing and in the comparison of prior and fit (``prior_error``)."""
+    prior = dataclasses.replace(DEFAULT_PRIOR, calibration=2.0)
+    m = TtftModel(DEFAULT_PRIOR)
+    m.set_prior("r", prior)
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        x = _inputs(rng)
+        y = predict(prior, x).total_ms  # exactly what the calibrated prior predicts
+        assert m.observe_first_token("r", x, y)
+    assert m.prior_error("r") < 0.05  # judged uncalibrated, every residual would be log 2
+    # the fit's coefficients (fitted to the observations themselves) and its factor share the
+    # scale between them; their predictions are the observations'
+    xs = [_inputs(rng) for _ in range(50)]
+    errors = [abs(m.predict_ms("r", x) / predict(prior, x).total_ms - 1) for x in xs]
+    assert np.median(errors) < 0.05
