@@ -72,14 +72,8 @@ def test_one_step_a_first_token_within_bounds() -> None:
 
 
 def test_the_factor_scales_every_fitted_term_and_not_the_fetch() -> None:
-    x = TtftInputs(
-        queued_prefill_tokens=3000,
-        decoding=4,
-        kv_tokens=9000,
-        uncached_tokens=700,
-        cached_tokens=64,
-        fetch_ms=5.0,
-    )
+    # queued prefill, decoding, KV tokens, uncached, cached; and a tier's fetch
+    x = TtftInputs(3000, 4, 9000, 700, 64, fetch_ms=5.0)
     base = predict(DEFAULT_PRIOR, x)
     half = predict(dataclasses.replace(DEFAULT_PRIOR, calibration=0.5), x)
     for term in ("wait_ms", "prefill_ms", "read_ms", "added_ms"):
