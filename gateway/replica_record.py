@@ -130,6 +130,7 @@ def _model_of(params: TtftParams | None) -> dict[str, float] | None:
     out.update(
         observations=params.observations,
         error_ratio=round(params.error_ratio, 4),
+        calibration=round(params.calibration, 4),  # the factor on every fitted term (ttft/model.py)
         kv_capacity_tokens=params.kv_capacity_tokens,
     )
     return out

@@ -131,6 +131,7 @@ def test_the_gateway_fleet_feeds_the_model_and_exports_the_ttft_audit() -> None:
     described = cast(dict[str, Any], rec.describe()["ttft_audit"])
     assert mae is not None and described["total"] == 5 and described["median_abs_error"] == mae
     assert rec.ttft_model == fleet.ttft.params("a") and described["model"]["observations"] == 5
+    assert described["model"]["calibration"] == round(fleet.ttft.params("a").calibration, 4) != 1.0
     text = generate_latest(metrics.registry).decode()
     assert 'kvgate_ttft_prediction_relative_error_count{replica="a"} 5.0' in text
     assert 'kvgate_ttft_prediction_median_abs_error{replica="a"}' in text
