@@ -10,7 +10,13 @@ import math
 import numpy as np
 
 from router_policies.ttft.features import TtftInputs, predict
-from router_policies.ttft.model import CALIBRATION_BOUNDS, CALIBRATION_STEP, Calibration, TtftModel
+from router_policies.ttft.model import (
+    CALIBRATION_BOUNDS,
+    CALIBRATION_NOISE,
+    CALIBRATION_STEP,
+    Calibration,
+    TtftModel,
+)
 from router_policies.ttft.params import DEFAULT_PRIOR
 
 
@@ -69,6 +75,9 @@ def test_one_step_a_first_token_within_bounds() -> None:
         c.update(1e6, 1.0)
     assert c.factor == CALIBRATION_BOUNDS[0]
     assert Calibration(100.0).factor == CALIBRATION_BOUNDS[1]
+    quiet = Calibration()  # a fit whose first tokens are nearly exact takes smaller steps
+    quiet.update(10.0, 20.0, noise=CALIBRATION_NOISE / 10)
+    assert math.isclose(quiet.factor, math.exp(CALIBRATION_STEP / 10))
 
 
 def test_the_factor_scales_every_fitted_term_and_not_the_fetch() -> None:
