@@ -149,7 +149,9 @@ def prime(port: int, pid: int, bodies: list[bytes]) -> None:
     the port (kvgate routes a text it has never seen before encoding it, then encodes it in the
     background; the second sighting takes the exact path and fills the memo), then wait until
     the router's CPU is idle again, so that no background work of the priming is charged to, or
-    competes with, the measured requests."""
+    competes with, the measured requests. The first pass (each body twice in a row, one
+    connection) is the priming every run before 2026-12-02 06:27 used, so that one process's
+    figures stay comparable with theirs; the second reaches the other workers."""
     uvloop.run(loadgen.run("127.0.0.1", port, PATH, bodies, 2 * len(bodies), 1, 60.0))
     sends = PRIME_SENDS * len(bodies)
     uvloop.run(loadgen.run("127.0.0.1", port, PATH, bodies, sends, PRIME_SENDS, 60.0))

@@ -1,7 +1,7 @@
 """Interleaved A/B of the gateway's CPU per request and its unloaded tail between source trees
 (docs/performance.md, "Third pass"): on a shared machine only paired figures mean anything.
 
-Each round starts ``kvgate serve`` (one process) from every tree in turn, the order alternating
+Each round starts ``kvgate serve`` (one process, or ``--workers N``) from every tree in turn, the order alternating
 between rounds, all on the same fake backends, and takes ``bench/overhead.py``'s own measurement:
 ``prime`` of the 64 warm 8 KB chats, then ``measure`` of warm chats at concurrency 32 (``--reps``
 times ``--requests``: CPU of the gateway's process tree per request), then unique 8 KB chats at
@@ -71,7 +71,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         backends = overhead.start_fake_backends(procs, 4)
         cfg = tmp / "kvgate.yaml"
         cfg.write_text(
-            yaml.safe_dump({**overhead.kvgate_config(backends, overhead.TOKENIZER), "server": {"workers": 1}})
+            yaml.safe_dump(
+                {**overhead.kvgate_config(backends, overhead.TOKENIZER), "server": {"workers": args.workers}}
+            )
         )
         warm = loadgen.chat_bodies(overhead.WARM_POOL, 8192, False, seed=WARM_SEED, model=overhead.MODEL)
         for r in range(args.rounds):
@@ -118,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trees", nargs="+", required=True, help="name=path of each source tree")
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--workers", type=int, default=1, help="kvgate's server.workers")
     ap.add_argument("--reps", type=int, default=3, help="warm c=32 measurements per gateway start")
     ap.add_argument("--requests", type=int, default=3000, help="requests per warm measurement")
     ap.add_argument("--c1", type=int, default=800, help="unique chats in the c=1 run")

@@ -117,12 +117,19 @@ class TtftParams:
         return self._theta
 
     def with_coefficients(
-        self, values: tuple[float, ...], observations: int, error_ratio: float, calibration: float = 1.0
+        self,
+        values: tuple[float, ...],
+        observations: int,
+        error_ratio: float,
+        calibration: float | None = None,
     ) -> TtftParams:
-        """A copy with fitted coefficients. Called at every first byte, so it copies the slots
-        instead of ``dataclasses.replace`` (whose field walk and re-validation cost ~30 us); the
-        checks that could fail on fitted values are repeated here."""
+        """A copy with fitted coefficients (and ``calibration``, default this one's). Called at
+        every first byte, so it copies the slots instead of ``dataclasses.replace`` (whose field
+        walk and re-validation cost ~30 us); the checks that could fail on fitted values are
+        repeated here."""
         assert len(values) == len(COEFFICIENTS)
+        if calibration is None:
+            calibration = self.calibration
         if min(values) < 0 or observations < 0 or error_ratio < 0:
             raise ValueError("fitted coefficients must be >= 0")
         if not calibration > 0:

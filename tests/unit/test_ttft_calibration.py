@@ -84,7 +84,11 @@ def test_the_factor_scales_every_fitted_term_and_not_the_fetch() -> None:
     # queued prefill, decoding, KV tokens, uncached, cached; and a tier's fetch
     x = TtftInputs(3000, 4, 9000, 700, 64, fetch_ms=5.0)
     base = predict(DEFAULT_PRIOR, x)
-    half = predict(dataclasses.replace(DEFAULT_PRIOR, calibration=0.5), x)
+    halved = dataclasses.replace(DEFAULT_PRIOR, calibration=0.5)
+    # a copy with new coefficients keeps the factor unless given one
+    assert halved.with_coefficients(halved.coefficients(), 1, 0.1).calibration == 0.5
+    assert halved.with_coefficients(halved.coefficients(), 1, 0.1, 2.0).calibration == 2.0
+    half = predict(halved, x)
     for term in ("wait_ms", "prefill_ms", "read_ms", "added_ms"):
         assert math.isclose(getattr(half, term), 0.5 * getattr(base, term)), term
     assert half.fetch_ms == base.fetch_ms == 5.0
