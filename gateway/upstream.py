@@ -194,6 +194,7 @@ class Upstream:
         snap = a.choice.snapshot
         flight = self._fleet.dispatch(rec, Dispatch.of(snap, rec.id, features, predicted, out_tokens))
         assert flight.at_dispatch is not None  # Fleet.dispatch records it
+        ctx.log["dispatch_ms"] = round(ctx.elapsed() * 1000, 3)  # the gateway's own share of ttft_ms
         audit = AttemptAudit(a.info, flight.at_dispatch)  # before any await (its docstring)
         up: UpstreamResponse | None = None
         done = False

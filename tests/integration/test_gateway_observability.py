@@ -144,7 +144,8 @@ def test_access_log_is_json_and_keeps_prompts_out_unless_asked(procs: Procs, log
     lines = wait_until(lambda: _access_lines(gw), what="an access log line")
     entry = lines[-1]
     assert entry["status"] == 200 and entry["replica"] == "r0" and entry["model"] == "m"
-    assert {"duration_ms", "ttft_ms", "policy", "reason", "prompt_tokens", "ts"} <= set(entry)
+    assert {"duration_ms", "dispatch_ms", "ttft_ms", "policy", "reason", "prompt_tokens", "ts"} <= set(entry)
+    assert 0 <= entry["dispatch_ms"] <= entry["ttft_ms"] <= entry["duration_ms"]
     assert ("my secret prompt" in gw.stderr()) is log_prompts
 
 
