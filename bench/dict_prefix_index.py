@@ -106,9 +106,7 @@ class PrefixIndex:
 
     def clear_replica(self, replica: str) -> int:
         rep = self._replicas.get(replica)
-        if rep is None:
-            return 0
-        return self.remove(replica, list(rep.precise))
+        return self.remove(replica, list(rep.precise)) if rep is not None else 0
 
     def replace_replica(self, replica: str, entries: Mapping[int, str]) -> None:
         check_replica_bound(self.config, len(entries), f"snapshot of {replica!r} has")

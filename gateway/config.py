@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.types import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
 from gateway.config_http import ProxyConfig, ServerConfig, _Strict
 from gateway.documents import read_document
@@ -116,8 +117,8 @@ class ModelConfig(_Strict):
         description="Folder with tokenizer.json + tokenizer_config.json, 'remote' to ask a replica's "
         "/tokenize, or null for approximate routing on character blocks.",
     )
-    block_size: int = Field(16, gt=0, description="Engine KV block size in tokens (or a multiple of it).")
-    char_block_size: int = Field(64, gt=0, description="Characters per block when there is no tokenizer.")
+    block_size: PositiveInt = Field(16, description="Engine KV block size in tokens (or a multiple of it).")
+    char_block_size: PositiveInt = Field(64, description="Characters per block when there is no tokenizer.")
     lora_adapters: list[str] = Field(
         default_factory=list,
         description="LoRA adapter names the replicas serve on this model; a request naming one routes "
@@ -133,7 +134,7 @@ class ModelConfig(_Strict):
         None,
         description="Path of a Jinja chat template overriding the tokenizer folder's (as vLLM's --chat-template).",
     )
-    tokenize_timeout_s: float = Field(2.0, gt=0, description="Timeout of a remote /tokenize call.")
+    tokenize_timeout_s: PositiveFloat = Field(2.0, description="Timeout of a remote /tokenize call.")
 
 
 class ReplicaConfig(_Strict):
@@ -154,19 +155,17 @@ class ReplicaConfig(_Strict):
 class HealthConfig(_Strict):
     """Active health checks (GET /health) and passive ejection thresholds."""
 
-    interval_s: float = Field(2.0, gt=0, description="Active health check period.")
-    timeout_s: float = Field(1.0, gt=0, description="Health check timeout.")
+    interval_s: PositiveFloat = Field(2.0, description="Active health check period.")
+    timeout_s: PositiveFloat = Field(1.0, description="Health check timeout.")
     unhealthy_after: int = Field(2, ge=1, description="Consecutive failures that eject a replica.")
     healthy_after: int = Field(1, ge=1, description="Consecutive successes that restore it.")
-    ejection_s: float = Field(
+    ejection_s: NonNegativeFloat = Field(
         5.0,
-        ge=0,
         description="A replica ejected because its requests failed in a row (unhealthy_after of them, "
         "e.g. first-byte timeouts while its /health still answers) stays out at least this long.",
     )
-    forget_after_s: float = Field(
+    forget_after_s: PositiveFloat = Field(
         300.0,
-        gt=0,
         description="An agent-registered replica whose agent is gone and that stays unhealthy this "
         "long leaves the fleet and the index (static replicas never do).",
     )
@@ -180,14 +179,16 @@ class SharedStateConfig(_Strict):
     stream_maxlen: int = Field(
         10_000, ge=16, description="Entries kept per replica's delta stream (XADD MAXLEN ~)."
     )
-    publish_queue: int = Field(
-        10_000, gt=0, description="Deltas waiting to be published; beyond it the oldest is dropped."
+    publish_queue: PositiveInt = Field(
+        10_000, description="Deltas waiting to be published; beyond it the oldest is dropped."
     )
-    load_interval_s: float = Field(0.5, gt=0, description="Period of publishing and reading in-flight load.")
-    load_ttl_s: float = Field(
-        3.0, gt=0, description="An instance's published load expires this long after its last update."
+    load_interval_s: PositiveFloat = Field(
+        0.5, description="Period of publishing and reading in-flight load."
     )
-    reconnect_max_s: float = Field(5.0, gt=0, description="Cap of the jittered reconnect backoff.")
+    load_ttl_s: PositiveFloat = Field(
+        3.0, description="An instance's published load expires this long after its last update."
+    )
+    reconnect_max_s: PositiveFloat = Field(5.0, description="Cap of the jittered reconnect backoff.")
     seed: int = Field(0, description="Seed of the reconnect backoff's jitter.")
 
     @model_validator(mode="after")
@@ -214,14 +215,13 @@ class InventoryConfig(_Strict):
     allow_registration: bool = Field(
         True, description="Accept agents of replicas not listed under replicas (they register themselves)."
     )
-    block_bound_factor: float = Field(
+    block_bound_factor: NonNegativeFloat = Field(
         4.0,
-        ge=0,
         description="A replica may hold at most this many times the KV capacity its agent reports "
         "(never more than index.max_blocks_per_replica); 0: only the index bound.",
     )
-    ack_every: int = Field(
-        1, gt=0, description="Acknowledge an agent stream every N messages (acks still pending coalesce)."
+    ack_every: PositiveInt = Field(
+        1, description="Acknowledge an agent stream every N messages (acks still pending coalesce)."
     )
     tls_cert: str | None = Field(None, description="PEM certificate to serve the stream over TLS.")
     tls_key: str | None = Field(None, description="PEM private key of tls_cert.")
@@ -280,10 +280,14 @@ class ApiKeysConfig(_Strict):
 
     env: str | None = Field(None, description="Env var holding comma-separated API keys.")
     file: str | None = Field(None, description="File of API keys, one a line (# comments).")
-    requests_per_s: float = Field(0.0, ge=0, description="Each key's sustained request rate (0: unlimited).")
-    burst: int = Field(0, ge=0, description="Requests a key may send at once (0: max(1, requests_per_s)).")
-    max_keys: int = Field(
-        10_000, gt=0, description="Bound of the keys loaded (and of the rate limiter's state)."
+    requests_per_s: NonNegativeFloat = Field(
+        0.0, description="Each key's sustained request rate (0: unlimited)."
+    )
+    burst: NonNegativeInt = Field(
+        0, description="Requests a key may send at once (0: max(1, requests_per_s))."
+    )
+    max_keys: PositiveInt = Field(
+        10_000, description="Bound of the keys loaded (and of the rate limiter's state)."
     )
 
 

@@ -8,6 +8,7 @@ and ``server`` (the listener's client timeouts, connection cap and drain).
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.types import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
 
 class _Strict(BaseModel):
@@ -17,92 +18,82 @@ class _Strict(BaseModel):
 class ProxyConfig(_Strict):
     """The HTTP proxy: limits, timeouts, retries, debug headers, tokenization."""
 
-    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Larger request bodies get 413.")
-    max_buffered_response_bytes: int = Field(
+    max_body_bytes: PositiveInt = Field(8 * 1024 * 1024, description="Larger request bodies get 413.")
+    max_buffered_response_bytes: PositiveInt = Field(
         64 * 1024 * 1024,
-        gt=0,
         description="A non-streaming response is held until complete (so a failure before it is retried) "
         "up to this size; a larger one is passed through as it arrives.",
     )
-    connect_timeout_s: float = Field(2.0, gt=0, description="Upstream connect timeout.")
-    first_byte_timeout_s: float = Field(
+    connect_timeout_s: PositiveFloat = Field(2.0, description="Upstream connect timeout.")
+    first_byte_timeout_s: PositiveFloat = Field(
         120.0,
-        gt=0,
         description="A streaming request whose replica sent no byte of its stream this long is "
         "abandoned and, as nothing reached the client, retried on another replica (504 when no retry "
         "is left). An attempt on a replica ejected meanwhile is failed over at once.",
     )
-    stream_idle_timeout_s: float = Field(
+    stream_idle_timeout_s: PositiveFloat = Field(
         300.0,
-        gt=0,
         description="After the first byte, a response with no byte for this long is cut (an SSE "
         "stream ends with an error event). Streams have no total timeout.",
     )
-    request_timeout_s: float = Field(
+    request_timeout_s: PositiveFloat = Field(
         600.0,
-        gt=0,
         description="A non-streaming request's answer (it arrives whole) not received in this long: "
         "the attempt is abandoned and retried on another replica (504 when no retry is left).",
     )
-    body_timeout_s: float = Field(
-        30.0, gt=0, description="A request body not received whole in this long gets 408."
+    body_timeout_s: PositiveFloat = Field(
+        30.0, description="A request body not received whole in this long gets 408."
     )
-    retries: int = Field(2, ge=0, description="Retries on other replicas before the first byte.")
+    retries: NonNegativeInt = Field(2, description="Retries on other replicas before the first byte.")
     session_header: str = Field("x-session-id", description="Request header carrying the session id.")
     debug_headers: bool = Field(True, description="Send x-kvgate-replica and x-kvgate-matched-tokens.")
-    speculative_ttl_s: float = Field(
-        10.0, gt=0, description="TTL of the index entry each routed request adds."
+    speculative_ttl_s: PositiveFloat = Field(
+        10.0, description="TTL of the index entry each routed request adds."
     )
-    tokenize_cache_entries: int = Field(4096, ge=0, description="Bound of the cache of tokenized messages.")
-    tokenize_cache_bytes: int = Field(
+    tokenize_cache_entries: NonNegativeInt = Field(
+        4096, description="Bound of the cache of tokenized messages."
+    )
+    tokenize_cache_bytes: NonNegativeInt = Field(
         256 * 1024 * 1024,
-        ge=0,
         description="Bytes the cache of tokenized messages may hold (texts and token ids); least "
         "recently used first out.",
     )
-    memo_cache_bytes: int = Field(
+    memo_cache_bytes: NonNegativeInt = Field(
         32 * 1024 * 1024,
-        ge=0,
         description="Bytes the cache of chat-template outputs, texts' token ids and block keys of "
         "prompts seen before may hold (0: off); least recently used first out.",
     )
-    max_prompt_chars: int = Field(
+    max_prompt_chars: PositiveInt = Field(
         2_000_000,
-        gt=0,
         description="A prompt tokenized here longer than this many characters (after the chat "
         "template) gets 400 prompt_too_long: encoding takes about 100 bytes of transient memory "
         "a character.",
     )
-    tokenize_inflight_bytes: int = Field(
+    tokenize_inflight_bytes: PositiveInt = Field(
         4 * 1024 * 1024,
-        gt=0,
         description="Bytes of prompt text being encoded on worker threads at once; more requests "
         "wait their turn (one encode larger than this runs alone).",
     )
     tokenize_threads: int = Field(2, ge=1, description="Worker threads for long tokenizations.")
-    tokenize_offload_chars: int = Field(
-        16384, ge=0, description="Uncached prompt characters above which encoding leaves the event loop."
+    tokenize_offload_chars: NonNegativeInt = Field(
+        16384, description="Uncached prompt characters above which encoding leaves the event loop."
     )
-    tokenize_defer_chars: int = Field(
+    tokenize_defer_chars: NonNegativeInt = Field(
         1024,
-        ge=0,
         description="Uncached prompt characters from which text this gateway never saw after the same "
         "prefix is routed on the cached prefix and encoded after routing (0: always encode first).",
     )
-    tokenize_seen_entries: int = Field(
+    tokenize_seen_entries: NonNegativeInt = Field(
         262144,
-        ge=0,
         description="Bound of the record of new texts seen (one fingerprint per 256 characters; "
         "about 80 bytes each).",
     )
-    tokenize_defer_backlog_chars: int = Field(
+    tokenize_defer_backlog_chars: NonNegativeInt = Field(
         4_000_000,
-        ge=0,
         description="Characters waiting to be encoded after routing; beyond it the oldest are dropped.",
     )
-    tokenize_defer_backlog_bytes: int = Field(
+    tokenize_defer_backlog_bytes: NonNegativeInt = Field(
         32 * 1024 * 1024,
-        ge=0,
         description="Bytes of text (as Python holds it: 1, 2 or 4 a character) waiting to be encoded "
         "after routing; beyond it the oldest are dropped.",
     )
@@ -112,27 +103,24 @@ class ServerConfig(_Strict):
     """The HTTP listener's protection against slow, idle and too many clients (as Envoy's and
     HAProxy's timeouts and connection limits), and its drain on shutdown."""
 
-    header_timeout_s: float = Field(
+    header_timeout_s: PositiveFloat = Field(
         10.0,
-        gt=0,
         description="A request's headers not received whole this long after its first byte get 408.",
     )
-    idle_timeout_s: float = Field(
-        60.0, gt=0, description="A connection with no request in progress is closed after this long."
+    idle_timeout_s: PositiveFloat = Field(
+        60.0, description="A connection with no request in progress is closed after this long."
     )
-    max_connections: int = Field(
+    max_connections: PositiveInt = Field(
         4096,
-        gt=0,
         description="Client connections open at once; beyond it (or beyond the open-file limit less "
         "a reserve) a new one gets 503 and is closed.",
     )
-    max_headers: int = Field(128, gt=0, description="Request headers beyond this many get 400.")
-    max_header_bytes: int = Field(
-        8190, gt=0, description="A request line or header field longer than this gets 400 (431 for headers)."
+    max_headers: PositiveInt = Field(128, description="Request headers beyond this many get 400.")
+    max_header_bytes: PositiveInt = Field(
+        8190, description="A request line or header field longer than this gets 400 (431 for headers)."
     )
-    max_inflight_body_bytes: int = Field(
+    max_inflight_body_bytes: PositiveInt = Field(
         256 * 1024 * 1024,
-        gt=0,
         description="Bytes of request bodies held at once (each from its read to its answer's end; "
         "a body of unknown length counts as proxy.max_body_bytes). A request that cannot fit within "
         "proxy.body_timeout_s gets 503 overloaded.",
@@ -147,15 +135,13 @@ class ServerConfig(_Strict):
         "workers refuse); 1: one process, as before. "
         "`kvgate serve --workers N` overrides it.",
     )
-    drain_delay_s: float = Field(
+    drain_delay_s: NonNegativeFloat = Field(
         0.0,
-        ge=0,
         description="On SIGTERM, /ready answers 503 this long before the listener closes (so load "
         "balancers stop sending first); requests are served meanwhile.",
     )
-    shutdown_grace_s: float = Field(
+    shutdown_grace_s: NonNegativeFloat = Field(
         50.0,
-        ge=0,
         description="Then in-flight requests get this long to finish (drain_delay_s + shutdown_grace_s "
         "must stay under the pod's terminationGracePeriodSeconds).",
     )

@@ -10,6 +10,7 @@ API models, each with the date it was written down; a configured price always wi
 from __future__ import annotations
 
 from pydantic import Field, model_validator
+from pydantic.types import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
 from gateway.config_http import _Strict  # the base of every config section
 
@@ -17,9 +18,9 @@ from gateway.config_http import _Strict  # the base of every config section
 class Price(_Strict):
     """USD per million prompt tokens."""
 
-    input: float = Field(ge=0, description="Fresh (computed) prompt tokens, USD per million.")
-    cached_input: float = Field(
-        ge=0, description="Prompt tokens read from the prefix cache, USD per million."
+    input: NonNegativeFloat = Field(description="Fresh (computed) prompt tokens, USD per million.")
+    cached_input: NonNegativeFloat = Field(
+        description="Prompt tokens read from the prefix cache, USD per million."
     )
     source: str = Field("configured", description="Where the figure comes from, with its date.")
 
@@ -46,18 +47,17 @@ class TraceConfig(_Strict):
         False, description="Record from start-up (POST /admin/trace toggles it at runtime)."
     )
     path: str | None = Field(None, description="The trace file; rotated files get .1, .2, ... appended.")
-    max_bytes: int = Field(
-        64 * 1024 * 1024, gt=0, description="Rotate the file once it holds this many bytes."
+    max_bytes: PositiveInt = Field(
+        64 * 1024 * 1024, description="Rotate the file once it holds this many bytes."
     )
-    keep_files: int = Field(3, ge=0, description="Rotated files kept besides the current one.")
-    reorder_window_s: float = Field(
+    keep_files: NonNegativeInt = Field(3, description="Rotated files kept besides the current one.")
+    reorder_window_s: NonNegativeFloat = Field(
         30.0,
-        ge=0,
         description="Requests finish out of arrival order: a line is held this long so the file "
         "stays in arrival order (a later arrival is written with the latest written timestamp).",
     )
-    max_pending_bytes: int = Field(
-        8 * 1024 * 1024, gt=0, description="Bound on the lines held for reordering."
+    max_pending_bytes: PositiveInt = Field(
+        8 * 1024 * 1024, description="Bound on the lines held for reordering."
     )
     salt: str | None = Field(
         None,
@@ -75,15 +75,13 @@ class TraceConfig(_Strict):
 class LifetimeConfig(_Strict):
     """How long blocks live in each replica's cache (gateway/cache_lifetime.py)."""
 
-    max_tracked_blocks: int = Field(
+    max_tracked_blocks: PositiveInt = Field(
         262_144,
-        gt=0,
         description="Blocks whose store time (and prompt depth) is held, all replicas together; about "
         "200 bytes each.",
     )
-    session_bytes: int = Field(
+    session_bytes: PositiveInt = Field(
         64 * 1024 * 1024,
-        gt=0,
         description="Bytes of the sessions' last-turn block keys held (8 per block); the least recently "
         "seen sessions go first.",
     )
@@ -95,12 +93,12 @@ class OperatorConfig(_Strict):
     trace: TraceConfig = Field(default_factory=TraceConfig)
     lifetime: LifetimeConfig = Field(default_factory=LifetimeConfig)
     tenant_header: str = Field("x-tenant-id", description="Request header naming the tenant.")
-    max_tenants: int = Field(64, gt=0, description="Tenants counted apart; later ones count as 'other'.")
+    max_tenants: PositiveInt = Field(64, description="Tenants counted apart; later ones count as 'other'.")
     prices: dict[str, Price] = Field(
         default_factory=dict,
         description="Per model (as the client names it): input and cached_input, USD per million prompt tokens.",
     )
-    gpus_per_replica: float = Field(1.0, gt=0, description="GPUs behind one replica (GPU-seconds saved).")
+    gpus_per_replica: PositiveFloat = Field(1.0, description="GPUs behind one replica (GPU-seconds saved).")
 
     def price_of(self, model: str) -> Price | None:
         return self.prices.get(model) or PUBLISHED_PRICES.get(model)

@@ -50,13 +50,15 @@ class HelloInfo:
 
 @dataclass(slots=True)
 class ClientStats:
+    """The stream's counts since start (agent_metrics exports them) and where it stands."""
+
     connects: int = 0
     failures: int = 0
     snapshots_sent: int = 0
     resyncs_received: int = 0
     messages_sent: int = 0
-    acked_seq: int = 0
-    last_error: str = ""
+    last_error: str = ""  # the last connection failure, for the agent's status
+    acked_seq: int = 0  # the gateway's latest acknowledgement (a position, not a count)
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,7 +42,8 @@ TRIM_INTERVAL_S = 0.5  # at most this often (malloc_trim walks the heap)
 
 @dataclass(frozen=True, slots=True)
 class Budgets:
-    """The featurizer's byte bounds (``proxy.*`` fields of the same names; None: unbounded)."""
+    """The featurizer's byte bounds (``proxy.tokenize_<name>`` or ``proxy.<name>``: read by
+    ``featurizer.encode_settings``; None: unbounded)."""
 
     cache_bytes: int | None = None
     defer_backlog_bytes: int | None = None
@@ -53,7 +54,8 @@ class Budgets:
 
 @dataclass(frozen=True, slots=True)
 class EncodeSettings:
-    """The featurizer's counts and thresholds (``proxy.tokenize_*`` fields of the same names)."""
+    """The featurizer's counts and thresholds (``proxy.tokenize_<name>``: read by
+    ``featurizer.encode_settings``)."""
 
     cache_entries: int  # segment cache entries
     threads: int = 2  # worker threads for long encodes

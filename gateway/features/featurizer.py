@@ -26,6 +26,7 @@ cached, no text recorded as seen, no encode deferred or taken over, no counter m
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -33,6 +34,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from gateway.config import GatewayConfig, ModelConfig
+from gateway.config_http import ProxyConfig
 from gateway.features.budgets import SEEN_ENTRY_BYTES, Budgets, EncodeSettings, text_bytes
 from gateway.features.deferred import DeferredEncodes, DeferredJob
 from gateway.features.encode_executor import BACKGROUND_THREAD_NAME, EncodeExecutor, mark_background_thread
@@ -82,6 +84,25 @@ def _bytes_of(text: str, chars: int) -> int:
     return chars * max(1, (text_bytes(text) - text_bytes("")) // max(1, len(text)))
 
 
+def encode_settings(proxy: ProxyConfig) -> EncodeSettings:
+    """The featurizer's settings from the proxy's config."""
+    return EncodeSettings(
+        **_mirrored(EncodeSettings, proxy, skip="budgets"), budgets=Budgets(**_mirrored(Budgets, proxy))
+    )
+
+
+def _mirrored(cls: Any, proxy: ProxyConfig, skip: str = "") -> dict[str, Any]:
+    """The fields of the dataclass ``cls`` read from ``proxy``: each is ``proxy.tokenize_<name>``,
+    or ``proxy.<name>`` where the config has no ``tokenize_`` field of that name (the settings
+    mirror the config's names, so a field missing from the config fails here, at start-up)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name != skip:
+            prefixed = f"tokenize_{f.name}"
+            out[f.name] = getattr(proxy, prefixed if prefixed in type(proxy).model_fields else f.name)
+    return out
+
+
 class Featurizer:
     def __init__(
         self,
@@ -116,23 +137,7 @@ class Featurizer:
     def from_config(
         cls, config: GatewayConfig, *, remote: UrlChooser | None = None, base_dir: Path | None = None
     ) -> Featurizer:
-        p = config.proxy
-        settings = EncodeSettings(
-            cache_entries=p.tokenize_cache_entries,
-            threads=p.tokenize_threads,
-            offload_chars=p.tokenize_offload_chars,
-            defer_chars=p.tokenize_defer_chars,
-            seen_entries=p.tokenize_seen_entries,
-            defer_backlog_chars=p.tokenize_defer_backlog_chars,
-            budgets=Budgets(
-                cache_bytes=p.tokenize_cache_bytes,
-                defer_backlog_bytes=p.tokenize_defer_backlog_bytes,
-                inflight_bytes=p.tokenize_inflight_bytes,
-                max_prompt_chars=p.max_prompt_chars,
-                memo_cache_bytes=p.memo_cache_bytes,
-            ),
-        )
-        return cls(config.models, settings, remote=remote, base_dir=base_dir)
+        return cls(config.models, encode_settings(config.proxy), remote=remote, base_dir=base_dir)
 
     # -- public ----------------------------------------------------------------------------------
 

@@ -116,3 +116,24 @@ def test_a_certificate_and_its_key_go_together(config: dict[str, Any], where: st
         }
     )
     assert both.inventory.tls_key == "k.pem" and both.auth.http_tls.key == "k.pem"
+
+
+def test_the_featurizer_reads_each_of_its_settings_from_its_own_config_field() -> None:
+    """``encode_settings`` maps by name: every setting comes from a distinct proxy field."""
+    import dataclasses
+
+    from gateway.config_http import ProxyConfig
+    from gateway.features.featurizer import encode_settings
+
+    names = [
+        n for n in ProxyConfig.model_fields if n.startswith("tokenize_") or n.endswith(("_chars", "_bytes"))
+    ]
+    values = {n: 1000 + i for i, n in enumerate(names)}  # a distinct value per field
+    s = encode_settings(ProxyConfig(**values))
+    read = [getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "budgets"]
+    read += [getattr(s.budgets, f.name) for f in dataclasses.fields(s.budgets)]
+    assert len(set(read)) == len(read) and set(read) <= set(values.values())
+    assert s.threads == values["tokenize_threads"] and s.defer_chars == values["tokenize_defer_chars"]
+    assert s.budgets.cache_bytes == values["tokenize_cache_bytes"]
+    assert s.budgets.max_prompt_chars == values["max_prompt_chars"]
+    assert s.budgets.memo_cache_bytes == values["memo_cache_bytes"]
