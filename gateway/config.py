@@ -182,9 +182,7 @@ class SharedStateConfig(_Strict):
     publish_queue: PositiveInt = Field(
         10_000, description="Deltas waiting to be published; beyond it the oldest is dropped."
     )
-    load_interval_s: PositiveFloat = Field(
-        0.5, description="Period of publishing and reading in-flight load."
-    )
+    load_interval_s: PositiveFloat = Field(0.5, description="Period to publish and read in-flight load.")
     load_ttl_s: PositiveFloat = Field(
         3.0, description="An instance's published load expires this long after its last update."
     )
