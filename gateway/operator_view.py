@@ -130,7 +130,7 @@ class OperatorView:
         """The ``OutcomeSink`` hook: wrap the job's ``on_keys`` (set by the proxy for this
         attempt) so the keys also reach the answered request they belong to."""
         job = a.info.deferred
-        assert job is not None
+        assert job is not None and not job.finished.is_set()  # the proxy calls it only then
         inner = job.on_keys
 
         def on_keys(keys: list[int]) -> None:

@@ -221,6 +221,8 @@ class AttemptAudit:
                 await asyncio.wait_for(self._job.finished.wait(), timeout_s)
 
     def _watch(self, job: DeferredJob) -> None:
+        if job.finished.is_set():
+            return  # over: it calls nothing more (DeferredJob's invariant)
         inner = job.on_keys
 
         def on_keys(keys: list[int]) -> None:

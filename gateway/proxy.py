@@ -251,8 +251,9 @@ class Proxy:
                 self._router.commit(ctx.state, features, choice),
                 may_retry=attempt < pcfg.retries,
             )
-            if info.deferred is not None:
+            if info.deferred is not None and not info.deferred.finished.is_set():
                 # the prompt's full keys become this attempt's speculative entries once encoded
+                # (a job that finished while the request was routed holds no callback: DeferredJob)
                 info.deferred.on_keys = functools.partial(self._router.record, a.speculation)
                 if self._upstream.outcomes is not None:
                     self._upstream.outcomes.deferred(a)

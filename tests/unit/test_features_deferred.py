@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import random
 import threading
+import weakref
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -330,3 +332,36 @@ async def test_a_shared_head_is_taken_over_and_the_new_tail_still_deferred() -> 
         info.deferred.on_keys = later.append
         await fz.deferred.drain()
         assert later == [list(want.block_keys)]
+
+
+async def test_an_ended_job_lets_its_callbacks_go_so_refcounting_frees_it() -> None:
+    """DeferredJob's invariant: callbacks that close over their job (as the operator view's and
+    the audit's do) form no cycle once the job ends, encoded or dropped: with the cycle collector
+    off, dropping the last reference frees the job."""
+    tok = load_tokenizer_files(Path(TINY), where="t").tokenizer
+    enc = SegmentEncoder(tok, BoundedLRU(100), "t")
+    deferred = DeferredEncodes(2500, lambda: None)
+    got: list[list[int]] = []
+
+    def job(seed: int, words: int) -> weakref.ref[DeferredJob]:
+        j = DeferredJob(
+            enc, enc.plan(text(seed, words), add_special_tokens=False), False, seed, lambda t: [len(t)]
+        )
+
+        def on_keys(keys: list[int]) -> None:  # closes over j: a cycle while j holds it
+            got.append(keys) if j.on_keys is not None else None
+
+        j.on_keys = on_keys
+        deferred.submit(j)
+        return weakref.ref(j)
+
+    gc.collect()
+    gc.disable()
+    try:
+        encoded, dropped = job(1, 100), job(2, 2000)  # the second is larger than the backlog
+        await deferred.drain()
+        assert len(got) == 1 and deferred.dropped == 1
+        assert encoded() is None and dropped() is None  # freed without the cycle collector
+    finally:
+        gc.enable()
+        await deferred.close()
