@@ -118,11 +118,19 @@ class OperatorView:
         job = a.info.deferred
         if job is None or a.info.approximate:
             self._keyed(o)
-            return
-        # encoded after routing: the keys come through the job's on_keys, before or after this
+        else:
+            self._deferred_answered(job, o)
+
+    def _deferred_answered(self, job: DeferredJob, o: Outcome) -> None:
+        """Encoded after routing: the keys come through the job's on_keys, before or after the
+        answer. A job already over with no keys delivered (dropped from the backlog, or encoded
+        before this attempt could listen) will deliver none: the request is recorded without
+        them at once, and the job is not held."""
         keys = self._early_keys.pop(job, None)
         if keys is not None:
             self._keyed(_with_keys(o, keys))
+        elif job.finished.is_set():
+            self._keyed(o)
         else:
             _bounded_put(self._awaiting, job, o)
 

@@ -263,3 +263,41 @@ def test_unobserved_replicas_or_dropped_records_make_a_turn_unknown() -> None:
     t2 = SessionTurns(small, max_bytes=10_000)
     t2.turn(outcome(session_id="b", block_keys=(5, 6)), "t1")
     assert t2.turn(outcome(session_id="b", block_keys=(5, 6, 9)), "t1") == "unknown"
+
+
+def test_a_deferred_answer_whose_job_is_over_is_recorded_at_once_and_the_job_not_held() -> None:
+    """A job over without keys (dropped from the backlog, or encoded before the attempt could
+    listen) will deliver none: the answer is recorded then, not parked holding the job."""
+    import gc
+    import weakref
+
+    from gateway.features.deferred import DeferredJob
+    from gateway.features.segment_encoder import BoundedLRU, SegmentEncoder
+    from gateway.features.tokenizer_files import load_tokenizer_files
+
+    tok = load_tokenizer_files(
+        Path(__file__).resolve().parents[2] / "assets/tokenizers/kvgate-tiny", where="t"
+    )
+    enc = SegmentEncoder(tok.tokenizer, BoundedLRU(10), "t")
+
+    def job(fingerprint: int) -> DeferredJob:
+        return DeferredJob(
+            enc,
+            enc.plan("some new text " * 20, add_special_tokens=False),
+            False,
+            fingerprint,
+            lambda t: [len(t)],
+        )
+
+    view = OperatorView(OperatorConfig())
+    waiting = job(1)
+    view._deferred_answered(waiting, outcome(session_id="waits"))
+    assert view.turns.report()["sessions_tracked"] == 0  # parked until its keys come
+    over = job(2)
+    over.end()
+    view._deferred_answered(over, outcome(session_id="over"))
+    assert view.turns.report()["sessions_tracked"] == 1
+    ref = weakref.ref(over)
+    del over
+    gc.collect()
+    assert ref() is None  # the view holds no finished job
