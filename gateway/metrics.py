@@ -155,6 +155,10 @@ class _StateCollector(Collector):
             ("deferred", "Requests routed on their cached prefix, their new text encoded after routing."),
             ("deferred_encoded", "Deferred encodes done (their segments are now cached)."),
             ("deferred_expedited", "Deferred encodes taken over by a request carrying the same new text."),
+            (
+                "deferred_expedited_heads",
+                "Takeovers that encoded only the leading segments the two requests share.",
+            ),
             ("deferred_dropped", "Deferred encodes dropped from a full backlog."),
             ("memo_cache_hits", "Template outputs and prompt keys found in the memo cache."),
             ("memo_cache_misses", "Template outputs and prompt keys computed (and remembered)."),

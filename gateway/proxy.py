@@ -252,9 +252,11 @@ class Proxy:
                 may_retry=attempt < pcfg.retries,
             )
             if info.deferred is not None and not info.deferred.finished.is_set():
-                # the prompt's full keys become this attempt's speculative entries once encoded
-                # (a job that finished while the request was routed holds no callback: DeferredJob)
-                info.deferred.on_keys = functools.partial(self._router.record, a.speculation)
+                # the prompt's full keys become this attempt's speculative entries once encoded,
+                # its leading ones sooner if a takeover encodes them first (a job that finished
+                # while the request was routed holds no callback: DeferredJob)
+                record = functools.partial(self._router.record, a.speculation)
+                info.deferred.on_keys = info.deferred.on_prefix = record
                 if self._upstream.outcomes is not None:
                     self._upstream.outcomes.deferred(a)
             tried.append(choice.record.id)

@@ -10,10 +10,11 @@ the rest and encode it after routing (``DeferredEncodes``). Text seen whole is e
 routing (``EncodeNow``), as are truncated prompts (their kept tokens depend on the count).
 
 A request carrying the same new text as a deferred encode still waiting (a burst on one new
-document) takes that encode over first (``DeferredEncodes.expedite``): the earlier request's
-replica gets its entries, then what is still new in this request is planned again: nothing (the
-same text: encoded and matched exactly), or its own new tail after the shared head (requests
-sharing a long new system prompt or document), which is deferred like any new text.
+document) takes that encode over first (``DeferredEncodes.expedite``, only as far as the two
+share it): the earlier request's replica gets its entries, then what is still new in this
+request is planned again: nothing (the same text: encoded and matched exactly), or its own new
+tail after the shared head (requests sharing a long new system prompt or document), which is
+deferred like any new text.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class _Burst:
 
     plan: EncodePlan
     anchor: int
+    shared_chars: int  # the text's first characters the two share (whole blocks seen before)
 
 
 class EncodePlanner:
@@ -82,7 +84,7 @@ class EncodePlanner:
             # long system prompt, a document asked about twice at once), routed on the head and
             # encoded after (encoding it here held the event loop for milliseconds: the
             # unloaded tail of issue 15)
-            await self._deferred.expedite(step.anchor)
+            await self._deferred.expedite(step.anchor, step.shared_chars)
             plan = enc.plan(prompt.text, add_special_tokens=ast)
         return EncodeNow(plan)
 
@@ -98,7 +100,7 @@ class EncodePlanner:
         seen = self.seen.seen_run(fingerprints, record=not explain)
         a = min(len(fingerprints), self._anchor_blocks) - 1
         if seen > a and self._deferred.pending(fingerprints[a]):
-            return _Burst(plan, fingerprints[a])
+            return _Burst(plan, fingerprints[a], start + seen * PROBE_CHARS)
         if seen < len(fingerprints):
             # the text stops matching what came before somewhere in the first block not seen:
             # encoding through it (and a margin for the words dropped at the cut) keys every

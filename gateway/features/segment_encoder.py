@@ -86,6 +86,22 @@ class EncodePlan:
         """Character offset of segment ``i`` in the planned text."""
         return sum(len(k[2]) for k in self.keys[:i]) + sum(len(sep) for sep in self.separators[:i])
 
+    def leading(self, end: int, overlap: int) -> EncodePlan | None:
+        """A copy that encodes only the missing segments lying in the text's first ``end``
+        characters (each with at least ``overlap`` of its characters there, or all of them); None
+        when that is none or every missing segment (or the text is one piece)."""
+        if self.whole is not None:
+            return None
+        keep = []
+        for i in self.missing:  # in text order: what is kept is a leading run of them
+            start = self.start_of(i)
+            if start + min(len(self.keys[i][2]), overlap) > end:
+                break
+            keep.append(i)
+        if not keep or len(keep) == len(self.missing):
+            return None
+        return EncodePlan(self.keys, list(self.found), self.separators, keep, self.empty)
+
 
 class SegmentEncoder:
     def __init__(self, tokenizer: Tokenizer, cache: BoundedLRU, namespace: str) -> None:

@@ -1,7 +1,7 @@
 """Routing before encoding new text: the keys are always a prefix of the exact keys, the new text
-is encoded after routing into the segment cache and its keys handed to the proxy, a request
-bringing the same text again takes the waiting encode over and is matched exactly, and the record
-of seen texts and the backlog of deferred encodes are bounded."""
+is encoded after routing into the segment cache and its keys handed to the proxy, and the record
+of seen texts and the backlog of deferred encodes are bounded (a request taking a waiting encode
+over: test_features_takeover.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,8 @@ import asyncio
 import contextlib
 import gc
 import random
-import threading
 import weakref
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -118,29 +116,6 @@ async def test_text_seen_before_is_encoded_before_routing() -> None:
         assert 1000 < third.encoded_chars < 1400 and third.deferred_chars > 2000
         assert common <= len(got.block_keys) < common + 8
         assert list(got.block_keys) == list(want.block_keys)[: len(got.block_keys)]
-
-
-async def test_a_burst_on_new_text_finds_the_first_requests_entries() -> None:
-    """The second request of a burst takes the first one's waiting encode over: the first
-    request's replica gets the whole prompt's keys before the second is matched."""
-    async with closing(make(threads=1), make(defer_chars=0)) as (fz, exact):
-        doc = text(40, 800)
-        first_body = chat(SYSTEM, doc)
-        _, first = await fz.features("chat", first_body)
-        assert first.deferred is not None
-        recorded: list[list[int]] = []
-        first.deferred.on_keys = recorded.append  # what the proxy does once it has routed
-        second, second_info = await fz.features("chat", first_body)  # no await in between
-        assert second_info.exact and fz.cache_stats()["deferred_expedited"] == 1
-        want, _ = await exact.features("chat", first_body)
-        assert recorded == [list(want.block_keys)] == [list(second.block_keys)]
-        # a job finished normally also hands over its keys, once
-        _, third = await fz.features("chat", chat(SYSTEM, text(41, 800)))
-        assert third.deferred is not None
-        later: list[list[int]] = []
-        third.deferred.on_keys = later.append
-        await fz.deferred.drain()
-        assert len(later) == 1 and len(later[0]) > 20
 
 
 async def test_short_truncated_or_disabled_never_defer() -> None:
@@ -279,59 +254,6 @@ async def test_close_cancels_the_worker_and_discards_the_backlog() -> None:
     await fz.close()
     assert fz.deferred._worker is None and fz.deferred.queued_chars == 0
     assert fz.executor._executor is None
-
-
-async def test_an_expedited_encode_runs_on_the_urgent_pool_not_the_background_one() -> None:
-    """A request taking a waiting job over must not wait behind the background thread: with that
-    thread busy (here: blocked), the expedited encode still finishes, on the urgent pool."""
-    tok = load_tokenizer_files(Path(TINY), where="t").tokenizer
-    enc = SegmentEncoder(tok, BoundedLRU(100), "t")
-    background = ThreadPoolExecutor(1, thread_name_prefix="bg")
-    urgent = ThreadPoolExecutor(1, thread_name_prefix="urgent")
-    release = threading.Event()
-    background.submit(release.wait, 30)  # the background thread is busy with older work
-    deferred = DeferredEncodes(100_000, lambda: background, lambda: urgent)
-    keys: list[list[int]] = []
-    job = DeferredJob(enc, enc.plan(text(50, 300), add_special_tokens=False), False, 7, lambda t: [len(t)])
-    job.on_keys = keys.append
-    try:
-        deferred.submit(job)  # no await since: still queued, so expedite encodes it itself
-        async with asyncio.timeout(10):  # (not wait_for: a new task would let the worker run)
-            await deferred.expedite(7)
-        assert deferred.expedited == 1 and deferred.encoded == 1 and len(keys) == 1
-    finally:
-        release.set()
-        await deferred.close()
-        background.shutdown()
-        urgent.shutdown()
-
-
-async def test_a_shared_head_is_taken_over_and_the_new_tail_still_deferred() -> None:
-    """Two requests with one long new head (a system prompt, a document) and different new tails,
-    the second while the first's encode waits: the second takes that encode over (the head is
-    then cached and keyed exactly, on the first request's replica), and its own new tail is
-    routed on an estimate and encoded after routing, not on the request path."""
-    async with closing(make(threads=1), make(defer_chars=0)) as (fz, exact):
-        head = text(50, 600)  # ~4,000 characters: many blocks of new text shared
-        _, first = await fz.features("chat", chat(head, text(51, 400)))
-        assert first.deferred is not None
-        recorded: list[list[int]] = []
-        first.deferred.on_keys = recorded.append
-        second_body = chat(head, text(52, 400))
-        second, info = await fz.features("chat", second_body)  # no await in between
-        assert fz.cache_stats()["deferred_expedited"] == 1 and len(recorded) == 1
-        assert info.deferred is not None and info.deferred_chars > 1500 and info.encoded_chars < 600
-        want, _ = await exact.features("chat", second_body)
-        shared = 0
-        while recorded[0][shared] == list(want.block_keys)[shared]:
-            shared += 1
-        # keyed exactly through the head (the whole head's blocks, and a little of the tail)
-        assert shared >= len(head) // 8 // 16 and len(second.block_keys) >= shared
-        assert list(second.block_keys) == list(want.block_keys)[: len(second.block_keys)]
-        later: list[list[int]] = []
-        info.deferred.on_keys = later.append
-        await fz.deferred.drain()
-        assert later == [list(want.block_keys)]
 
 
 async def test_an_ended_job_lets_its_callbacks_go_so_refcounting_frees_it() -> None:
