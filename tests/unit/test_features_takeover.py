@@ -13,7 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from gateway.features.deferred import DeferredEncodes, DeferredJob
-from gateway.features.segment_encoder import BoundedLRU, SegmentEncoder
+from gateway.features.segment_encoder import BoundedLRU, EncodePlan, SegmentEncoder
 from gateway.features.tokenizer_files import load_tokenizer_files
 from tests.unit.test_features_deferred import SYSTEM, TINY, chat, closing, make, text
 
@@ -177,3 +177,25 @@ async def test_a_takeover_of_the_same_text_encodes_the_whole_job() -> None:
         stats = fz.cache_stats()
         assert stats["deferred_expedited"] == 1 and stats["deferred_expedited_heads"] == 0
         assert info.exact and recorded == [list(second.block_keys)]
+
+
+def test_a_plans_leading_part_is_its_missing_segments_within_the_shared_characters() -> None:
+    """``EncodePlan.leading``: the missing segments with at least ``overlap`` characters (or all
+    of theirs) in the first ``end``; None when that is none or all of them, or for one piece."""
+    tok = load_tokenizer_files(Path(TINY), where="t").tokenizer
+    enc = SegmentEncoder(tok, BoundedLRU(100), "t")
+    a, b, c = text(80, 100), text(81, 10), text(82, 100)
+    plan = enc.plan(f"{a}<|im_end|>{b}<|im_end|>{c}", add_special_tokens=False)
+    assert plan.missing == [0, 1, 2]
+    b_start = len(a) + len("<|im_end|>")
+    head = plan.leading(b_start + 5, 256)
+    assert head is not None and head.missing == [0] and plan.missing == [0, 1, 2]
+    # b (shorter than the overlap) counts once it lies whole in the shared characters
+    head = plan.leading(b_start + len(b), 256)
+    assert head is not None and head.missing == [0, 1]
+    head = plan.leading(b_start + len(b) - 1, 256)
+    assert head is not None and head.missing == [0]
+    assert plan.leading(100, 256) is None  # not even a's first 256 characters
+    assert plan.leading(len(a) * 10, 256) is None  # all of them: the whole job
+    one_piece = EncodePlan(keys=[], found=[], separators=[], whole=a)
+    assert one_piece.leading(len(a), 1) is None
