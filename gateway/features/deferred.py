@@ -50,11 +50,11 @@ class DeferredJob:
     of the attempt it committed, replaced on a retry) while the job is not finished; it is called
     (on the event loop) with the prompt's block keys when encoded.
 
-    Invariant: a finished job holds no ``on_keys`` nor ``on_prefix`` (``end``). The callbacks close over the job
-    (the operator view and the prediction audit wrap it, keyed by it), so a finished job that kept
-    them would be a reference cycle, freed only by the cycle collector: measured ~30 objects per
-    deferred request, and full collections of 40-70 ms of stalled event loop under load
-    (docs/performance.md, "Full collections")."""
+    Invariant: a finished job holds no ``on_keys`` nor ``on_prefix`` (``end``). The callbacks
+    close over the job (the operator view and the prediction audit wrap it, keyed by it), so a
+    finished job that kept them would be a reference cycle, freed only by the cycle collector:
+    measured ~30 objects per deferred request, and full collections of 40-70 ms of stalled event
+    loop under load (docs/performance.md, "Full collections"); tested with the collector off."""
 
     encoder: SegmentEncoder
     plan: EncodePlan

@@ -273,7 +273,7 @@ async def test_an_ended_job_lets_its_callbacks_go_so_refcounting_frees_it() -> N
         def on_keys(keys: list[int]) -> None:  # closes over j: a cycle while j holds it
             got.append(keys) if j.on_keys is not None else None
 
-        j.on_keys = on_keys
+        j.on_keys = j.on_prefix = on_keys
         deferred.submit(j)
         return weakref.ref(j)
 
