@@ -4,11 +4,16 @@ the savings ledger (prices, prefill-speed slope, tenant bound), block lifetimes 
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
 
 from gateway.cache_lifetime import CacheLifetime, depth_label
+from gateway.features.deferred import DeferredJob
+from gateway.features.segment_encoder import BoundedLRU, SegmentEncoder
+from gateway.features.tokenizer_files import load_tokenizer_files
 from gateway.inventory_ops import Op
 from gateway.log_histogram import LogHistogram
 from gateway.operator_config import PUBLISHED_PRICES, OperatorConfig, Price, TraceConfig
@@ -268,13 +273,6 @@ def test_unobserved_replicas_or_dropped_records_make_a_turn_unknown() -> None:
 def test_a_deferred_answer_whose_job_is_over_is_recorded_at_once_and_the_job_not_held() -> None:
     """A job over without keys (dropped from the backlog, or encoded before the attempt could
     listen) will deliver none: the answer is recorded then, not parked holding the job."""
-    import gc
-    import weakref
-
-    from gateway.features.deferred import DeferredJob
-    from gateway.features.segment_encoder import BoundedLRU, SegmentEncoder
-    from gateway.features.tokenizer_files import load_tokenizer_files
-
     tok = load_tokenizer_files(
         Path(__file__).resolve().parents[2] / "assets/tokenizers/kvgate-tiny", where="t"
     )
