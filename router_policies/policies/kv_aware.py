@@ -29,11 +29,21 @@ requests queued behind it, per healthy replica r:
     behind_r   = (miss_weight - 1) x share_r       (requests expected to queue behind it on r)
     cost_r     = ttft_r + (spread_r x (1 + behind_r) - 1) x added_r
 
-The default rule, ``rule: tokens``, prices the cost in prompt tokens (matched_r, spread_r and
-load_r as here; miss_weight 4 by default):
+The default rule, ``rule: tokens``, prices the cost in prompt tokens (matched_r, spread_r,
+ref_r and load_r as here; miss_weight 4 by default), the queue ahead and the request's own
+prefill in r's time:
 
-    cost_r = pending_prefill_tokens_r + request_cost_tokens x load_r
-             + miss_weight x (prompt_tokens - matched_r) x spread_r
+    uncached_r = (prompt_tokens - matched_r) x spread_r
+    group_r    = the median ref_r of r's speed group: the healthy replicas sorted by ref_r (from
+                 own_r), a new group wherever one's ref is more than speed_ratio (default 2) times
+                 the group's first (fastest); one group when speed_ratio is 0
+    time_r     = group_r / (mean over healthy replicas of group_r)
+    cost_r     = time_r x (pending_prefill_tokens_r + request_cost_tokens x load_r + uncached_r)
+                 + (miss_weight - 1) x uncached_r
+
+On a fleet of one speed time_r is 1 and the rule is the plain token rule (computed as
+``pending + request_cost_tokens x load + miss_weight x (prompt - matched) x spread``, the same
+float operations as before time_r existed).
 
 The replica with the smallest cost_r wins; ties rotate deterministically (a cursor started at the
 seed and advanced by ``commit``) so that an idle fleet spreads new prefixes. ``choose`` is pure;
@@ -61,6 +71,20 @@ with a fixed ``request_cost_tokens`` per request ahead. It cannot see decode loa
 interleaves many decodes reading a large KV is slower for every prefill chunk in it), nor that one
 replica is faster than another. pred_r sees both, and the model owner fits each replica's
 coefficients online from its observed first tokens.
+
+Why time_r (speed_ratio) in the token rule: without it the token rule reads no speed. On a fleet
+where every other engine is 3x slower (bench/live.py ``hetero``, kvgate alone, 2026-12-02) the
+first prompts of new tenants (no replica holds any) went to slow replicas as often as to fast
+ones, 71-75 ms there against 22-30 ms on a fast one, and they made the tail: TTFT p99 57.0 /
+55.4 / 53.9 ms in three runs; with time_r 44.5 / 42.8 / 42.4 / 43.6 in four (p50 12.8-13.3 ms
+either way, hit rate 0.94). Only r's own part is in its time; the requests behind stay in fleet
+tokens (``behind: fleet`` argues it for the ms rule): scaling the whole cost piled 211-231 of
+300 requests onto one fast replica (hit rate 0.61-0.63, p99 233-320 ms). Why groups cut at 2x
+the group's fastest: fits of identical replicas differ (see "Why model_r"); cut at 1.3x,
+decode_heavy's identical replicas split, one drew 101 of 300 requests and p99 went from 57 to
+388 ms; at 2x they stayed one group (the same requests per replica as the plain rule, two runs).
+Cut between neighbours instead, hetero's fits (3x the engine time, a hop that is not) chained
+into one group. Same-speed fleets are untouched (tests/unit/test_kv_aware_speed.py).
 
 Why miss_weight > 1 (default 4 with the token rule): ttft_r is this request's own time to first
 token, but its prefill (added_r) is also time that every request queued behind it on r waits. A greedy rule
@@ -117,14 +141,14 @@ replicas. Cache affinity therefore can never pile traffic onto one replica. If e
 excluded (impossible while the mean is a mean, kept for safety) the least loaded one wins.
 
 Explain: ``Decision.scores`` holds cost_r; ``Decision.terms`` holds, per replica, ttft_ms,
-wait_ms, prefill_ms, read_ms, fetch_ms, added_ms and cost (the token rule: cost only).
+wait_ms, prefill_ms, read_ms, fetch_ms, added_ms and cost (the token rule: cost and time_r).
 """
 
 from __future__ import annotations
 
 from typing import Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from router_policies.policy import (
     Decision,
@@ -140,6 +164,7 @@ from router_policies.ttft.snapshot import inputs_for
 
 MISS_WEIGHT_TOKENS = 4.0  # rule tokens (docstring: "Why miss_weight > 1")
 MISS_WEIGHT_MS = 7.0  # rule ms (docstring: "Why miss_weight 7 with rule ms")
+MAX_REMEMBERED_REFS = 4096  # params objects whose reference TTFT is remembered (cleared beyond)
 
 
 class KvAwareParams(BaseModel):
@@ -182,12 +207,25 @@ class KvAwareParams(BaseModel):
         description="Extra cost of uncached tokens on a replica whose cache the index fills most, "
         "relative to the emptiest (0 disables): spreads new content over the fleet's caches.",
     )
+    speed_ratio: float = Field(
+        2.0,
+        ge=0.0,
+        description="rule tokens: replicas whose fitted speeds differ by more than this factor "
+        "are priced in their own time (0: every replica alike, the plain token rule).",
+    )
     same_speed: float = Field(
         0.3,
         ge=0.0,
         description="rule ms: replicas whose fitted speed is within this fraction of the fleet "
         "median are priced with the median replica's model (0: each with its own fit).",
     )
+
+    @field_validator("speed_ratio")
+    @classmethod
+    def _ratio_above_one(cls, v: float) -> float:
+        if 0.0 < v <= 1.0:
+            raise ValueError("speed_ratio must be 0 (off) or above 1")
+        return v
 
     def miss_weight_of_rule(self) -> float:
         if self.miss_weight is not None:
@@ -196,12 +234,14 @@ class KvAwareParams(BaseModel):
 
 
 class _Candidate(NamedTuple):
-    """One replica's figures for ``_cost`` (docstring: matched_r, spread_r, share_r, model_r)."""
+    """One replica's figures for ``_cost`` (docstring: matched_r, spread_r, share_r, model_r;
+    time: time_r, rule tokens)."""
 
     matched: int
     spread: float
     share: float
     model: TtftParams
+    time: float = 1.0
 
 
 class KvAware:
@@ -212,6 +252,7 @@ class KvAware:
         self._cursor = seed
         self._prior = NAMED_PRIORS[params.prior]
         self._miss_weight = params.miss_weight_of_rule()
+        self._refs: dict[int, tuple[TtftParams, float]] = {}  # _reference_ms's memory
 
     def commit(self, _decision: Decision) -> None:
         """The decision was used: the next tie starts at the next replica."""
@@ -223,12 +264,13 @@ class KvAware:
         p = self.params
         prompt = request.prompt_tokens
         if p.rule == "tokens":
-            cost = (
-                r.pending_prefill_tokens
-                + p.request_cost_tokens * load_of(r)
-                + self._miss_weight * (prompt - c.matched) * c.spread
-            )
-            return cost, {"cost": cost}
+            ahead = r.pending_prefill_tokens + p.request_cost_tokens * load_of(r)
+            if c.time == 1.0:
+                cost = ahead + self._miss_weight * (prompt - c.matched) * c.spread
+            else:
+                uncached = (prompt - c.matched) * c.spread
+                cost = c.time * (ahead + uncached) + (self._miss_weight - 1.0) * uncached
+            return cost, {"cost": cost, "time": c.time}
         pred = predict(c.model, inputs_for(r, prompt, c.matched, request.block_size, c.model))
         behind = (self._miss_weight - 1.0) * c.share
         cost = pred.total_ms + (c.spread * (1.0 + behind) - 1.0) * pred.added_ms
@@ -236,11 +278,36 @@ class KvAware:
         terms["cost"] = round(cost, 3)
         return cost, terms
 
+    def _reference_ms(self, model: TtftParams) -> float:
+        """predict(model, REFERENCE_INPUTS).total_ms, remembered per params object: a fit exports
+        a new one at each first token, so most requests find every replica's unchanged. The
+        entry holds the object, so its id is not reused while remembered."""
+        hit = self._refs.get(id(model))
+        if hit is not None and hit[0] is model:
+            return hit[1]
+        if len(self._refs) >= MAX_REMEMBERED_REFS:
+            self._refs.clear()
+        ref = predict(model, REFERENCE_INPUTS).total_ms
+        self._refs[id(model)] = (model, ref)
+        return ref
+
+    def _own_refs(self, healthy: list[ReplicaState]) -> tuple[list[TtftParams], list[float]]:
+        own = [r.ttft if r.ttft is not None else self._prior for r in healthy]
+        return own, [self._reference_ms(m) for m in own]
+
+    def _times(self, healthy: list[ReplicaState]) -> list[float]:
+        """Per replica, time_r (docstring): its speed group's reference TTFT over the fleet mean."""
+        ratio = self.params.speed_ratio
+        if ratio == 0.0 or len(healthy) < 2:
+            return [1.0] * len(healthy)
+        groups = speed_groups(self._own_refs(healthy)[1], ratio)
+        mean = sum(groups) / len(groups)
+        return [g / mean if mean > 0 else 1.0 for g in groups]
+
     def _models(self, healthy: list[ReplicaState]) -> tuple[list[TtftParams], list[float]]:
         """Per replica, the TTFT model it is priced with and that model's reference TTFT (its
         speed): its own fit, or the fleet median's when within ``same_speed`` of it."""
-        own = [r.ttft if r.ttft is not None else self._prior for r in healthy]
-        refs = [predict(m, REFERENCE_INPUTS).total_ms for m in own]
+        own, refs = self._own_refs(healthy)
         tol = self.params.same_speed
         if tol <= 0:
             return own, refs
@@ -277,12 +344,11 @@ class KvAware:
         most_held = max(r.held_blocks for r in healthy)
         fills = [r.held_blocks / most_held if most_held else 0.0 for r in healthy]
         least_fill = min(fills)
-        # the token rule reads no model: skip the per-replica reference predictions
-        if p.rule == "tokens":
-            models, shares = [self._prior] * n, [1.0] * n
+        if p.rule == "tokens":  # no model to price with; the speeds only
+            models, shares, times = [self._prior] * n, [1.0] * n, self._times(healthy)
         else:
             models, refs = self._models(healthy)
-            shares = self._behind_scale(refs, loads)
+            shares, times = self._behind_scale(refs, loads), [1.0] * n
         best: ReplicaState | None = None
         best_cost = 0.0
         scores: dict[str, float] = {}
@@ -294,7 +360,9 @@ class KvAware:
             if matched < min_match:
                 matched = 0
             spread = 1.0 + p.fill_weight * (fills[idx] - least_fill)
-            cost, terms[r.id] = self._cost(r, request, _Candidate(matched, spread, shares[idx], models[idx]))
+            cost, terms[r.id] = self._cost(
+                r, request, _Candidate(matched, spread, shares[idx], models[idx], times[idx])
+            )
             scores[r.id] = cost
             if loads[idx] > limit:
                 continue
@@ -309,3 +377,20 @@ class KvAware:
             else "kv_aware:load"
         )
         return Decision(best.id, reason, best.matched_blocks, scores, terms)
+
+
+def speed_groups(refs: list[float], ratio: float) -> list[float]:
+    """Per replica, the median (the upper one) reference TTFT of its speed group: the replicas
+    sorted by ``refs``, a new group wherever one's ref is more than ``ratio`` times the group's
+    first (its fastest: no chain of small steps joins replicas ``ratio`` apart; docstring: group_r)."""
+    order = sorted(range(len(refs)), key=refs.__getitem__)
+    out = list(refs)
+    start = 0
+    for k in range(1, len(order) + 1):
+        if k == len(order) or refs[order[k]] > ratio * refs[order[start]]:
+            group = order[start:k]
+            median = refs[group[len(group) // 2]]
+            for i in group:
+                out[i] = median
+            start = k
+    return out

@@ -34,8 +34,10 @@ def test_a_faster_replica_can_beat_a_short_match_on_a_slow_one() -> None:
         (ReplicaState("slow", ttft=scaled(4.0), matched_blocks=8), ReplicaState("fast", ttft=scaled(1.0)))
     )
     assert build_policy("kv_aware", MS).choose(req(64), f).replica == "fast"
-    # the token rule cannot see speed: the match decides
-    assert build_policy("kv_aware", {"rule": "tokens"}).choose(req(64), f).replica == "slow"
+    # the token rule sees speed through time_r (tests/unit/test_kv_aware_speed.py); without it
+    # the match decides
+    assert build_policy("kv_aware", {"rule": "tokens"}).choose(req(64), f).replica == "fast"
+    assert build_policy("kv_aware", {"rule": "tokens", "speed_ratio": 0}).choose(req(64), f).replica == "slow"
 
 
 def test_decode_load_counts() -> None:
@@ -128,6 +130,6 @@ def test_replicas_of_about_the_same_speed_are_priced_with_one_model() -> None:
     assert d.terms["a100"]["ttft_ms"] > 2 * d.terms["r0"]["ttft_ms"]
     own = build_policy("kv_aware", {**MS, "same_speed": 0.0}).choose(req(256), f)
     assert own.terms["r0"]["ttft_ms"] < own.terms["r1"]["ttft_ms"] < own.terms["r2"]["ttft_ms"]
-    # rule ms comes with miss_weight 7; the default rule is tokens (its terms: the cost only)
+    # rule ms comes with miss_weight 7; the default rule is tokens (its terms: the cost and time_r)
     assert build_policy("kv_aware", {"rule": "ms", "miss_weight": 7}).choose(req(256), f).terms == d.terms
-    assert set(build_policy("kv_aware", {}).choose(req(256), f).terms["r0"]) == {"cost"}
+    assert set(build_policy("kv_aware", {}).choose(req(256), f).terms["r0"]) == {"cost", "time"}

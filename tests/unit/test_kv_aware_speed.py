@@ -1,0 +1,117 @@
+"""kv_aware's token rule in each replica's time (time_r, ``speed_ratio``): replicas of one speed
+group are priced exactly as by the plain token rule; a slower group's queue and own prefill cost
+more; the requests behind stay in fleet tokens; groups are cut where speeds differ by more than
+the ratio."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from pydantic import ValidationError
+
+from router_policies.policies.kv_aware import KvAwareParams, speed_groups
+from router_policies.policy import FleetSnapshot, ReplicaState, RequestFeatures
+from router_policies.registry import build_policy
+from router_policies.ttft.params import DEFAULT_PRIOR, TtftParams
+
+BS = 16
+
+
+def req(blocks: int) -> RequestFeatures:
+    return RequestFeatures(
+        model="m", block_keys=list(range(1, blocks + 1)), prompt_tokens=blocks * BS, block_size=BS
+    )
+
+
+def scaled(k: float) -> TtftParams:
+    return DEFAULT_PRIOR.with_coefficients(tuple(k * v for v in DEFAULT_PRIOR.coefficients()), 100, 0.05)
+
+
+def test_groups_are_cut_where_speeds_differ_by_more_than_the_ratio() -> None:
+    assert speed_groups([1.0, 3.0, 1.2, 3.3], 2.0) == [1.2, 3.3, 1.2, 3.3]
+    # no chain: 3.6 is within 2x of 1.9 but not of its group's fastest, 1.0
+    assert speed_groups([1.0, 1.9, 3.6], 2.0) == [1.9, 1.9, 3.6]
+    assert speed_groups([5.0], 2.0) == [5.0]
+    assert speed_groups([1.0, 2.0, 4.01], 2.0) == [2.0, 2.0, 4.01]
+
+
+def test_speed_ratio_is_off_or_above_one() -> None:
+    for bad in (0.5, 1.0, -1.0):
+        with pytest.raises(ValidationError):
+            KvAwareParams(speed_ratio=bad)
+    assert KvAwareParams(speed_ratio=0).speed_ratio == 0
+
+
+def _random_fleet(rng: random.Random, speeds: list[float]) -> FleetSnapshot:
+    return FleetSnapshot(
+        tuple(
+            ReplicaState(
+                f"r{i}",
+                ttft=scaled(k),
+                matched_blocks=rng.choice((0, 0, 4, 20, 64)),
+                pending_prefill_tokens=rng.choice((0, 0, 512, 4096)),
+                in_flight_requests=rng.randrange(4),
+                held_blocks=rng.randrange(1000),
+            )
+            for i, k in enumerate(speeds)
+        )
+    )
+
+
+def test_one_speed_group_is_the_plain_token_rule_to_the_float() -> None:
+    """Fits of identical replicas differ (here by up to 1.8x): within the ratio, every decision and
+    every score is the plain token rule's, over a seeded sequence of fleets and requests."""
+    rng = random.Random(7)
+    timed = build_policy("kv_aware", {})
+    plain = build_policy("kv_aware", {"speed_ratio": 0})
+    for _ in range(300):
+        f = _random_fleet(rng, [rng.uniform(1.0, 1.8) for _ in range(4)])
+        r = req(rng.choice((8, 64, 200)))
+        a, b = timed.choose(r, f), plain.choose(r, f)
+        assert (a.replica, a.scores) == (b.replica, b.scores)
+        timed.commit(a)
+        plain.commit(b)
+
+
+def test_a_new_prompt_goes_to_the_faster_group_the_plain_rule_rotates() -> None:
+    """Nothing held anywhere, nothing queued: the plain rule ties and rotates onto slow replicas
+    (the first prompts of new tenants on bench/live.py's hetero fleet); time_r sends each to a
+    fast one while its queue is not three times as long."""
+    fleet = FleetSnapshot(tuple(ReplicaState(f"r{i}", ttft=scaled((1.0, 3.0)[i % 2])) for i in range(4)))
+    timed = build_policy("kv_aware", {})
+    plain = build_policy("kv_aware", {"speed_ratio": 0})
+    seen_timed, seen_plain = set(), set()
+    for _ in range(4):
+        a, b = timed.choose(req(100), fleet), plain.choose(req(100), fleet)
+        seen_timed.add(a.replica)
+        seen_plain.add(b.replica)
+        timed.commit(a)
+        plain.commit(b)
+    assert seen_timed == {"r0", "r2"}
+    assert seen_plain == {"r0", "r1", "r2", "r3"}
+
+
+def test_own_part_in_the_replicas_time_behind_in_fleet_tokens() -> None:
+    """cost_r = time_r x (pending + request_cost_tokens x load + uncached) + (miss_weight - 1) x
+    uncached: the figures of the docstring's formula, to the token."""
+    slow = ReplicaState(
+        "slow", ttft=scaled(3.0), pending_prefill_tokens=1000, in_flight_requests=2, matched_blocks=50
+    )
+    fast = ReplicaState("fast", ttft=scaled(1.0))
+    d = build_policy("kv_aware", {"fill_weight": 0}).choose(req(100), FleetSnapshot((slow, fast)))
+    # refs 3:1, mean 2: time 1.5 and 0.5; uncached 800 and 1,600 tokens
+    assert d.scores["slow"] == pytest.approx(1.5 * (1000 + 64 * 2 + 800) + 3 * 800)
+    assert d.scores["fast"] == pytest.approx(0.5 * 1600 + 3 * 1600)
+    assert d.replica == "slow"  # the match outweighs the speed here: the behind part is not scaled
+    assert (d.terms["slow"]["time"], d.terms["fast"]["time"]) == pytest.approx((1.5, 0.5))
+
+
+def test_the_speed_comes_from_each_replicas_fit_or_the_prior() -> None:
+    """A replica the model owner has not fitted is priced with the prior: a fleet of unfitted
+    replicas is one group."""
+    f = FleetSnapshot(
+        (ReplicaState("a"), ReplicaState("b", ttft=DEFAULT_PRIOR), ReplicaState("c", ttft=scaled(2.5)))
+    )
+    d = build_policy("kv_aware", {}).choose(req(10), f)
+    assert d.replica in {"a", "b"}
