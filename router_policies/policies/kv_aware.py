@@ -72,19 +72,22 @@ interleaves many decodes reading a large KV is slower for every prefill chunk in
 replica is faster than another. pred_r sees both, and the model owner fits each replica's
 coefficients online from its observed first tokens.
 
-Why time_r (speed_ratio) in the token rule: without it the token rule reads no speed. On a fleet
-where every other engine is 3x slower (bench/live.py ``hetero``, kvgate alone, 2026-12-02) the
-first prompts of new tenants (no replica holds any) went to slow replicas as often as to fast
-ones, 71-75 ms there against 22-30 ms on a fast one, and they made the tail: TTFT p99 57.0 /
-55.4 / 53.9 ms in three runs; with time_r 44.5 / 42.8 / 42.4 / 43.6 in four (p50 12.8-13.3 ms
-either way, hit rate 0.94). Only r's own part is in its time; the requests behind stay in fleet
-tokens (``behind: fleet`` argues it for the ms rule): scaling the whole cost piled 211-231 of
-300 requests onto one fast replica (hit rate 0.61-0.63, p99 233-320 ms). Why groups cut at 2x
-the group's fastest: fits of identical replicas differ (see "Why model_r"); cut at 1.3x,
-decode_heavy's identical replicas split, one drew 101 of 300 requests and p99 went from 57 to
-388 ms; at 2x they stayed one group (the same requests per replica as the plain rule, two runs).
-Cut between neighbours instead, hetero's fits (3x the engine time, a hop that is not) chained
-into one group. Same-speed fleets are untouched (tests/unit/test_kv_aware_speed.py).
+Why time_r (speed_ratio) in the token rule: without it the rule reads no speed. On a fleet where
+every other engine is 3x slower (bench/live.py ``hetero``, kvgate alone, 2026-12-02) the first
+prompts of new tenants (held nowhere) went to slow replicas as often as to fast ones (71-75 ms
+there, 22-30 ms on a fast one) and made the tail: p99 57.0 / 55.4 / 53.9 ms in three runs, with
+time_r 44.5 / 42.8 / 42.4 / 43.6 in four (p50 12.8-13.3 ms and hit rate 0.94 either way).
+Simulator, 4 H100 + 4 A100, loads 0.5 / 0.8 / 1.0, p99 with / without time_r: agent 1.02 / 1.04
+/ 1.19 s against 1.65 / 1.77 / 1.99; conversation (3,000) 10.8 / 11.4 / 15.0 against 20.5 / 19.9
+/ 24.7; synthetic 6.1 / 7.7 / 8.8 against 12.0 / 13.1 / 13.7, there at 0.78-0.83 of the oracle's
+hit rate against 0.88-0.96 (more new prompts go to the H100s; docs/simulator.md). Only r's own
+part is in its time, the requests behind stay in fleet tokens (as ``behind: fleet`` argues for
+the ms rule): scaling the whole cost piled 211-231 of 300 live requests onto one fast replica
+(hit rate 0.61-0.63, p99 233-320 ms). Why groups cut at 2x the group's fastest: fits of
+identical replicas differ (see "Why model_r"); cut at 1.3x, decode_heavy's split, one drew 101
+of 300 requests and p99 went from 57 to 388 ms; at 2x they stayed one group (two runs). Cut
+between neighbours instead, hetero's fits (3x the engine time, a hop that is not) chained into
+one group. One speed group is the plain rule (tests/unit/test_kv_aware_speed.py).
 
 Why miss_weight > 1 (default 4 with the token rule): ttft_r is this request's own time to first
 token, but its prefill (added_r) is also time that every request queued behind it on r waits. A greedy rule
