@@ -301,9 +301,10 @@ class KvAware:
     def _times(self, healthy: list[ReplicaState]) -> list[float]:
         """Per replica, time_r (docstring): its speed group's reference TTFT over the fleet mean."""
         ratio = self.params.speed_ratio
-        if ratio == 0.0 or len(healthy) < 2:
+        refs = self._own_refs(healthy)[1] if ratio else ()
+        if not refs or max(refs) <= ratio * min(refs):  # one group (the usual fleet)
             return [1.0] * len(healthy)
-        groups = speed_groups(self._own_refs(healthy)[1], ratio)
+        groups = speed_groups(list(refs), ratio)
         mean = sum(groups) / len(groups)
         return [g / mean if mean > 0 else 1.0 for g in groups]
 
