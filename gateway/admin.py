@@ -115,6 +115,7 @@ class Admin:
             }
             snapshot = choice.snapshot
         scores = choice.decision.scores if decision is not None else {}
+        terms = choice.decision.terms if decision is not None else {}
         return _json(
             {
                 "model": features.model,
@@ -138,6 +139,7 @@ class Admin:
                         "matched_tokens": r.matched_blocks * features.block_size,
                         "match_score": r.match_score,
                         "score": scores.get(r.id),
+                        "terms": terms.get(r.id),
                         "in_flight_requests": r.in_flight_requests,
                         "pending_prefill_tokens": r.pending_prefill_tokens,
                         "in_flight_shared_tokens": r.in_flight_shared_tokens,

@@ -71,6 +71,8 @@ def test_agent_inventory_drives_routing_and_admin_views(procs: Procs) -> None:
         assert by_id["r1"]["matched_tokens"] == 3 * block_size
         assert doc["decision"]["replica"] == "r1" and doc["decision"]["reason"] == "kv_aware:cache"
         assert set(by_id["r0"]) >= {"score", "healthy", "in_flight_requests"}
+        # the policy's terms per replica: the token rule's cost (the score) and time_r
+        assert by_id["r0"]["terms"] == {"cost": by_id["r0"]["score"], "time": 1.0}
         # explain forwarded nothing
         assert r0.stats()["requests"] == 0 and r1.stats()["requests"] == 0
 
