@@ -167,7 +167,7 @@ from router_policies.ttft.snapshot import inputs_for
 
 MISS_WEIGHT_TOKENS = 4.0  # rule tokens (docstring: "Why miss_weight > 1")
 MISS_WEIGHT_MS = 7.0  # rule ms (docstring: "Why miss_weight 7 with rule ms")
-MAX_REMEMBERED_REFS = 4096  # params objects whose reference TTFT is remembered (cleared beyond)
+REFS_PER_REPLICA = 4  # _reference_ms remembers at most this many params per healthy replica
 
 
 class KvAwareParams(BaseModel):
@@ -288,13 +288,13 @@ class KvAware:
         hit = self._refs.get(id(model))
         if hit is not None and hit[0] is model:
             return hit[1]
-        if len(self._refs) >= MAX_REMEMBERED_REFS:
-            self._refs.clear()
         ref = predict(model, REFERENCE_INPUTS).total_ms
         self._refs[id(model)] = (model, ref)
         return ref
 
     def _own_refs(self, healthy: list[ReplicaState]) -> tuple[list[TtftParams], list[float]]:
+        if len(self._refs) > REFS_PER_REPLICA * len(healthy):  # mostly params no longer current
+            self._refs.clear()
         own = [r.ttft if r.ttft is not None else self._prior for r in healthy]
         return own, [self._reference_ms(m) for m in own]
 

@@ -10,7 +10,7 @@ import random
 import pytest
 from pydantic import ValidationError
 
-from router_policies.policies.kv_aware import KvAwareParams, speed_groups
+from router_policies.policies.kv_aware import REFS_PER_REPLICA, KvAware, KvAwareParams, speed_groups
 from router_policies.policy import FleetSnapshot, ReplicaState, RequestFeatures
 from router_policies.registry import build_policy
 from router_policies.ttft.params import DEFAULT_PRIOR, TtftParams
@@ -115,3 +115,14 @@ def test_the_speed_comes_from_each_replicas_fit_or_the_prior() -> None:
     )
     d = build_policy("kv_aware", {}).choose(req(10), f)
     assert d.replica in {"a", "b"}
+
+
+def test_the_reference_memory_stays_within_a_few_params_per_replica() -> None:
+    """Each fit exports new params at every first token: the policy's memory of their reference
+    TTFTs is cleared beyond REFS_PER_REPLICA per healthy replica, whatever the number of fits."""
+    policy = build_policy("kv_aware", {})
+    assert isinstance(policy, KvAware)
+    rng = random.Random(3)
+    for _ in range(2000):
+        policy.choose(req(8), _random_fleet(rng, [rng.uniform(1.0, 5.0) for _ in range(3)]))
+        assert len(policy._refs) <= REFS_PER_REPLICA * 3 + 3
