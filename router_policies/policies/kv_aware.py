@@ -35,15 +35,14 @@ prefill in r's time:
 
     uncached_r = (prompt_tokens - matched_r) x spread_r
     group_r    = the median ref_r of r's speed group: the healthy replicas sorted by ref_r (from
-                 own_r), a new group wherever one's ref is more than speed_ratio (default 2) times
-                 the group's first (fastest); one group when speed_ratio is 0
+                 own_r), a new group wherever one's ref is more than speed_ratio (opt-in, 2
+                 suggested) times the group's first (fastest); one group when speed_ratio is 0
     time_r     = group_r / (mean over healthy replicas of group_r)
     cost_r     = time_r x (pending_prefill_tokens_r + request_cost_tokens x load_r + uncached_r)
                  + (miss_weight - 1) x uncached_r
 
-On a fleet of one speed time_r is 1 and the rule is the plain token rule (computed as
-``pending + request_cost_tokens x load + miss_weight x (prompt - matched) x spread``, the same
-float operations as before time_r existed).
+With one speed group time_r is 1: the plain rule, ``pending + request_cost_tokens x load +
+miss_weight x (prompt - matched) x spread``, in the same float operations as before time_r.
 
 The replica with the smallest cost_r wins; ties rotate deterministically (a cursor started at the
 seed and advanced by ``commit``) so that an idle fleet spreads new prefixes. ``choose`` is pure;
@@ -75,19 +74,21 @@ coefficients online from its observed first tokens.
 Why time_r (speed_ratio) in the token rule: without it the rule reads no speed. On a fleet where
 every other engine is 3x slower (bench/live.py ``hetero``, kvgate alone, 2026-12-02) the first
 prompts of new tenants (held nowhere) went to slow replicas as often as to fast ones (71-75 ms
-there, 22-30 ms on a fast one) and made the tail: p99 57.0 / 55.4 / 53.9 ms in three runs, with
-time_r 44.5 / 42.8 / 42.4 / 43.6 in four (p50 12.8-13.3 ms and hit rate 0.94 either way).
-Simulator, 4 H100 + 4 A100, loads 0.5 / 0.8 / 1.0, p99 with / without time_r: agent 1.02 / 1.04
-/ 1.19 s against 1.65 / 1.77 / 1.99; conversation (3,000) 10.8 / 11.4 / 15.0 against 20.5 / 19.9
-/ 24.7; synthetic 6.1 / 7.7 / 8.8 against 12.0 / 13.1 / 13.7, there at 0.78-0.83 of the oracle's
-hit rate against 0.88-0.96 (more new prompts go to the H100s; docs/simulator.md). Only r's own
-part is in its time, the requests behind stay in fleet tokens (as ``behind: fleet`` argues for
-the ms rule): scaling the whole cost piled 211-231 of 300 live requests onto one fast replica
-(hit rate 0.61-0.63, p99 233-320 ms). Why groups cut at 2x the group's fastest: fits of
-identical replicas differ (see "Why model_r"); cut at 1.3x, decode_heavy's split, one drew 101
-of 300 requests and p99 went from 57 to 388 ms; at 2x they stayed one group (two runs). Cut
-between neighbours instead, hetero's fits (3x the engine time, a hop that is not) chained into
-one group. One speed group is the plain rule (tests/unit/test_kv_aware_speed.py).
+there, 22-30 on a fast one) and made the tail: p99 57.0 / 55.4 / 53.9 ms, with time_r (ratio 2)
+44.5 / 42.8 / 42.4 / 43.6 / 45.1 (p50 12.8-13.3 ms, hit rate 0.94 either way). Simulator, 4
+H100 + 4 A100, loads 0.5 / 0.8 / 1.0, p99 with / without: agent 1.02 / 1.04 / 1.19 s against
+1.65 / 1.77 / 1.99; conversation (3,000) 10.8 / 11.4 / 15.0 against 20.5 / 19.9 / 24.7;
+synthetic 6.1 / 7.7 / 8.8 against 12.0 / 13.1 / 13.7, there at 0.78-0.83 of the oracle's hit
+rate against 0.88-0.96 (docs/simulator.md). Only r's own part is in its time: scaling the whole
+cost piled 211-231 of 300 live requests onto one fast replica (p99 233-320 ms). Groups are cut
+at 2x the group's fastest because fits of identical replicas differ ("Why model_r"): cut at
+1.3x, decode_heavy's split (one drew 101 of 300 requests, p99 388 ms against 57).
+Why opt-in: a replica whose fit looks slower than the others by more than the ratio gets no new
+prompt, and without first tokens its fit never recovers. In the fault table (kvgate_tools/
+faults) identical engines' fits had parted after stalls and crashes; an agent restart that lost
+r1's inventory then left r1 nothing matched, and it served 0 of the next 200 requests. Until a
+fit left without first tokens decays back to its peers', speed is the operator's choice for a
+fleet of mixed hardware (tests/unit/test_kv_aware_speed.py holds the rule).
 
 Why miss_weight > 1 (default 4 with the token rule): ttft_r is this request's own time to first
 token, but its prefill (added_r) is also time that every request queued behind it on r waits. A greedy rule
@@ -211,10 +212,10 @@ class KvAwareParams(BaseModel):
         "relative to the emptiest (0 disables): spreads new content over the fleet's caches.",
     )
     speed_ratio: float = Field(
-        2.0,
+        0.0,
         ge=0.0,
-        description="rule tokens: replicas whose fitted speeds differ by more than this factor "
-        "are priced in their own time (0: every replica alike, the plain token rule).",
+        description="rule tokens, opt-in for fleets of mixed hardware (2 suggested): replicas whose "
+        "fitted speeds differ by more than this factor are priced in their own time (0: all alike).",
     )
     same_speed: float = Field(
         0.3,
@@ -237,8 +238,7 @@ class KvAwareParams(BaseModel):
 
 
 class _Candidate(NamedTuple):
-    """One replica's figures for ``_cost`` (docstring: matched_r, spread_r, share_r, model_r;
-    time: time_r, rule tokens)."""
+    """One replica's figures for ``_cost`` (docstring: matched_r, spread_r, share_r, model_r, time_r)."""
 
     matched: int
     spread: float

@@ -1,5 +1,5 @@
-"""kv_aware's token rule in each replica's time (time_r, ``speed_ratio``): replicas of one speed
-group are priced exactly as by the plain token rule; a slower group's queue and own prefill cost
+"""kv_aware's token rule in each replica's time (time_r, ``speed_ratio``, opt-in: off by default):
+replicas of one speed group are priced exactly as by the plain token rule; a slower group's queue and own prefill cost
 more; the requests behind stay in fleet tokens; groups are cut where speeds differ by more than
 the ratio."""
 
@@ -16,6 +16,7 @@ from router_policies.registry import build_policy
 from router_policies.ttft.params import DEFAULT_PRIOR, TtftParams
 
 BS = 16
+TIMED: dict[str, object] = {"speed_ratio": 2.0}  # opt-in (kv_aware's docstring, "Why opt-in")
 
 
 def req(blocks: int) -> RequestFeatures:
@@ -41,6 +42,7 @@ def test_speed_ratio_is_off_or_above_one() -> None:
         with pytest.raises(ValidationError):
             KvAwareParams(speed_ratio=bad)
     assert KvAwareParams(speed_ratio=0).speed_ratio == 0
+    assert KvAwareParams().speed_ratio == 0  # off unless the operator asks
 
 
 def _random_fleet(rng: random.Random, speeds: list[float]) -> FleetSnapshot:
@@ -63,7 +65,7 @@ def test_one_speed_group_is_the_plain_token_rule_to_the_float() -> None:
     """Fits of identical replicas differ (here by up to 1.8x): within the ratio, every decision and
     every score is the plain token rule's, over a seeded sequence of fleets and requests."""
     rng = random.Random(7)
-    timed = build_policy("kv_aware", {})
+    timed = build_policy("kv_aware", TIMED)
     plain = build_policy("kv_aware", {"speed_ratio": 0})
     for _ in range(300):
         f = _random_fleet(rng, [rng.uniform(1.0, 1.8) for _ in range(4)])
@@ -79,7 +81,7 @@ def test_a_new_prompt_goes_to_the_faster_group_the_plain_rule_rotates() -> None:
     (the first prompts of new tenants on bench/live.py's hetero fleet); time_r sends each to a
     fast one while its queue is not three times as long."""
     fleet = FleetSnapshot(tuple(ReplicaState(f"r{i}", ttft=scaled((1.0, 3.0)[i % 2])) for i in range(4)))
-    timed = build_policy("kv_aware", {})
+    timed = build_policy("kv_aware", TIMED)
     plain = build_policy("kv_aware", {"speed_ratio": 0})
     seen_timed, seen_plain = set(), set()
     for _ in range(4):
@@ -99,7 +101,7 @@ def test_own_part_in_the_replicas_time_behind_in_fleet_tokens() -> None:
         "slow", ttft=scaled(3.0), pending_prefill_tokens=1000, in_flight_requests=2, matched_blocks=50
     )
     fast = ReplicaState("fast", ttft=scaled(1.0))
-    d = build_policy("kv_aware", {"fill_weight": 0}).choose(req(100), FleetSnapshot((slow, fast)))
+    d = build_policy("kv_aware", {**TIMED, "fill_weight": 0}).choose(req(100), FleetSnapshot((slow, fast)))
     # refs 3:1, mean 2: time 1.5 and 0.5; uncached 800 and 1,600 tokens
     assert d.scores["slow"] == pytest.approx(1.5 * (1000 + 64 * 2 + 800) + 3 * 800)
     assert d.scores["fast"] == pytest.approx(0.5 * 1600 + 3 * 1600)
@@ -113,14 +115,14 @@ def test_the_speed_comes_from_each_replicas_fit_or_the_prior() -> None:
     f = FleetSnapshot(
         (ReplicaState("a"), ReplicaState("b", ttft=DEFAULT_PRIOR), ReplicaState("c", ttft=scaled(2.5)))
     )
-    d = build_policy("kv_aware", {}).choose(req(10), f)
+    d = build_policy("kv_aware", TIMED).choose(req(10), f)
     assert d.replica in {"a", "b"}
 
 
 def test_the_reference_memory_stays_within_a_few_params_per_replica() -> None:
     """Each fit exports new params at every first token: the policy's memory of their reference
     TTFTs is cleared beyond REFS_PER_REPLICA per healthy replica, whatever the number of fits."""
-    policy = build_policy("kv_aware", {})
+    policy = build_policy("kv_aware", TIMED)
     assert isinstance(policy, KvAware)
     rng = random.Random(3)
     for _ in range(2000):
