@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from router_policies.policy import FleetSnapshot, ReplicaState, RequestFeatures
 from router_policies.prefix_index import PrefixIndex
 from router_policies.ttft.features import REFERENCE_INPUTS, TtftInputs, attention_pairs, predict
+from router_policies.ttft.freshness import Freshness
 from router_policies.ttft.model import TtftModel
 from router_policies.ttft.params import TtftParams
 from router_policies.ttft.snapshot import inputs_for
@@ -276,6 +277,8 @@ class TtftFeed:
         self.model = model if model is not None else TtftModel()  # an empty model is falsy (len 0)
         self._clock = clock
         self.listener = listener
+        self.freshness = Freshness()
+        self._typical: tuple[float, TtftParams | None] | None = None  # (at latest, the model)
 
     def now(self) -> float | None:
         return self._clock() if self._clock is not None else None
@@ -289,7 +292,12 @@ class TtftFeed:
         front of engines 4x faster, bench/live.py's decode_heavy) was routed on for 171 of 300
         first tokens once every fit's scale crossed 0.5 (first tokens waiting seconds behind long
         decodes), and over-predicted them (median relative error +0.78): placement and the
-        audit followed the worse model. The fit goes on learning either way."""
+        audit followed the worse model. The fit goes on learning either way. A stale fit
+        (``router_policies.ttft.freshness``) is priced as its fresh peers' typical one."""
+        if self.freshness.stale(replica):
+            typical = self._typical_fresh()
+            if typical is not None:
+                return typical
         fitted = self.model.params(replica)
         if (
             fitted.observations
@@ -315,12 +323,18 @@ class TtftFeed:
         speed among those with observations), not from the static prior, so that it neither
         looks faster nor slower than replicas of the same hardware until its own first tokens
         say otherwise (its fit then moves away from it). Without fitted peers: the prior."""
-        fitted = [p for p in (self.params(r) for r in peers if r != replica) if p.observations]
-        if not fitted:
-            return
-        fitted.sort(key=lambda p: predict(p, REFERENCE_INPUTS).total_ms)
-        typical = fitted[len(fitted) // 2]
-        self.model.set_prior(replica, dataclasses.replace(typical, observations=0, error_ratio=0.0))
+        typical = _typical([self.params(r) for r in peers if r != replica])
+        if typical is not None:
+            self.model.set_prior(replica, dataclasses.replace(typical, observations=0, error_ratio=0.0))
+
+    def _typical_fresh(self) -> TtftParams | None:
+        """The typical fit of the replicas whose fits are not stale, recomputed at most once a
+        second of the feed's time (it is asked for every stale replica at every decision)."""
+        latest = self.freshness.latest
+        if self._typical is None or latest - self._typical[0] > 1.0:
+            f = self.freshness
+            self._typical = (latest, _typical([self.params(r) for r in f.replicas() if not f.stale(r)]))
+        return self._typical[1]
 
     def flight(self, counters: FlightCounters, d: Dispatch, start: float | None = None) -> Flight:
         """The flight of a routed attempt (started at ``start``, default the clock's now)."""
@@ -341,9 +355,21 @@ class TtftFeed:
         """Fit the first byte of ``probe``'s attempt at ``now``; the sample, or None when the
         model refused it (a time going backwards)."""
         observed_ms = (now - probe.start) * 1000.0
+        if self.freshness.stale(probe.replica):  # back after a stale spell: restart from its peers
+            self.adopt(probe.replica, list(self.freshness.replicas()))
         if not self.model.observe_first_token(probe.replica, probe.inputs, observed_ms):
             return None
+        self.freshness.observed(probe.replica, now)
         sample = TtftSample(probe.replica, probe.predicted_ms, observed_ms)
         if self.listener is not None:
             self.listener(sample)
         return sample
+
+
+def _typical(models: Sequence[TtftParams]) -> TtftParams | None:
+    """The fitted model of median speed (the upper median of the reference TTFT) among those with
+    observations; None without any."""
+    fitted = sorted(
+        (m for m in models if m.observations), key=lambda m: predict(m, REFERENCE_INPUTS).total_ms
+    )
+    return fitted[len(fitted) // 2] if fitted else None
