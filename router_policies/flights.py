@@ -355,8 +355,6 @@ class TtftFeed:
         """Fit the first byte of ``probe``'s attempt at ``now``; the sample, or None when the
         model refused it (a time going backwards)."""
         observed_ms = (now - probe.start) * 1000.0
-        if self.freshness.stale(probe.replica):  # back after a stale spell: restart from its peers
-            self.adopt(probe.replica, list(self.freshness.replicas()))
         if not self.model.observe_first_token(probe.replica, probe.inputs, observed_ms):
             return None
         self.freshness.observed(probe.replica, now)

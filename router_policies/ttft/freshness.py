@@ -7,8 +7,10 @@ that correct it (the likely cause of a fault-table failure with kv_aware's speed
 served 0 of 200 requests after its agent's restart; docs/performance.md, "Speed in the token
 rule"). A replica's fit is stale when
 no first token of it has been observed for ``stale_s`` seconds while its peers' were: the model
-owner (``TtftFeed``) then prices it as its peers' typical fit, and restarts its fit from that one
-when its next first token comes, as for a joining replica.
+owner (``TtftFeed``) then prices it as its peers' typical fit until its next first token, a probe
+at most every ``stale_s``. Its own fit is kept and goes on learning from that token (a reset
+from its peers would throw away a true slowness, and under ``--workers`` a worker must not
+change a prior the parent did not: gateway/workers_ttft.py's invariants).
 
 Time is the feed's own: the latest first byte observed (the gateway's monotonic clock, the
 simulator's virtual time), so a fleet with no traffic at all makes no fit stale.

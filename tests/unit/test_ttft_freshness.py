@@ -1,6 +1,6 @@
 """Stale TTFT fits (router_policies.ttft.freshness): a replica with no first token for ``stale_s``
-of the feed's time while its peers have theirs is priced as its fresh peers' typical fit, its fit
-restarts from that one at its next first token, and kv_aware's time_r then stops starving it."""
+of the feed's time while its peers have theirs is priced as its fresh peers' typical fit until its
+next first token, which its own (kept) fit learns from; kv_aware's time_r then stops starving it."""
 
 from __future__ import annotations
 
@@ -72,12 +72,13 @@ def test_a_stale_fit_is_priced_as_its_fresh_peers_typical_one() -> None:
     assert feed.model.params("slow").observations > 0  # its own fit is kept until it comes back
 
 
-def test_its_next_first_token_restarts_its_fit_from_the_peers() -> None:
+def test_its_next_first_token_ends_the_spell_and_its_own_fit_learns_it() -> None:
     feed = _fleet_where_slow_went_quiet()
     own_before = feed.model.params("slow").observations
-    _first_token(feed, "slow", feed.freshness.latest + 0.1, 1.0)
+    _first_token(feed, "slow", feed.freshness.latest + 0.1, 3.0)
     assert not feed.freshness.stale("slow")
-    assert feed.model.params("slow").observations == 1 < own_before
+    assert feed.params("slow") is feed.model.params("slow")
+    assert feed.params("slow").observations == own_before + 1
 
 
 def test_time_r_stops_starving_a_replica_whose_fit_went_stale() -> None:
