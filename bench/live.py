@@ -97,11 +97,13 @@ async def replay(
 _HITS, _QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 
 
-def engine_state(http_urls: list[str]) -> tuple[float, float, dict[float, float]]:
-    """The fleet's prefix-cache hits and queries (tokens) and TTFT histogram, summed."""
+def engine_state(http_urls: list[str]) -> tuple[float, float, dict[float, float], list[float]]:
+    """The fleet's prefix-cache hits and queries (tokens) and TTFT histogram, summed, and each
+    engine's queries (where the router sent the prompt tokens)."""
     texts = [live_metrics.scrape(u) for u in http_urls]
     got = live_metrics.sums(texts, (_HITS, _QUERIES))
-    return got[_HITS], got[_QUERIES], live_metrics.buckets(texts)
+    each = [live_metrics.sums([t], (_QUERIES,))[_QUERIES] for t in texts]
+    return got[_HITS], got[_QUERIES], live_metrics.buckets(texts), each
 
 
 def start_fleet(
@@ -234,9 +236,9 @@ def one_run(
         fleet = start_fleet(procs, args.replicas, args, w)
         url, policy = start_router(procs, router, fleet, tmp, args.kvgate_params, args.kvgate_config)
         urls = [u for u, *_ in fleet]
-        h0, q0, b0 = engine_state(urls)
+        h0, q0, b0, e0 = engine_state(urls)
         results, wall = uvloop.run(replay(url, reqs, args.speedup, args.timeout))
-        h1, q1, b1 = engine_state(urls)
+        h1, q1, b1, e1 = engine_state(urls)
         if router.startswith("kvgate"):
             audit = dict(live_metrics.kvgate_audit(live_metrics.scrape(url)))
             # the fleet as kvgate saw it (fitted TTFT models)
@@ -263,6 +265,10 @@ def one_run(
         "engine_ttft_p99_ms": _ms(live_metrics.quantile(engine_ttft, 0.99)),
         "hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0,
         "queried_tokens": q1 - q0,
+        # the share of the prompt tokens each engine was sent (engine order: hetero's slow ones odd)
+        "engine_token_share": [
+            round((a - b) / (q1 - q0), 3) if q1 > q0 else 0.0 for a, b in zip(e1, e0, strict=True)
+        ],
         "cache_blocks_per_engine": getattr(args, "run_cache_blocks", None) or args.cache_blocks,
         "working_set_blocks": getattr(args, "run_working_set", None),
         **audit,

@@ -34,9 +34,11 @@ ref_r and load_r as here; miss_weight 4 by default), the queue ahead and the req
 prefill in r's time:
 
     uncached_r = (prompt_tokens - matched_r) x spread_r
-    group_r    = the median ref_r of r's speed group: the healthy replicas sorted by ref_r (from
-                 own_r), a new group wherever one's ref is more than speed_ratio (opt-in, 2
-                 suggested) times the group's first (fastest); one group when speed_ratio is 0
+    speed_r    = own_r's TTFT of a lone prompt of this request's size (rounded up to a power of
+                 two, 256 to 32,768 tokens) on an idle replica: the fit read where it was fitted
+    group_r    = the median speed_r of r's speed group: the healthy replicas sorted by speed_r, a
+                 new group wherever one's is more than speed_ratio (2 by default) times the
+                 group's first (fastest); one group when speed_ratio is 0
     time_r     = group_r / (mean over healthy replicas of group_r)
     cost_r     = time_r x (pending_prefill_tokens_r + request_cost_tokens x load_r + uncached_r)
                  + (miss_weight - 1) x uncached_r
@@ -52,12 +54,10 @@ Why the token rule stays the default: with ``same_speed`` and miss_weight 7 the 
 every simulator acceptance bar (tests/sim/test_acceptance.py; hit rate / oracle 0.952 / 0.934 /
 0.916 at loads 0.5 / 0.8 / 1.0 against the token rule's 0.959 / 0.900 / 0.906) with TTFT p99 within
 5 % of the token rule's on identical replicas and 0.51-0.88x of it on a mixed H100 + A100 fleet.
-Live (bench/live.py, 4 sim-engines) the evidence does not show it better: kvgate alone, back to
-back, it was better on kv_pressure (p99 56.9 ms against 98.6) and worse on decode_heavy (1,481 ms
-against 569), whose p99 swings from run to run with either rule (the token rule: 569-1,783 ms in
-four runs of 2026-12-01); on decode_heavy the fits' errors stay above 0.5, the profile prior takes
-over, and its KV-wait term counts a prefix shared by the running requests once per request (first
-tokens predicted at 100-200 ms, observed at 15-50 ms). With the model's KV demand counting each
+Live (bench/live.py, 4 sim-engines) the evidence does not show it better: kvgate alone, it was
+better on kv_pressure (p99 56.9 ms against 98.6), worse on decode_heavy (1,481 ms against 569);
+there the fits' errors stay above 0.5, the prior takes over, and its KV-wait term counts a prefix
+shared by the running requests once per request (predicted 100-200 ms, observed 15-50 ms). With the model's KV demand counting each
 cached block once, the queue head's age as a term and the prior used only when it predicts
 better, both rules in one run per workload (``bench/live.py --routers kvgate_kv_aware_tokens
 kvgate_kv_aware_ms ...``, 2026-12-01, a host shared with other jobs), TTFT p99 ms tokens / ms:
@@ -73,22 +73,16 @@ coefficients online from its observed first tokens.
 
 Why time_r (speed_ratio) in the token rule: without it the rule reads no speed. On a fleet where
 every other engine is 3x slower (bench/live.py ``hetero``, kvgate alone, 2026-12-02) the first
-prompts of new tenants (held nowhere) went to slow replicas as often as to fast ones (71-75 ms
-there, 22-30 on a fast one) and made the tail: p99 57.0 / 55.4 / 53.9 ms, with time_r (ratio 2)
-44.5 / 42.8 / 42.4 / 43.6 / 45.1 (p50 12.8-13.3 ms, hit rate 0.94 either way). Simulator, 4
-H100 + 4 A100, loads 0.5 / 0.8 / 1.0, p99 with / without: agent 1.02 / 1.04 / 1.19 s against
-1.65 / 1.77 / 1.99; conversation (3,000) 10.8 / 11.4 / 15.0 against 20.5 / 19.9 / 24.7;
-synthetic 6.1 / 7.7 / 8.8 against 12.0 / 13.1 / 13.7, there at 0.78-0.83 of the oracle's hit
-rate against 0.88-0.96 (docs/simulator.md). Only r's own part is in its time: scaling the whole
-cost piled 211-231 of 300 live requests onto one fast replica (p99 233-320 ms). Groups are cut
-at 2x the group's fastest because fits of identical replicas differ ("Why model_r"): cut at
-1.3x, decode_heavy's split (one drew 101 of 300 requests, p99 388 ms against 57).
-Why opt-in: a replica fitted slower than the ratio gets no new prompt and so no first token to
-correct its fit. On in the CI's fault table (kvgate_tools/faults), an agent restart that had cost
-r1 its inventory left it nothing matched and it served 0 of the next 200 requests. A fit with no
-first token for 10 s while its peers have theirs is now priced as theirs (router_policies/ttft/
-freshness.py), but that failure did not reproduce in two later runs of the fleet scenarios (with
-and without the decay), so the decay is not shown to fix it: speed stays the operator's choice.
+prompts of new tenants (held nowhere) went to slow replicas as often as to fast ones and made the
+tail: p99 53.9-57.0 ms in three runs; with time_r 42.4-45.1 in five (speed read at 8,192 tokens),
+37.5 and 41.5 at the request's size (docs/performance.md, "Speed in the token rule"). Only r's own
+part is in its time: scaling the whole cost piled 211-231 of 300 live requests onto one replica. Groups are cut at 2x the group's fastest because fits of
+identical replicas differ ("Why model_r"; cut at 1.3x, decode_heavy's split: p99 388 ms against 57).
+Why speed_r at the request's size: a fit is right where it was fitted, not far beyond. Read on a
+lone 8,192-token prompt, the fits of traffic of a few hundred tokens made a 3x slower sim-engine
+13x slower, or (one prompt size only) faster. A replica fitted slow gets no new prompt, so no
+first token to correct its fit: a fit with none for 10 s while its peers have theirs is priced as
+theirs until its next one (router_policies/ttft/freshness.py).
 
 Why miss_weight > 1 (default 4 with the token rule): ttft_r is this request's own time to first
 token, but its prefill (added_r) is also time that every request queued behind it on r waits. A greedy rule
@@ -150,6 +144,7 @@ wait_ms, prefill_ms, read_ms, fetch_ms, added_ms and cost (the token rule: cost 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -168,7 +163,8 @@ from router_policies.ttft.snapshot import inputs_for
 
 MISS_WEIGHT_TOKENS = 4.0  # rule tokens (docstring: "Why miss_weight > 1")
 MISS_WEIGHT_MS = 7.0  # rule ms (docstring: "Why miss_weight 7 with rule ms")
-REFS_PER_REPLICA = 4  # _reference_ms remembers at most this many params per healthy replica
+REFS_PER_REPLICA = 8  # _reference_ms remembers at most this many (params, size) per healthy replica
+SPEED_MIN_TOKENS, SPEED_MAX_TOKENS = 256, 32768  # speed_r's prompt sizes (docstring)
 
 
 class KvAwareParams(BaseModel):
@@ -212,10 +208,10 @@ class KvAwareParams(BaseModel):
         "relative to the emptiest (0 disables): spreads new content over the fleet's caches.",
     )
     speed_ratio: float = Field(
-        0.0,
+        2.0,
         ge=0.0,
-        description="rule tokens, opt-in for fleets of mixed hardware (2 suggested): replicas whose "
-        "fitted speeds differ by more than this factor are priced in their own time (0: all alike).",
+        description="rule tokens: replicas whose fitted speeds differ by more than this factor "
+        "(mixed hardware) are priced in their own time (0: all alike, as before 2026-12-02).",
     )
     same_speed: float = Field(
         0.3,
@@ -255,7 +251,7 @@ class KvAware:
         self._cursor = seed
         self._prior = NAMED_PRIORS[params.prior]
         self._miss_weight = params.miss_weight_of_rule()
-        self._refs: dict[int, tuple[TtftParams, float]] = {}  # _reference_ms's memory
+        self._refs: dict[tuple[int, int], tuple[TtftParams, float]] = {}  # _reference_ms's memory
 
     def commit(self, _decision: Decision) -> None:
         """The decision was used: the next tie starts at the next replica."""
@@ -281,27 +277,31 @@ class KvAware:
         terms["cost"] = round(cost, 3)
         return cost, terms
 
-    def _reference_ms(self, model: TtftParams) -> float:
-        """predict(model, REFERENCE_INPUTS).total_ms, remembered per params object: a fit exports
-        a new one at each first token, so most requests find every replica's unchanged. The
-        entry holds the object, so its id is not reused while remembered."""
-        hit = self._refs.get(id(model))
+    def _reference_ms(self, model: TtftParams, tokens: int = REFERENCE_INPUTS.uncached_tokens) -> float:
+        """The TTFT of a lone ``tokens``-token prompt (a power of two) on an idle replica by
+        ``model``, remembered per params object: a fit exports a new one at each first token, so
+        most requests find every replica's unchanged. The entry holds the object, so its id is
+        not reused while remembered."""
+        hit = self._refs.get((id(model), tokens))
         if hit is not None and hit[0] is model:
             return hit[1]
-        ref = predict(model, REFERENCE_INPUTS).total_ms
-        self._refs[id(model)] = (model, ref)
+        ref = predict(model, replace(REFERENCE_INPUTS, uncached_tokens=tokens)).total_ms
+        self._refs[(id(model), tokens)] = (model, ref)
         return ref
 
-    def _own_refs(self, healthy: list[ReplicaState]) -> tuple[list[TtftParams], list[float]]:
+    def _own_refs(
+        self, healthy: list[ReplicaState], tokens: int = REFERENCE_INPUTS.uncached_tokens
+    ) -> tuple[list[TtftParams], list[float]]:
         if len(self._refs) > REFS_PER_REPLICA * len(healthy):  # mostly params no longer current
             self._refs.clear()
         own = [r.ttft if r.ttft is not None else self._prior for r in healthy]
-        return own, [self._reference_ms(m) for m in own]
+        return own, [self._reference_ms(m, tokens) for m in own]
 
-    def _times(self, healthy: list[ReplicaState]) -> list[float]:
-        """Per replica, time_r (docstring): its speed group's reference TTFT over the fleet mean."""
+    def _times(self, healthy: list[ReplicaState], prompt_tokens: int) -> list[float]:
+        """Per replica, time_r (docstring): its speed group's speed_r over the fleet mean."""
         ratio = self.params.speed_ratio
-        refs = self._own_refs(healthy)[1] if ratio else ()
+        size = min(max(SPEED_MIN_TOKENS, 1 << max(prompt_tokens - 1, 0).bit_length()), SPEED_MAX_TOKENS)
+        refs = self._own_refs(healthy, size)[1] if ratio else ()
         if not refs or max(refs) <= ratio * min(refs):  # one group (the usual fleet)
             return [1.0] * len(healthy)
         groups = speed_groups(list(refs), ratio)
@@ -349,7 +349,7 @@ class KvAware:
         fills = [r.held_blocks / most_held if most_held else 0.0 for r in healthy]
         least_fill = min(fills)
         if p.rule == "tokens":  # no model to price with; the speeds only
-            models, shares, times = [self._prior] * n, [1.0] * n, self._times(healthy)
+            models, shares, times = [self._prior] * n, [1.0] * n, self._times(healthy, prompt)
         else:
             models, refs = self._models(healthy)
             shares, times = self._behind_scale(refs, loads), [1.0] * n

@@ -1,8 +1,12 @@
 """kv_aware's token rule on a fleet of mixed speeds (real processes: two sim-engines, one 3x
 slower, with their agents): the gateway's TTFT fits see the slower engine, ``/admin/explain``'s
 time_r tells the two speed groups apart, and prompts that no replica holds go to the fast one
-(kv_aware's docstring, "Why time_r"; opt-in, ``speed_ratio: 2``). With ``speed_ratio: 0`` (the
-default, the plain token rule) the same prompts alternate."""
+(kv_aware's docstring, "Why time_r"; ``speed_ratio: 2``, the default). With ``speed_ratio: 0``
+(the plain token rule) the same prompts alternate.
+
+The speed test sets ``fill_weight: 0``: with it, new content also costs more on the replica whose
+cache the index fills most (spread_r), so once the fast engine holds about twice the slow one's
+blocks, new prompts share out again; this test is of the speed alone."""
 
 from __future__ import annotations
 
@@ -61,7 +65,7 @@ def _options(tmp_path: Path, params: dict[str, Any]) -> FleetOptions:
 
 
 def test_new_prompts_go_to_the_faster_engine_once_its_speed_is_fitted(tmp_path: Path) -> None:
-    placed, doc = _placements(_options(tmp_path, {"speed_ratio": 2}))
+    placed, doc = _placements(_options(tmp_path, {"fill_weight": 0}))
     times = {r["id"]: r["terms"]["time"] for r in doc["replicas"]}
     assert times["r1"] > 2 * times["r0"], times
     assert doc["decision"]["replica"] == "r0"
@@ -69,6 +73,6 @@ def test_new_prompts_go_to_the_faster_engine_once_its_speed_is_fitted(tmp_path: 
 
 
 def test_the_plain_token_rule_alternates(tmp_path: Path) -> None:
-    placed, doc = _placements(_options(tmp_path, {}))
+    placed, doc = _placements(_options(tmp_path, {"speed_ratio": 0}))
     assert {r["terms"]["time"] for r in doc["replicas"]} == {1.0}
     assert placed[WARM:].count("r1") >= PROBE // 2 - 1, placed

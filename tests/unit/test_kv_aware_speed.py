@@ -1,4 +1,4 @@
-"""kv_aware's token rule in each replica's time (time_r, ``speed_ratio``, opt-in: off by default):
+"""kv_aware's token rule in each replica's time (time_r, ``speed_ratio``, 2 by default):
 replicas of one speed group are priced exactly as by the plain token rule; a slower group's queue and own prefill cost
 more; the requests behind stay in fleet tokens; groups are cut where speeds differ by more than
 the ratio."""
@@ -16,7 +16,7 @@ from router_policies.registry import build_policy
 from router_policies.ttft.params import DEFAULT_PRIOR, TtftParams
 
 BS = 16
-TIMED: dict[str, object] = {"speed_ratio": 2.0}  # opt-in (kv_aware's docstring, "Why opt-in")
+TIMED: dict[str, object] = {"speed_ratio": 2.0}  # the default, named: the tests read as the rule
 
 
 def req(blocks: int) -> RequestFeatures:
@@ -42,7 +42,7 @@ def test_speed_ratio_is_off_or_above_one() -> None:
         with pytest.raises(ValidationError):
             KvAwareParams(speed_ratio=bad)
     assert KvAwareParams(speed_ratio=0).speed_ratio == 0
-    assert KvAwareParams().speed_ratio == 0  # off unless the operator asks
+    assert KvAwareParams().speed_ratio == 2.0  # on: a fleet of one speed is priced as before
 
 
 def _random_fleet(rng: random.Random, speeds: list[float]) -> FleetSnapshot:
@@ -118,6 +118,21 @@ def test_the_speed_comes_from_each_replicas_fit_or_the_prior() -> None:
     t = {r: terms["time"] for r, terms in build_policy("kv_aware", TIMED).choose(req(10), f).terms.items()}
     # refs 1 : 1 : 2.5, mean 1.5
     assert t == pytest.approx({"a": 1 / 1.5, "b": 1 / 1.5, "c": 2.5 / 1.5}, rel=1e-3)
+
+
+def test_speed_is_read_at_the_requests_size_where_the_fits_were_fitted() -> None:
+    """Two fits that agree on short prompts (all the traffic they saw) but extrapolate apart (one
+    with 20x the attention cost: 3x slower on a lone 8,192-token prompt) are one speed group for a
+    256-token request and two for an 8,192-token one."""
+    coeffs = list(DEFAULT_PRIOR.coefficients())
+    coeffs[2] *= 20  # attention_ms_per_mpair
+    steep = DEFAULT_PRIOR.with_coefficients(tuple(coeffs), 100, 0.05)
+    f = FleetSnapshot((ReplicaState("a", ttft=DEFAULT_PRIOR), ReplicaState("b", ttft=steep)))
+    policy = build_policy("kv_aware", TIMED)
+    short = {r: t["time"] for r, t in policy.choose(req(16), f).terms.items()}
+    long = {r: t["time"] for r, t in policy.choose(req(512), f).terms.items()}
+    assert short == {"a": 1.0, "b": 1.0}
+    assert long["b"] > 2 * long["a"]
 
 
 def test_the_reference_memory_stays_within_a_few_params_per_replica() -> None:
