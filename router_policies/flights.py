@@ -23,6 +23,7 @@ Invariants
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable, KeysView, Sequence
 from dataclasses import dataclass, field
 
@@ -292,9 +293,10 @@ class TtftFeed:
         front of engines 4x faster, bench/live.py's decode_heavy) was routed on for 171 of 300
         first tokens once every fit's scale crossed 0.5 (first tokens waiting seconds behind long
         decodes), and over-predicted them (median relative error +0.78): placement and the
-        audit followed the worse model. The fit goes on learning either way. A stale fit
-        (``router_policies.ttft.freshness``) is priced as its fresh peers' typical one."""
-        if self.freshness.stale(replica):
+        audit followed the worse model. The fit goes on learning either way. A stale fit, or
+        one on probation (``router_policies.ttft.freshness``), is priced as its fresh peers'
+        typical one."""
+        if self.freshness.as_peers(replica):
             typical = self._typical_fresh()
             if typical is not None:
                 return typical
@@ -333,7 +335,7 @@ class TtftFeed:
         latest = self.freshness.latest
         if self._typical is None or latest - self._typical[0] > 1.0:
             f = self.freshness
-            self._typical = (latest, _typical([self.params(r) for r in f.replicas() if not f.stale(r)]))
+            self._typical = (latest, _typical([self.params(r) for r in f.replicas() if not f.as_peers(r)]))
         return self._typical[1]
 
     def flight(self, counters: FlightCounters, d: Dispatch, start: float | None = None) -> Flight:
@@ -355,13 +357,26 @@ class TtftFeed:
         """Fit the first byte of ``probe``'s attempt at ``now``; the sample, or None when the
         model refused it (a time going backwards)."""
         observed_ms = (now - probe.start) * 1000.0
+        probation = self._peers_predict_better(probe, observed_ms)
         if not self.model.observe_first_token(probe.replica, probe.inputs, observed_ms):
             return None
-        self.freshness.observed(probe.replica, now)
+        self.freshness.observed(probe.replica, now, probation)
         sample = TtftSample(probe.replica, probe.predicted_ms, observed_ms)
         if self.listener is not None:
             self.listener(sample)
         return sample
+
+    def _peers_predict_better(self, probe: TtftProbe, observed_ms: float) -> bool:
+        """A stale replica's probe: did its fresh peers' typical fit predict it better than its
+        own (``router_policies.ttft.freshness``: then it goes on probation)?"""
+        if not self.freshness.stale(probe.replica) or observed_ms <= 0:
+            return False
+        typical = self._typical_fresh()
+        if typical is None:
+            return False
+        own = predict(self.model.params(probe.replica), probe.inputs).total_ms
+        peers = predict(typical, probe.inputs).total_ms
+        return own > 0 and peers > 0 and abs(math.log(observed_ms / peers)) < abs(math.log(observed_ms / own))
 
 
 def _typical(models: Sequence[TtftParams]) -> TtftParams | None:

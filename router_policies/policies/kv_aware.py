@@ -82,7 +82,7 @@ Why speed_r at the request's size: a fit is right where it was fitted, not far b
 lone 8,192-token prompt, the fits of traffic of a few hundred tokens made a 3x slower sim-engine
 13x slower, or (one prompt size only) faster. A replica fitted slow gets no new prompt, so no
 first token to correct its fit: a fit with none for 10 s while its peers have theirs is priced as
-theirs until its next one (router_policies/ttft/freshness.py).
+theirs until a probe shows whether it is still slow (router_policies/ttft/freshness.py).
 
 Why miss_weight > 1 (default 4 with the token rule): ttft_r is this request's own time to first
 token, but its prefill (added_r) is also time that every request queued behind it on r waits. A greedy rule

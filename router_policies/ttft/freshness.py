@@ -12,6 +12,14 @@ at most every ``stale_s``. Its own fit is kept and goes on learning from that to
 from its peers would throw away a true slowness, and under ``--workers`` a worker must not
 change a prior the parent did not: gateway/workers_ttft.py's invariants).
 
+The probe decides which fit to believe: when the peers' typical fit predicted it better than the
+replica's own (the spell is over), the replica stays priced as its peers for its next
+``PROBATION`` first tokens, its probation, while its own fit catches up; else (it is still slow)
+its own fit prices it again at once. Why: one first token moves a fit by one sample; a replica
+fitted 4x slow by a spell of 50-300 first tokens needed 10-22 normal ones for its fit to come
+within 2x of its peers' (a seeded replay of TtftModel), i.e. 100-220 s of probes 10 s apart
+for a replica that holds nothing (tests/unit/test_ttft_freshness.py).
+
 Time is the feed's own: the latest first byte observed (the gateway's monotonic clock, the
 simulator's virtual time), so a fleet with no traffic at all makes no fit stale.
 """
@@ -22,30 +30,46 @@ import math
 from collections.abc import KeysView
 
 STALE_S = 10.0  # seconds without a first token while peers have theirs
+PROBATION = 16  # first tokens a replica back from a spell stays priced as its peers (docstring)
 MAX_REPLICAS = 4096  # as TtftModel's max_replicas: the least recently observed dropped beyond
 
 
 class Freshness:
-    """The time of each replica's last observed first token, and the latest of all."""
+    """The time of each replica's last observed first token, the latest of all, and the first
+    tokens left of each replica's probation (a key of ``_probation`` is a key of ``_last``)."""
 
-    __slots__ = ("_last", "latest", "stale_s")
+    __slots__ = ("_last", "_probation", "latest", "stale_s")
 
     def __init__(self, stale_s: float = STALE_S) -> None:
         assert stale_s > 0
         self.stale_s = stale_s
         self.latest = -math.inf
         self._last: dict[str, float] = {}
+        self._probation: dict[str, int] = {}
 
-    def observed(self, replica: str, now: float) -> None:
+    def observed(self, replica: str, now: float, probation: bool = False) -> None:
+        """A first token of ``replica`` at ``now``; ``probation``: it starts one (the caller
+        found its peers' fit the better predictor of this probe)."""
+        if probation:
+            self._probation[replica] = PROBATION
+        elif replica in self._probation:
+            left = self._probation.pop(replica) - 1
+            if left > 0:
+                self._probation[replica] = left
         self._last.pop(replica, None)  # reinserted last: the dict stays in observation order
         self._last[replica] = now
         self.latest = max(self.latest, now)
         if len(self._last) > MAX_REPLICAS:
+            self._probation.pop(next(iter(self._last)), None)
             del self._last[next(iter(self._last))]
 
     def stale(self, replica: str) -> bool:
         last = self._last.get(replica)
         return last is not None and self.latest - last > self.stale_s
+
+    def as_peers(self, replica: str) -> bool:
+        """Priced as its peers: stale, or on probation."""
+        return replica in self._probation or self.stale(replica)
 
     def replicas(self) -> KeysView[str]:
         return self._last.keys()

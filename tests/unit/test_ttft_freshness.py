@@ -10,7 +10,7 @@ from router_policies.placement import Dispatch, FlightCounters, TtftFeed
 from router_policies.policy import FleetSnapshot, ReplicaState, RequestFeatures
 from router_policies.registry import build_policy
 from router_policies.ttft.features import predict
-from router_policies.ttft.freshness import MAX_REPLICAS, STALE_S, Freshness
+from router_policies.ttft.freshness import MAX_REPLICAS, PROBATION, STALE_S, Freshness
 from router_policies.ttft.params import DEFAULT_PRIOR
 
 
@@ -96,3 +96,32 @@ def test_time_r_stops_starving_a_replica_whose_fit_went_stale() -> None:
     _slow_goes_quiet(feed)
     assert times() == pytest.approx({"slow": 1.0, "fast1": 1.0, "fast2": 1.0})
     assert feed.params("never-seen") == DEFAULT_PRIOR
+
+
+def test_a_probe_its_peers_predicted_better_starts_a_probation_its_own_fit_catches_up_in() -> None:
+    """The spell is over (first tokens at the prior's speed again): the probe is closer to the
+    peers' fit than to its own, so the replica stays priced as its peers for PROBATION first
+    tokens while its own fit learns; after them its own fit is of its peers' speed group."""
+    feed = _fleet_where_slow_went_quiet()
+    policy = build_policy("kv_aware", {"speed_ratio": 2})
+    req = RequestFeatures(model="m", block_keys=list(range(1, 65)), prompt_tokens=1024, block_size=16)
+    t = feed.freshness.latest + 0.1
+    for k in range(PROBATION):
+        _first_token(feed, "slow", t + 0.1 * k, 1.0)
+        assert feed.freshness.as_peers("slow") and not feed.freshness.stale("slow"), k
+        assert feed.params("slow") is not feed.model.params("slow")  # priced as a peer
+    _first_token(feed, "slow", t + 0.1 * PROBATION, 1.0)
+    assert not feed.freshness.as_peers("slow")
+    assert feed.params("slow") is feed.model.params("slow")
+    fleet = FleetSnapshot(tuple(ReplicaState(r, ttft=feed.params(r)) for r in ("slow", "fast1", "fast2")))
+    times = {r: terms["time"] for r, terms in policy.choose(req, fleet).terms.items()}
+    assert times == pytest.approx({"slow": 1.0, "fast1": 1.0, "fast2": 1.0})  # its own fit caught up
+
+
+def test_probation_is_forgotten_with_the_replica() -> None:
+    f = Freshness()
+    f.observed("r0", 0.0, probation=True)
+    assert f.as_peers("r0")
+    for i in range(1, MAX_REPLICAS + 1):
+        f.observed(f"r{i}", float(i))
+    assert "r0" not in f.replicas() and not f.as_peers("r0")
