@@ -57,13 +57,13 @@ every simulator acceptance bar (tests/sim/test_acceptance.py; hit rate / oracle 
 Live (bench/live.py, 4 sim-engines) the evidence does not show it better: kvgate alone, it was
 better on kv_pressure (p99 56.9 ms against 98.6), worse on decode_heavy (1,481 ms against 569);
 there the fits' errors stay above 0.5, the prior takes over, and its KV-wait term counts a prefix
-shared by the running requests once per request (predicted 100-200 ms, observed 15-50 ms). With the model's KV demand counting each
-cached block once, the queue head's age as a term and the prior used only when it predicts
-better, both rules in one run per workload (``bench/live.py --routers kvgate_kv_aware_tokens
-kvgate_kv_aware_ms ...``, 2026-12-01, a host shared with other jobs), TTFT p99 ms tokens / ms:
-agent 77 / 99, kv_pressure 170 / 146, hetero 78 / 61, decode_heavy 1,052 / 1,545, Mooncake 383 /
-483; p50 within 4 ms of each other. No consistent winner at this noise: until the live comparison
-favours it, the rule proven on real vLLM (``make e2e-vllm``) stays the default.
+shared by the running requests once per request (predicted 100-200 ms, observed 15-50 ms). With the
+model's KV demand counting each cached block once, the queue head's age as a term and the prior
+used only when it predicts better, both rules in one run per workload (``bench/live.py --routers
+kvgate_kv_aware_tokens kvgate_kv_aware_ms ...``, 2026-12-01, a host shared with other jobs), TTFT
+p99 ms tokens / ms: agent 77 / 99, kv_pressure 170 / 146, hetero 78 / 61, decode_heavy 1,052 /
+1,545, Mooncake 383 / 483; p50 within 4 ms of each other. No consistent winner at this noise: until
+the live comparison favours it, the rule proven on real vLLM (``make e2e-vllm``) stays the default.
 
 Why milliseconds: the token rule (``rule: tokens``) prices every replica's queue in prompt tokens
 with a fixed ``request_cost_tokens`` per request ahead. It cannot see decode load (a step that
@@ -72,17 +72,17 @@ replica is faster than another. pred_r sees both, and the model owner fits each 
 coefficients online from its observed first tokens.
 
 Why time_r (speed_ratio) in the token rule: without it the rule reads no speed. On a fleet where
-every other engine is 3x slower (bench/live.py ``hetero``, kvgate alone, 2026-12-02) the first
-prompts of new tenants (held nowhere) went to slow replicas as often as to fast ones and made the
-tail: p99 53.9-57.0 ms in three runs; with time_r 42.4-45.1 in five (speed read at 8,192 tokens),
-37.5 and 41.5 at the request's size (docs/performance.md, "Speed in the token rule"). Only r's own
-part is in its time: scaling the whole cost piled 211-231 of 300 live requests onto one replica. Groups are cut at 2x the group's fastest because fits of
-identical replicas differ ("Why model_r"; cut at 1.3x, decode_heavy's split: p99 388 ms against 57).
-Why speed_r at the request's size: a fit is right where it was fitted, not far beyond. Read on a
-lone 8,192-token prompt, the fits of traffic of a few hundred tokens made a 3x slower sim-engine
-13x slower, or (one prompt size only) faster. A replica fitted slow gets no new prompt, so no
-first token to correct its fit: a fit with none for 10 s while its peers have theirs is priced as
-theirs until a probe shows whether it is still slow (router_policies/ttft/freshness.py).
+every other engine is 3x slower (bench/live.py ``hetero``) the first prompts of new tenants (held
+nowhere) went to slow replicas as often as to fast ones and made the tail: p99 53.9-57.0 ms in
+three runs; with time_r 42.4-45.1 in five (speed read at 8,192 tokens), 37.5 and 41.5 at the
+request's size (docs/performance.md). Only r's own part is in its time: the whole cost in r's time
+piled 211-231 of 300 live requests on one replica. Groups are cut at 2x the group's fastest because
+fits of identical replicas differ ("Why model_r"; cut at 1.3x, decode_heavy's split: p99 388 ms
+against 57). Why speed_r at the request's size: a fit is right where it was fitted. Read on a lone
+8,192-token prompt, the fits of traffic of a few hundred tokens made a 3x slower sim-engine 13x
+slower, or (one prompt size only) faster. A replica fitted slow gets no new prompt, so no first
+token to correct its fit: a fit with none for 10 s while its peers have theirs is priced as theirs
+until a probe shows whether it is still slow (router_policies/ttft/freshness.py).
 
 Why miss_weight > 1 (default 4 with the token rule): ttft_r is this request's own time to first
 token, but its prefill (added_r) is also time that every request queued behind it on r waits. A greedy rule

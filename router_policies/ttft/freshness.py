@@ -17,8 +17,9 @@ replica's own (the spell is over), the replica stays priced as its peers for its
 ``PROBATION`` first tokens, its probation, while its own fit catches up; else (it is still slow)
 its own fit prices it again at once. Why: one first token moves a fit by one sample; a replica
 fitted 4x slow by a spell of 50-300 first tokens needed 10-22 normal ones for its fit to come
-within 2x of its peers' (a seeded replay of TtftModel), i.e. 100-220 s of probes 10 s apart
-for a replica that holds nothing (tests/unit/test_ttft_freshness.py).
+within 2x of its peers' (a seeded replay of TtftModel, docs/performance.md), i.e. 100-220 s of
+probes 10 s apart for a replica that holds nothing (tests/unit/test_ttft_freshness.py: 14 for one
+fitted 3x slow).
 
 Time is the feed's own: the latest first byte observed (the gateway's monotonic clock, the
 simulator's virtual time), so a fleet with no traffic at all makes no fit stale.
