@@ -40,6 +40,8 @@ import numpy as np
 import uvloop
 
 from bench import live_metrics
+from bench.live_fleet import start_fleet
+from bench.live_floor import floor_run
 from bench.live_kvgate import MODEL, merged, start_agents, start_kvgate, wait_agents
 from bench.live_workloads import (
     MOONCAKE,
@@ -104,55 +106,6 @@ def engine_state(http_urls: list[str]) -> tuple[float, float, dict[float, float]
     got = live_metrics.sums(texts, (_HITS, _QUERIES))
     each = [live_metrics.sums([t], (_QUERIES,))[_QUERIES] for t in texts]
     return got[_HITS], got[_QUERIES], live_metrics.buckets(texts), each
-
-
-def start_fleet(
-    procs: ProcessGroup, n: int, args: argparse.Namespace, w: LiveWorkload | None = None
-) -> list[tuple[str, str, str]]:
-    """(http url, events endpoint, replay endpoint) per engine (``w``: its speeds and cache size)."""
-    procs_ = []
-    slowdowns = w.slowdowns if w is not None else (1.0,)
-    cache_blocks = getattr(args, "run_cache_blocks", None) or args.cache_blocks
-    for i in range(n):
-        procs_.append(
-            procs.spawn(
-                f"engine{i}",
-                [
-                    sys.executable,
-                    "-m",
-                    "gateway.cli",
-                    "sim-engine",
-                    "--port",
-                    "0",
-                    "--events-port",
-                    "0",
-                    # the agent replays what it missed before its subscription took (a slow
-                    # joiner otherwise starts degraded: its index lacks the first batches' blocks)
-                    "--replay-port",
-                    "0",
-                    "--model",
-                    MODEL,
-                    "--tokenizer",
-                    str(TOKENIZER),
-                    "--time-scale",
-                    str(args.time_scale * slowdowns[i % len(slowdowns)]),
-                    "--cache-blocks",
-                    str(cache_blocks),
-                    "--seed",
-                    str(i),
-                    "--block-size",
-                    "16",
-                ],
-            )
-        )
-    fleet = []
-    for i, proc in enumerate(procs_):
-        m = procs.wait_ready(
-            f"engine{i}", proc, Ready(pattern=r"sim-engine ready http=(\S+) events=(\S+) replay=(\S+)")
-        )
-        assert m is not None
-        fleet.append((m.group(1), m.group(2), m.group(3)))
-    return fleet
 
 
 def start_router(
@@ -301,6 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-scale", type=float, default=0.25)
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--seed", type=int, default=5)
+    ap.add_argument(
+        "--no-floor",
+        action="store_true",
+        help="skip each workload's TTFT floor (its requests alone on an idle engine, bench/live_floor.py)",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/live.json")
     ap.add_argument("--kvgate-params", type=json.loads, default={}, help="kv_aware parameters (JSON object)")
     ap.add_argument(
@@ -328,8 +286,18 @@ def main(argv: list[str] | None = None) -> int:
         # KV pressure: the fleet's caches together hold 1 / pressure of the working set
         pressure = pressure_cache_blocks(reqs, w, args.replicas)
         args.run_cache_blocks, args.run_working_set = pressure if pressure else (None, None)
+        floor: dict[str, Any] = {}
+        if not args.no_floor:
+            floor = floor_run(
+                w, reqs, args, args.out.parent / "tmp" / "live" / f"{w.name.replace(':', '_')}-floor"
+            )
+            print(
+                f"{w.name:12} {'floor':20} ttft p50 {floor['floor_ttft_p50_ms']:8.1f} p99 "
+                f"{floor['floor_ttft_p99_ms']:8.1f} ms (alone, idle, all cached before)",
+                flush=True,
+            )
         for router in routers:
-            row = one_run(w, router, reqs, args)
+            row = {**one_run(w, router, reqs, args), **floor}
             rows.append(row)
             engine_p99 = row["engine_ttft_p99_ms"]
             print(

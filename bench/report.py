@@ -14,6 +14,9 @@ Headline figures and how they are taken (conservative where a choice exists):
   (highest) ratio over the workloads; ``live_hit_rate_vs_best_peer``: kvgate's engine-counted hit
   rate over the highest peer's, the worst (lowest) ratio over the workloads;
   ``live_ttft_p50_vs_best_peer``: the same as the p99 ratio for the p50 (worst over workloads);
+  ``live_ttft_p99_floor_vs_best_peer``: the TTFT floor's p99 (each request alone on an idle engine
+  holding every earlier prompt, ``bench/live_floor.py``: no router's p99 is below it) over the
+  lowest peer TTFT p99, the highest over the workloads: the least p99 ratio any router could reach;
 * ``ttft_audit_median_abs_error``: kvgate's TTFT model, median absolute relative error of its
   predictions against observed first bytes (bench/live_metrics.py), the worst over the workloads;
 * ``new_replica_share``: the share of the next 300 requests a fourth replica joining three warm
@@ -47,6 +50,7 @@ SUMMARY_KEYS = (
     "live_ttft_p99_vs_best_peer",
     "live_hit_rate_vs_best_peer",
     "live_ttft_p50_vs_best_peer",
+    "live_ttft_p99_floor_vs_best_peer",
     "ttft_audit_median_abs_error",
     "new_replica_share",
     *HOP_KEYS,
@@ -110,6 +114,7 @@ def _live_summary(all_rows: list[dict[str, Any]]) -> dict[str, Any]:
     p99: list[float] = []
     p50: list[float] = []
     hit: list[float] = []
+    floor: list[float] = []
     audit: list[float] = []
     for wl in sorted({r["workload"] for r in all_rows}):
         rows = [r for r in all_rows if r["workload"] == wl]
@@ -123,6 +128,9 @@ def _live_summary(all_rows: list[dict[str, Any]]) -> dict[str, Any]:
             best = min(p[key] for p in peers)
             if best > 0:
                 ratios.append(kv[0][key] / best)
+        best_p99 = min(p["ttft_p99_ms"] for p in peers)
+        if kv[0].get("floor_ttft_p99_ms") is not None and best_p99 > 0:
+            floor.append(kv[0]["floor_ttft_p99_ms"] / best_p99)
         best_hit = max(p["hit_rate"] for p in peers)
         if best_hit > 0:
             hit.append(kv[0]["hit_rate"] / best_hit)
@@ -131,6 +139,8 @@ def _live_summary(all_rows: list[dict[str, Any]]) -> dict[str, Any]:
         out["live_ttft_p99_vs_best_peer"] = round(max(p99), 3)
     if p50:
         out["live_ttft_p50_vs_best_peer"] = round(max(p50), 3)
+    if floor:
+        out["live_ttft_p99_floor_vs_best_peer"] = round(max(floor), 3)
     if hit:
         out["live_hit_rate_vs_best_peer"] = round(min(hit), 3)
     if audit:
@@ -205,15 +215,17 @@ def table(
             "## Live fleet (simulated engines)",
             "",
             "| workload | router | policy | hit rate | TTFT p50 ms | TTFT p99 ms | engine TTFT p99 ms "
-            "| req/s | errors | TTFT audit median abs error |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| floor TTFT p99 ms | req/s | errors | TTFT audit median abs error |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in live["rows"]:
             engine = r.get("engine_ttft_p99_ms")
             audit = r.get("ttft_audit_median_abs_error")
+            floor = r.get("floor_ttft_p99_ms")
             out.append(
                 f"| {r['workload']} | {r['router']} | {r['policy']} | {r['hit_rate']:.3f} | {r['ttft_p50_ms']:.1f} "
                 f"| {r['ttft_p99_ms']:.1f} | {'-' if engine is None else f'{engine:.1f}'} "
+                f"| {'-' if floor is None else f'{floor:.1f}'} "
                 f"| {r['throughput_rps']:.2f} | {r['errors']} | {'-' if audit is None else f'{audit:.3f}'} |"
             )
         out.append("")

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from bench import live, live_kvgate
+from bench import live_fleet, live_kvgate
 from kvgate_tools.procs import ProcessGroup
 
 
 def test_the_replay_waits_for_every_agent_and_no_longer(tmp_path: Path) -> None:
     args = argparse.Namespace(time_scale=0.25, cache_blocks=64)
     with ProcessGroup(tmp_path) as procs:
-        fleet = live.start_fleet(procs, 1, args)
+        fleet = live_fleet.start_fleet(procs, 1, args)
         http, inventory = live_kvgate.start_kvgate(procs, [u for u, *_ in fleet], tmp_path, {}, {})
         # no agent yet: the metrics' ``kvgate_inventory_streams_refused_created`` lines (a Unix
         # time each) once passed for connected streams

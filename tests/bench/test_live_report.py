@@ -69,10 +69,10 @@ def _row(
 
 def test_the_live_summary_takes_the_worst_workload_against_the_best_peer() -> None:
     rows = [
-        _row("a", "kvgate_kv_aware", 10, 80, 0.5, 0.1),
+        {**_row("a", "kvgate_kv_aware", 10, 80, 0.5, 0.1), "floor_ttft_p99_ms": 40},
         _row("a", "p1", 20, 100, 0.4),
         _row("a", "p2", 12, 200, 0.45),
-        _row("b", "kvgate_kv_aware", 30, 90, 0.3, 0.25),
+        {**_row("b", "kvgate_kv_aware", 30, 90, 0.3, 0.25), "floor_ttft_p99_ms": 54},
         _row("b", "p1", 20, 60, 0.6),
     ]
     s = report.summarize(None, None, {"rows": rows}, {"new_replica_share": 0.3})
@@ -80,3 +80,5 @@ def test_the_live_summary_takes_the_worst_workload_against_the_best_peer() -> No
     assert s["live_ttft_p99_vs_best_peer"] == 1.5 and s["live_ttft_p50_vs_best_peer"] == 1.5
     assert s["live_hit_rate_vs_best_peer"] == 0.5 and s["ttft_audit_median_abs_error"] == 0.25
     assert s["new_replica_share"] == 0.3
+    # the floor's p99 over the best peer's: 40 / 100 on a, 54 / 60 on b; the higher is reported
+    assert s["live_ttft_p99_floor_vs_best_peer"] == 0.9

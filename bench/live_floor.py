@@ -1,0 +1,71 @@
+"""The TTFT floor of a live workload: what no router can beat (bench/live.py, docs/performance.md
+"The floor under the live tail").
+
+Each request of the workload is sent alone, in order, to one idle ``kvgate sim-engine`` of the
+fleet's fastest kind whose cache holds the whole working set, directly (no router), with one
+output token. So every request finds every earlier prompt's blocks cached, no queue ahead, no
+decode beside it and no hop: its TTFT there (``floor_i``) is its own prefill of what no earlier
+request shared, the least it can take on this fleet whatever the placement.
+
+Why it bounds a router's quantiles: in the routed run request i's TTFT is at least floor_i (its
+uncached tokens are at least as many, its engine at most as fast and at most as idle), and a
+quantile is monotone in every sample, so a router's p99 is at least the floor's p99. Where the
+floor's p99 exceeds a target for a router's p99 (0.8x the best peer's, issue 11), no placement
+meets it on that workload; the distance between a router's p99 and the floor's is what placement
+can still win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import uvloop
+
+from bench.live_fleet import start_fleet
+from bench.live_kvgate import MODEL
+from bench.live_workloads import LiveWorkload, working_set_blocks
+from kvgate_tools.procs import ProcessGroup
+
+
+async def sequential_ttfts(url: str, prompts: list[str], timeout_s: float) -> list[float]:
+    """Each prompt streamed with one output token, the next sent once the previous has ended;
+    the client TTFT of each, in seconds (a failed request raises: a floor with holes is none)."""
+    out: list[float] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
+        for prompt in prompts:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "stream": True, "ignore_eos": True}
+            t0 = time.perf_counter()
+            ttft = 0.0
+            async with http.post(url + "/v1/completions", json=body) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"floor: the engine answered {resp.status}: {await resp.text()}")
+                async for chunk in resp.content.iter_any():
+                    if not ttft and b"data:" in chunk:
+                        ttft = time.perf_counter() - t0
+            out.append(ttft)
+    return out
+
+
+def floor_run(
+    w: LiveWorkload, reqs: list[tuple[float, str, int]], args: argparse.Namespace, tmp: Path
+) -> dict[str, Any]:
+    """``floor_ttft_p50_ms`` and ``floor_ttft_p99_ms`` of ``reqs`` on ``w``'s fleet (docstring)."""
+    working_set, largest = working_set_blocks(reqs)
+    one = copy.copy(args)
+    one.run_cache_blocks = working_set + 4 * largest  # nothing is ever evicted
+    fastest = replace(w, slowdowns=(min(w.slowdowns),))
+    with ProcessGroup(tmp) as procs:
+        ((url, _events, _replay),) = start_fleet(procs, 1, one, fastest)
+        ttfts = uvloop.run(sequential_ttfts(url, [p for _t, p, _n in reqs], args.timeout))
+    ms = np.array(ttfts) * 1e3
+    return {
+        "floor_ttft_p50_ms": round(float(np.percentile(ms, 50)), 3),
+        "floor_ttft_p99_ms": round(float(np.percentile(ms, 99)), 3),
+    }

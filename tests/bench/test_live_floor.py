@@ -1,0 +1,36 @@
+"""The live bench's TTFT floor (``bench/live_floor.py``): each request alone on one idle engine
+whose cache keeps everything, so a prompt sent before is a cache hit there. Real processes: one
+sim-engine over HTTP."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import uvloop
+
+from bench import live_fleet, live_floor
+from bench.live_workloads import load, render, workload
+from kvgate_tools.procs import ProcessGroup
+
+
+def test_a_prompt_sent_again_is_served_from_the_cache(tmp_path: Path) -> None:
+    """The floor's premise: every earlier prompt is cached. The second sending of a long prompt
+    prefills nothing (one block at most) and so is faster than its first, on the same idle engine."""
+    w = workload("agent", Path("unused"))
+    reqs = render(load(w, 6, seed=1), w, 6, max_blocks=48, max_tokens=1)
+    prompt = max((p for _t, p, _n in reqs), key=len)
+    args = argparse.Namespace(time_scale=1.0, cache_blocks=4096)
+    with ProcessGroup(tmp_path) as procs:
+        ((url, _ev, _rp),) = live_fleet.start_fleet(procs, 1, args)
+        first, again = uvloop.run(live_floor.sequential_ttfts(url, [prompt, prompt], 60.0))
+    assert 0 < again < first
+
+
+def test_the_floor_of_a_workload_is_reported_per_quantile(tmp_path: Path) -> None:
+    w = workload("hetero", Path("unused"))  # the floor runs on the fleet's fastest kind
+    reqs = render(load(w, 12, seed=1), w, 12, max_blocks=48, max_tokens=1)
+    args = argparse.Namespace(time_scale=0.25, cache_blocks=64, timeout=60.0)
+    got = live_floor.floor_run(w, reqs, args, tmp_path)
+    assert set(got) == {"floor_ttft_p50_ms", "floor_ttft_p99_ms"}
+    assert 0 < got["floor_ttft_p50_ms"] <= got["floor_ttft_p99_ms"]
