@@ -149,6 +149,7 @@ from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from router_policies.policies.kv_speed import speed_groups, speed_size
 from router_policies.policy import (
     Decision,
     FleetSnapshot,
@@ -164,7 +165,6 @@ from router_policies.ttft.snapshot import inputs_for
 MISS_WEIGHT_TOKENS = 4.0  # rule tokens (docstring: "Why miss_weight > 1")
 MISS_WEIGHT_MS = 7.0  # rule ms (docstring: "Why miss_weight 7 with rule ms")
 REFS_PER_REPLICA = 8  # _reference_ms remembers at most this many (params, size) per healthy replica
-SPEED_MIN_TOKENS, SPEED_MAX_TOKENS = 256, 32768  # speed_r's prompt sizes (docstring)
 
 
 class KvAwareParams(BaseModel):
@@ -300,8 +300,7 @@ class KvAware:
     def _times(self, healthy: list[ReplicaState], prompt_tokens: int) -> list[float]:
         """Per replica, time_r (docstring): its speed group's speed_r over the fleet mean."""
         ratio = self.params.speed_ratio
-        size = min(max(SPEED_MIN_TOKENS, 1 << max(prompt_tokens - 1, 0).bit_length()), SPEED_MAX_TOKENS)
-        refs = self._own_refs(healthy, size)[1] if ratio else ()
+        refs = self._own_refs(healthy, speed_size(prompt_tokens))[1] if ratio else ()
         if not refs or max(refs) <= ratio * min(refs):  # one group (the usual fleet)
             return [1.0] * len(healthy)
         groups = speed_groups(list(refs), ratio)
@@ -381,20 +380,3 @@ class KvAware:
             else "kv_aware:load"
         )
         return Decision(best.id, reason, best.matched_blocks, scores, terms)
-
-
-def speed_groups(refs: list[float], ratio: float) -> list[float]:
-    """Per replica, the median (the upper one) reference TTFT of its speed group: the replicas
-    sorted by ``refs``, a new group wherever one's ref is more than ``ratio`` times the group's
-    first (its fastest: no chain of small steps joins replicas ``ratio`` apart; docstring: group_r)."""
-    order = sorted(range(len(refs)), key=refs.__getitem__)
-    out = list(refs)
-    start = 0
-    for k in range(1, len(order) + 1):
-        if k == len(order) or refs[order[k]] > ratio * refs[order[start]]:
-            group = order[start:k]
-            median = refs[group[len(group) // 2]]
-            for i in group:
-                out[i] = median
-            start = k
-    return out

@@ -10,7 +10,8 @@ import random
 import pytest
 from pydantic import ValidationError
 
-from router_policies.policies.kv_aware import REFS_PER_REPLICA, KvAware, KvAwareParams, speed_groups
+from router_policies.policies.kv_aware import REFS_PER_REPLICA, KvAware, KvAwareParams
+from router_policies.policies.kv_speed import speed_groups, speed_size
 from router_policies.policy import FleetSnapshot, ReplicaState, RequestFeatures
 from router_policies.registry import build_policy
 from router_policies.ttft.params import DEFAULT_PRIOR, TtftParams
@@ -35,6 +36,11 @@ def test_groups_are_cut_where_speeds_differ_by_more_than_the_ratio() -> None:
     assert speed_groups([1.0, 1.9, 3.6], 2.0) == [1.9, 1.9, 3.6]
     assert speed_groups([5.0], 2.0) == [5.0]
     assert speed_groups([1.0, 2.0, 4.01], 2.0) == [2.0, 2.0, 4.01]
+
+
+def test_speed_is_read_at_the_prompt_size_rounded_up_to_a_power_of_two_within_bounds() -> None:
+    assert [speed_size(n) for n in (0, 1, 256, 257, 512, 3000)] == [256, 256, 256, 512, 512, 4096]
+    assert speed_size(10**6) == 32768
 
 
 def test_speed_ratio_is_off_or_above_one() -> None:
