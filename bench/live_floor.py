@@ -8,8 +8,11 @@ decode beside it and no hop: its TTFT there (``floor_i``) is its own prefill of 
 request shared, the least it can take on this fleet whatever the placement.
 
 Why it bounds a router's quantiles: in the routed run request i's TTFT is at least floor_i (its
-uncached tokens are at least as many, its engine at most as fast and at most as idle), and a
-quantile is monotone in every sample, so a router's p99 is at least the floor's p99. Where the
+uncached tokens are at least as many, its engine at most as fast and at least as busy), and a
+quantile is monotone in every sample, so a router's p99 is at least the floor's p99. Two caveats:
+each side is one measurement (timing noise of a fraction of a millisecond), and a request that
+in a routed run reuses the blocks of one sent after it (same-millisecond arrivals, the later one
+prefilled first) could beat its floor. Where the
 floor's p99 exceeds a target for a router's p99 (0.8x the best peer's, issue 11), no placement
 meets it on that workload; the distance between a router's p99 and the floor's is what placement
 can still win.
