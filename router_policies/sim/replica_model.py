@@ -77,7 +77,10 @@ Fast-forward
     execution would show (token counters aside). Same model, same arithmetic.
 
 Counters (as vLLM's /metrics): running, waiting, kv_usage = pinned blocks / num_blocks,
-prefix_cache_queries / prefix_cache_hits in tokens, counted once per admission.
+prefix_cache_queries / prefix_cache_hits in tokens, counted at a request's first admission only:
+vLLM's ``PrefixCacheStats.record`` (vllm/v1/metrics/stats.py, 0.32) sets a previously preempted
+request's lookups apart (``preempted_queries``), so its re-admission, which finds its own blocks,
+does not count as a hit for the router that placed it.
 """
 
 from __future__ import annotations
@@ -204,11 +207,13 @@ class ReplicaModel:
 
     def _admit(self, r: ReqState, events: list[KvEvent]) -> bool:
         """Admit ``r`` if the free queue can supply its blocks; False leaves everything unchanged."""
+        first = r.cached_tokens < 0  # set by the pool at the first admission
         hits = self._pool.admit(r, events)
         if hits < 0:
             return False
-        self._queries += r.prompt
-        self._hits += hits * self.config.block_size
+        if first:
+            self._queries += r.prompt
+            self._hits += hits * self.config.block_size
         return True
 
     # ------------------------------------------------------------------ step

@@ -124,6 +124,9 @@ def test_preemption_recomputes_and_still_finishes() -> None:
         for rid, n in res.decoded:
             tokens[rid] = tokens.get(rid, 0) + n
     assert tokens == {"a": 12, "b": 12}
+    # as vLLM's prefix-cache counters: b's re-admission (which finds its own prefill cached) is not
+    # a second lookup; each request is counted once, at its first admission (nothing cached then)
+    assert (m.metrics().prefix_cache_queries, m.metrics().prefix_cache_hits) == (8, 0)
 
 
 def random_workload(
