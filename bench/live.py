@@ -40,7 +40,7 @@ import numpy as np
 import uvloop
 
 from bench import live_metrics
-from bench.live_fleet import start_fleet
+from bench.live_fleet import start_fleet, stream_completion
 from bench.live_floor import floor_run
 from bench.live_kvgate import MODEL, merged, start_agents, start_kvgate, wait_agents
 from bench.live_workloads import (
@@ -72,22 +72,9 @@ async def replay(
 
         async def one(at: float, prompt: str, max_tokens: int) -> None:
             await asyncio.sleep(max(0.0, at / speedup - (time.perf_counter() - start)))
-            body = {
-                "model": MODEL,
-                "prompt": prompt,
-                "max_tokens": max_tokens,
-                "stream": True,
-                "stream_options": {"include_usage": True},  # kvgate audits its cached-token prediction
-                "ignore_eos": True,
-            }
             t0 = time.perf_counter()
-            ttft = 0.0
             try:
-                async with http.post(url + "/v1/completions", json=body) as resp:
-                    async for chunk in resp.content.iter_any():
-                        if not ttft and b"data:" in chunk:
-                            ttft = time.perf_counter() - t0
-                    results.append((resp.status, ttft, time.perf_counter() - t0))
+                results.append(await stream_completion(http, url, prompt, max_tokens))
             except (TimeoutError, aiohttp.ClientError):
                 results.append((0, 0.0, time.perf_counter() - t0))
 

@@ -1,10 +1,14 @@
 """The live bench's fleet (bench/live.py, bench/live_floor.py): ``kvgate sim-engine``s started
-with a workload's speeds and cache size, ready when each has printed its endpoints."""
+with a workload's speeds and cache size, ready when each has printed its endpoints, and the one
+streamed completion both benches send to it and time."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+
+import aiohttp
 
 from bench.live_kvgate import MODEL
 from bench.live_workloads import TOKENIZER, LiveWorkload
@@ -12,12 +16,17 @@ from kvgate_tools.procs import ProcessGroup, Ready
 
 
 def start_fleet(
-    procs: ProcessGroup, n: int, args: argparse.Namespace, w: LiveWorkload | None = None
+    procs: ProcessGroup,
+    n: int,
+    args: argparse.Namespace,
+    w: LiveWorkload | None = None,
+    cache_blocks: int | None = None,
 ) -> list[tuple[str, str, str]]:
-    """(http url, events endpoint, replay endpoint) per engine (``w``: its speeds and cache size)."""
+    """(http url, events endpoint, replay endpoint) per engine (``w``: its speeds; the KV blocks
+    per engine are ``cache_blocks``, else the run's, else ``--cache-blocks``)."""
     procs_ = []
     slowdowns = w.slowdowns if w is not None else (1.0,)
-    cache_blocks = getattr(args, "run_cache_blocks", None) or args.cache_blocks
+    cache_blocks = cache_blocks or getattr(args, "run_cache_blocks", None) or args.cache_blocks
     for i in range(n):
         procs_.append(
             procs.spawn(
@@ -58,3 +67,25 @@ def start_fleet(
         assert m is not None
         fleet.append((m.group(1), m.group(2), m.group(3)))
     return fleet
+
+
+async def stream_completion(
+    http: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int
+) -> tuple[int, float, float]:
+    """One streamed completion of ``prompt``: (HTTP status, seconds to the first SSE data, seconds
+    to the end); the usage chunk is asked for (kvgate audits its cached-token prediction)."""
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+    t0 = time.perf_counter()
+    ttft = 0.0
+    async with http.post(url + "/v1/completions", json=body) as resp:
+        async for chunk in resp.content.iter_any():
+            if not ttft and b"data:" in chunk:
+                ttft = time.perf_counter() - t0
+        return resp.status, ttft, time.perf_counter() - t0

@@ -21,8 +21,6 @@ can still win.
 from __future__ import annotations
 
 import argparse
-import copy
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -31,8 +29,7 @@ import aiohttp
 import numpy as np
 import uvloop
 
-from bench.live_fleet import start_fleet
-from bench.live_kvgate import MODEL
+from bench.live_fleet import start_fleet, stream_completion
 from bench.live_workloads import LiveWorkload, working_set_blocks
 from kvgate_tools.procs import ProcessGroup
 
@@ -43,29 +40,27 @@ async def sequential_ttfts(url: str, prompts: list[str], timeout_s: float) -> li
     out: list[float] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
         for prompt in prompts:
-            body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "stream": True, "ignore_eos": True}
-            t0 = time.perf_counter()
-            ttft = 0.0
-            async with http.post(url + "/v1/completions", json=body) as resp:
-                if resp.status != 200:
-                    raise RuntimeError(f"floor: the engine answered {resp.status}: {await resp.text()}")
-                async for chunk in resp.content.iter_any():
-                    if not ttft and b"data:" in chunk:
-                        ttft = time.perf_counter() - t0
+            status, ttft, _total = await stream_completion(http, url, prompt, 1)
+            if status != 200 or ttft <= 0:
+                raise RuntimeError(f"floor: the engine answered {status} without a first token")
             out.append(ttft)
     return out
+
+
+def floor_fleet(w: LiveWorkload, reqs: list[tuple[float, str, int]]) -> tuple[LiveWorkload, int]:
+    """The floor's engine: ``w`` at its fastest engines' speed, and KV blocks for the whole
+    working set and room for the largest requests besides (nothing is ever evicted)."""
+    working_set, largest = working_set_blocks(reqs)
+    return replace(w, slowdowns=(min(w.slowdowns),)), working_set + 4 * largest
 
 
 def floor_run(
     w: LiveWorkload, reqs: list[tuple[float, str, int]], args: argparse.Namespace, tmp: Path
 ) -> dict[str, Any]:
     """``floor_ttft_p50_ms`` and ``floor_ttft_p99_ms`` of ``reqs`` on ``w``'s fleet (docstring)."""
-    working_set, largest = working_set_blocks(reqs)
-    one = copy.copy(args)
-    one.run_cache_blocks = working_set + 4 * largest  # nothing is ever evicted
-    fastest = replace(w, slowdowns=(min(w.slowdowns),))
+    fastest, cache_blocks = floor_fleet(w, reqs)
     with ProcessGroup(tmp) as procs:
-        ((url, _events, _replay),) = start_fleet(procs, 1, one, fastest)
+        ((url, _events, _replay),) = start_fleet(procs, 1, args, fastest, cache_blocks)
         ttfts = uvloop.run(sequential_ttfts(url, [p for _t, p, _n in reqs], args.timeout))
     ms = np.array(ttfts) * 1e3
     return {

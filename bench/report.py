@@ -124,13 +124,15 @@ def _live_summary(all_rows: list[dict[str, Any]]) -> dict[str, Any]:
             audit.append(kv[0]["ttft_audit_median_abs_error"])
         if not kv or not peers:
             continue
-        for ratios, key in ((p99, "ttft_p99_ms"), (p50, "ttft_p50_ms")):
+        # (ratios, kvgate row's figure, the best peer's figure it is divided by)
+        for ratios, mine, key in (
+            (p99, "ttft_p99_ms", "ttft_p99_ms"),
+            (p50, "ttft_p50_ms", "ttft_p50_ms"),
+            (floor, "floor_ttft_p99_ms", "ttft_p99_ms"),  # absent with --no-floor
+        ):
             best = min(p[key] for p in peers)
-            if best > 0:
-                ratios.append(kv[0][key] / best)
-        best_p99 = min(p["ttft_p99_ms"] for p in peers)
-        if kv[0].get("floor_ttft_p99_ms") is not None and best_p99 > 0:
-            floor.append(kv[0]["floor_ttft_p99_ms"] / best_p99)
+            if best > 0 and kv[0].get(mine) is not None:
+                ratios.append(kv[0][mine] / best)
         best_hit = max(p["hit_rate"] for p in peers)
         if best_hit > 0:
             hit.append(kv[0]["hit_rate"] / best_hit)

@@ -10,7 +10,7 @@ from pathlib import Path
 import uvloop
 
 from bench import live_fleet, live_floor
-from bench.live_workloads import load, render, workload
+from bench.live_workloads import load, render, working_set_blocks, workload
 from kvgate_tools.procs import ProcessGroup
 
 
@@ -27,10 +27,19 @@ def test_a_prompt_sent_again_is_served_from_the_cache(tmp_path: Path) -> None:
     assert 0 < again < first
 
 
-def test_the_floor_of_a_workload_is_reported_per_quantile(tmp_path: Path) -> None:
-    w = workload("hetero", Path("unused"))  # the floor runs on the fleet's fastest kind
+def test_the_floors_engine_is_of_the_fleets_fastest_kind_and_never_evicts() -> None:
+    w = workload("hetero", Path("unused"))  # every other engine 3x slower
+    reqs = render(load(w, 40, seed=1), w, 40, max_blocks=48, max_tokens=1)
+    fastest, cache_blocks = live_floor.floor_fleet(w, reqs)
+    assert w.slowdowns == (1.0, 3.0) and fastest.slowdowns == (1.0,)
+    working_set, largest = working_set_blocks(reqs)
+    assert cache_blocks >= working_set + largest  # every prompt's blocks and one more in flight
+
+
+def test_the_floor_of_a_workload_is_one_ttft_per_request(tmp_path: Path) -> None:
+    w = workload("agent", Path("unused"))
     reqs = render(load(w, 12, seed=1), w, 12, max_blocks=48, max_tokens=1)
     args = argparse.Namespace(time_scale=0.25, cache_blocks=64, timeout=60.0)
     got = live_floor.floor_run(w, reqs, args, tmp_path)
     assert set(got) == {"floor_ttft_p50_ms", "floor_ttft_p99_ms"}
-    assert 0 < got["floor_ttft_p50_ms"] <= got["floor_ttft_p99_ms"]
+    assert got["floor_ttft_p50_ms"] > 0  # sequential_ttfts raises on a request without a first token
