@@ -367,9 +367,10 @@ class TtftFeed:
         return sample
 
     def _peers_predict_better(self, probe: TtftProbe, observed_ms: float) -> bool:
-        """A stale replica's probe: did its fresh peers' typical fit predict it better than its
+        """A stale or unseen replica's probe: did its fresh peers' typical fit predict it better than its
         own (``router_policies.ttft.freshness``: then it goes on probation)?"""
-        if not self.freshness.stale(probe.replica) or observed_ms <= 0:
+        f = self.freshness
+        if not (f.stale(probe.replica) or f.unseen(probe.replica)) or observed_ms <= 0:
             return False
         typical = self._typical_fresh()
         if typical is None:

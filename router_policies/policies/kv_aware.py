@@ -20,7 +20,8 @@ requests queued behind it, per healthy replica r:
                  tokens, with the steps it adds), read_r (its cached tokens) and fetch_r (matched
                  blocks on slower KV tiers: fetched, or recomputed when that is cheaper)
     ttft_r     = wait_r + prefill_r + read_r + fetch_r                       (milliseconds)
-    fill_r     = held_blocks_r / max over healthy replicas of held_blocks   (0 when none hold any)
+    fill_r     = held_blocks_r / max over healthy replicas of held_blocks   (0 when none hold any,
+                 and 0 everywhere when no replica's matched_r is above 0: a prompt held nowhere)
     spread_r   = 1 + fill_weight x (fill_r - min over healthy replicas of fill)
     added_r    = the engine time this request's prefill adds on r for every request queued behind
                  it (its marginal work: its tokens and the share of steps they fill)
@@ -130,7 +131,13 @@ requests arriving one at a time every replica's load is 0, so a short prefix sha
 session (a system prompt) would draw every new session to the one replica that first cached it,
 until its cache thrashes while the others sit empty (observed on real vLLM in ``make e2e-vllm``).
 The term makes new content cost more on the replica whose cache the index already fills most,
-relative to the emptiest one. When every replica holds about as much spread_r is ~1.
+relative to the emptiest one. When every replica holds about as much spread_r is ~1. It prices
+the choice between a replica that holds part of the prompt and the others; a prompt no replica
+holds (matched_r 0 everywhere) is new content wherever it goes, and the queues spread it (ties
+rotate at idle). There the term sent long cold prompts behind longer queues for an emptier cache
+(4 x 5,000 tokens x 0.5 of fill is 10,000 queued tokens): on a live trace of little reuse (the
+shared synthetic Mooncake trace's first 300 requests, 4 sim-engines) TTFT p99 122-130 ms with it,
+87-95 ms without (three seeds; docs/performance.md, "The fill term and new content").
 
 Hot-spot guard: a replica is a candidate only while
     load_r <= balance_rel x mean_load + balance_abs
@@ -345,7 +352,10 @@ class KvAware:
         min_match = p.min_match_ratio * prompt
         start = self._cursor % n
         most_held = max(r.held_blocks for r in healthy)
-        fills = [r.held_blocks / most_held if most_held else 0.0 for r in healthy]
+        # the fill term prices the choice between a holder of part of the prompt and the others;
+        # a prompt no replica holds usefully is spread by the queues (docstring: spread_r)
+        held_anywhere = any(r.matched_blocks * request.block_size >= max(min_match, 1) for r in healthy)
+        fills = [r.held_blocks / most_held if most_held and held_anywhere else 0.0 for r in healthy]
         least_fill = min(fills)
         if p.rule == "tokens":  # no model to price with; the speeds only
             models, shares, times = [self._prior] * n, [1.0] * n, self._times(healthy, prompt)

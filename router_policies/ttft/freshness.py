@@ -12,6 +12,12 @@ at most every ``stale_s``. Its own fit is kept and goes on learning from that to
 from its peers would throw away a true slowness, and under ``--workers`` a worker must not
 change a prior the parent did not: gateway/workers_ttft.py's invariants).
 
+A replica no first token of which was observed yet while its peers' were (unseen: the fleet
+started together and others answered first) is priced as its peers too: its prior may be of
+another speed than the fleet (the H100 default in front of faster engines), and a replica priced
+slower than its fitted peers gets no prompt whose first token would correct it. Its first token
+is a probe like a stale replica's.
+
 The probe decides which fit to believe: when the peers' typical fit predicted it better than the
 replica's own (the spell is over), the replica stays priced as its peers for its next
 ``PROBATION`` first tokens, its probation, while its own fit catches up; else (it is still slow)
@@ -68,9 +74,18 @@ class Freshness:
         last = self._last.get(replica)
         return last is not None and self.latest - last > self.stale_s
 
+    def unseen(self, replica: str) -> bool:
+        """No first token of ``replica`` observed yet while its peers' were: the fleet started
+        together and others answered first (``TtftFeed.adopt`` covers a replica that joins
+        fitted peers). Its prior may be of another speed than the fleet's (the H100 default in
+        front of CPU engines), and a replica priced slower than its fitted peers gets no prompt
+        whose first token would correct it: with kv_aware's fill term off, a live fleet of four
+        sent every request to the two replicas that answered first (docs/performance.md)."""
+        return replica not in self._last and bool(self._last)
+
     def as_peers(self, replica: str) -> bool:
-        """Priced as its peers: stale, or on probation."""
-        return replica in self._probation or self.stale(replica)
+        """Priced as its peers: stale, on probation, or unseen."""
+        return replica in self._probation or self.stale(replica) or self.unseen(replica)
 
     def replicas(self) -> KeysView[str]:
         return self._last.keys()

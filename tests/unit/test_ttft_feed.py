@@ -46,7 +46,8 @@ def test_the_first_byte_fits_the_replica_and_the_audit_hears_the_prediction() ->
         assert f.first_byte(i + 1.0) is None  # once
     assert len(samples) == 40 and feed.params("r").observations == 40
     assert abs(samples[0].relative_error) > 0.5 and abs(samples[-1].relative_error) < 0.1
-    assert feed.params("other") == DEFAULT_PRIOR
+    assert feed.params("other") == feed.params("r")  # not answered yet: priced as its fitted peer
+    assert TtftFeed().params("other") == DEFAULT_PRIOR  # no fitted peer: its prior
 
 
 def _prior_ms(state: ReplicaState) -> float:
@@ -82,10 +83,11 @@ def test_a_joining_replica_starts_from_its_peers_fit() -> None:
             f = feed.flight(FlightCounters(), _dispatch(ReplicaState(r)), start=float(i))
             f.first_byte(i + slow * _prior_ms(ReplicaState(r)) / 1000)
     feed.adopt("d", ["a", "b", "c", "d"])
-    assert feed.params("d").coefficients() == feed.params("b").coefficients()  # the median speed
-    assert feed.params("d").observations == 0
+    # its own model (feed.params prices it as its fresh peers until it answers: freshness.unseen)
+    assert feed.model.params("d").coefficients() == feed.params("b").coefficients()  # the median speed
+    assert feed.model.params("d").observations == 0
     feed.adopt("e", [])  # no fitted peer: the prior
-    assert feed.params("e") == DEFAULT_PRIOR
+    assert feed.model.params("e") == DEFAULT_PRIOR
 
 
 def test_the_dispatch_is_the_chosen_replica_as_the_decision_saw_it() -> None:

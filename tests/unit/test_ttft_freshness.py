@@ -95,7 +95,6 @@ def test_time_r_stops_starving_a_replica_whose_fit_went_stale() -> None:
     assert times()["slow"] > 2 * times()["fast1"]
     _slow_goes_quiet(feed)
     assert times() == pytest.approx({"slow": 1.0, "fast1": 1.0, "fast2": 1.0})
-    assert feed.params("never-seen") == DEFAULT_PRIOR
 
 
 def test_a_probe_its_peers_predicted_better_starts_a_probation_its_own_fit_catches_up_in() -> None:
@@ -124,4 +123,56 @@ def test_probation_is_forgotten_with_the_replica() -> None:
     assert f.as_peers("r0")
     for i in range(1, MAX_REPLICAS + 1):
         f.observed(f"r{i}", float(i))
-    assert "r0" not in f.replicas() and not f.as_peers("r0")
+    assert "r0" not in f.replicas() and f.unseen("r0")  # forgotten: as a new replica
+    f.observed("r0", float(MAX_REPLICAS + 1))
+    assert not f.as_peers("r0")  # its probation went with it
+
+
+def test_unseen_only_while_peers_are_observed() -> None:
+    f = Freshness()
+    assert not f.unseen("a") and not f.as_peers("a")  # nobody answered yet: every prior stands
+    f.observed("b", 0.0)
+    assert f.unseen("a") and f.as_peers("a") and not f.unseen("b")
+
+
+def _fast_pair() -> TtftFeed:
+    """a and b fitted 2.5x faster than the prior (engines faster than the H100 default); c,
+    started with them, has not answered yet."""
+    feed = TtftFeed()
+    for i in range(30):
+        for rid in ("a", "b"):
+            _first_token(feed, rid, i * 0.2, 0.4)
+    return feed
+
+
+def test_a_replica_that_has_not_answered_yet_is_priced_as_its_fitted_peers() -> None:
+    """Priced by its prior instead, c looked 2.5x slower than a and b: time_r kept every prompt
+    from it, so no first token could ever correct it. As its peers, it takes a prompt when a and
+    b are busier."""
+    feed = _fast_pair()
+    assert feed.params("c") in (feed.params("a"), feed.params("b"))
+    assert feed.params("c") is not feed.model.params("c")  # its own model is still the prior
+    policy = build_policy("kv_aware", {"speed_ratio": 2})
+    req = RequestFeatures(model="m", block_keys=list(range(1, 65)), prompt_tokens=1024, block_size=16)
+    busy = {"a": 1000, "b": 1000, "c": 0}
+    fleet = FleetSnapshot(
+        tuple(ReplicaState(r, pending_prefill_tokens=busy[r], ttft=feed.params(r)) for r in busy)
+    )
+    assert policy.choose(req, fleet).replica == "c"
+    prior_priced = FleetSnapshot(
+        tuple(ReplicaState(r, pending_prefill_tokens=busy[r], ttft=feed.model.params(r)) for r in busy)
+    )
+    assert policy.choose(req, prior_priced).replica != "c"  # the starvation this prevents
+
+
+@pytest.mark.parametrize(("slowness", "probation"), [(0.4, True), (1.0, False)])
+def test_its_first_token_decides_between_its_peers_and_its_own_prior(
+    slowness: float, probation: bool
+) -> None:
+    """As fast as its peers: its prior predicted it worse, so it stays priced as them on
+    probation while its own fit learns; as slow as its prior said: its own fit at once."""
+    feed = _fast_pair()
+    _first_token(feed, "c", feed.freshness.latest + 0.1, slowness)
+    assert not feed.freshness.unseen("c")
+    assert feed.freshness.as_peers("c") is probation
+    assert (feed.params("c") is feed.model.params("c")) is not probation
