@@ -20,9 +20,10 @@ requests queued behind it, per healthy replica r:
                  tokens, with the steps it adds), read_r (its cached tokens) and fetch_r (matched
                  blocks on slower KV tiers: fetched, or recomputed when that is cheaper)
     ttft_r     = wait_r + prefill_r + read_r + fetch_r                       (milliseconds)
-    fill_r     = held_blocks_r / max over healthy replicas of held_blocks   (0 when none hold any,
-                 and 0 everywhere when no replica's matched_r is above 0: a prompt held nowhere)
-    spread_r   = 1 + fill_weight x (fill_r - min over healthy replicas of fill)
+    fill_r     = held_blocks_r / max over healthy replicas of held_blocks   (0 when none hold any)
+    w_fill     = fill_weight, or fill_weight / miss_weight for a prompt held nowhere (matched_r 0
+                 on every replica)
+    spread_r   = 1 + w_fill x (fill_r - min over healthy replicas of fill)
     added_r    = the engine time this request's prefill adds on r for every request queued behind
                  it (its marginal work: its tokens and the share of steps they fill)
     share_r    = (mean over healthy replicas of ref) / ref_r       (``behind: fleet``, the default;
@@ -131,13 +132,16 @@ requests arriving one at a time every replica's load is 0, so a short prefix sha
 session (a system prompt) would draw every new session to the one replica that first cached it,
 until its cache thrashes while the others sit empty (observed on real vLLM in ``make e2e-vllm``).
 The term makes new content cost more on the replica whose cache the index already fills most,
-relative to the emptiest one. When every replica holds about as much spread_r is ~1. It prices
-the choice between a replica that holds part of the prompt and the others; a prompt no replica
-holds (matched_r 0 everywhere) is new content wherever it goes, and the queues spread it (ties
-rotate at idle). There the term sent long cold prompts behind longer queues for an emptier cache
-(4 x 5,000 tokens x 0.5 of fill is 10,000 queued tokens): on a live trace of little reuse (the
-shared synthetic Mooncake trace's first 300 requests, 4 sim-engines) TTFT p99 122-130 ms with it,
-87-95 ms without (three seeds; docs/performance.md, "The fill term and new content").
+relative to the emptiest one. When every replica holds about as much spread_r is ~1.
+Why w_fill: a prompt no replica holds (matched_r 0 everywhere) is new content wherever it goes,
+and with the full weight the term made it wait behind up to miss_weight x fill_weight x its own
+uncached tokens more for an emptier cache (4 x 0.5 x 5,000 = 10,000 queued tokens for a cold
+5,000-token prompt): on a live trace of little reuse (the shared synthetic Mooncake trace's first
+300 requests, 4 sim-engines) TTFT p99 122-130 ms. With fill_weight / miss_weight the term adds at
+most fill_weight x its own uncached tokens (half its own prefill): p99 89 / 98 / 131 ms (three
+seeds). Switched off there altogether it gave 87-97 ms, but the heterogeneous fleet's hit rate fell
+to 0.73 on one seed (vllm-router's 0.79): new tenants' content then piles onto the fast replicas'
+caches (docs/performance.md, "The fill term and new content").
 
 Hot-spot guard: a replica is a candidate only while
     load_r <= balance_rel x mean_load + balance_abs
@@ -212,7 +216,8 @@ class KvAwareParams(BaseModel):
         0.5,
         ge=0.0,
         description="Extra cost of uncached tokens on a replica whose cache the index fills most, "
-        "relative to the emptiest (0 disables): spreads new content over the fleet's caches.",
+        "relative to the emptiest (0 disables): spreads new content over the fleet's caches. A "
+        "prompt no replica holds gets fill_weight / miss_weight.",
     )
     speed_ratio: float = Field(
         2.0,
@@ -355,7 +360,8 @@ class KvAware:
         # the fill term prices the choice between a holder of part of the prompt and the others;
         # a prompt no replica holds usefully is spread by the queues (docstring: spread_r)
         held_anywhere = any(r.matched_blocks * request.block_size >= max(min_match, 1) for r in healthy)
-        fills = [r.held_blocks / most_held if most_held and held_anywhere else 0.0 for r in healthy]
+        fills = [r.held_blocks / most_held if most_held else 0.0 for r in healthy]
+        fill_weight = p.fill_weight if held_anywhere else p.fill_weight / self._miss_weight
         least_fill = min(fills)
         if p.rule == "tokens":  # no model to price with; the speeds only
             models, shares, times = [self._prior] * n, [1.0] * n, self._times(healthy, prompt)
@@ -372,7 +378,7 @@ class KvAware:
             matched = min(r.matched_blocks * request.block_size, prompt)
             if matched < min_match:
                 matched = 0
-            spread = 1.0 + p.fill_weight * (fills[idx] - least_fill)
+            spread = 1.0 + fill_weight * (fills[idx] - least_fill)
             cost, terms[r.id] = self._cost(
                 r, request, _Candidate(matched, spread, shares[idx], models[idx], times[idx])
             )
