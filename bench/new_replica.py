@@ -127,7 +127,9 @@ def new_replica_share(policy: str = "kv_aware") -> float:
         bench.request()
     assert all(len(e.lru) == CACHE_BLOCKS for e in bench.engines.values())  # warm: caches full
     bench.join("r3")
-    joined = bench.fleet.ttft.params("r3")  # it starts from a warm peer's fit, not the prior
+    # its own model starts from a warm peer's fit, not the prior (and until its first token it is
+    # priced as its peers: router_policies.ttft.freshness, unseen)
+    joined = bench.fleet.ttft.model.params("r3")
     peers = [bench.fleet.ttft.params(r) for r in ("r0", "r1", "r2")]
     assert joined.observations == 0 and all(p.observations > 100 for p in peers)
     assert joined.coefficients() in [p.coefficients() for p in peers]  # a peer's fit

@@ -357,8 +357,8 @@ class KvAware:
         min_match = p.min_match_ratio * prompt
         start = self._cursor % n
         most_held = max(r.held_blocks for r in healthy)
-        # the fill term prices the choice between a holder of part of the prompt and the others;
-        # a prompt no replica holds usefully is spread by the queues (docstring: spread_r)
+        # a prompt no replica holds usefully waits at most fill_weight x its own uncached tokens
+        # more for an emptier cache (docstring: w_fill)
         held_anywhere = any(r.matched_blocks * request.block_size >= max(min_match, 1) for r in healthy)
         fills = [r.held_blocks / most_held if most_held else 0.0 for r in healthy]
         fill_weight = p.fill_weight if held_anywhere else p.fill_weight / self._miss_weight

@@ -79,8 +79,9 @@ class Freshness:
         together and others answered first (``TtftFeed.adopt`` covers a replica that joins
         fitted peers). Its prior may be of another speed than the fleet's (the H100 default in
         front of CPU engines), and a replica priced slower than its fitted peers gets no prompt
-        whose first token would correct it: with kv_aware's fill term off, a live fleet of four
-        sent every request to the two replicas that answered first (docs/performance.md)."""
+        whose first token would correct it: with kv_aware's fill term off for new content, a live
+        fleet of four sent every request to the two replicas that answered first
+        (docs/performance.md, "The fill term and new content")."""
         return replica not in self._last and bool(self._last)
 
     def as_peers(self, replica: str) -> bool:

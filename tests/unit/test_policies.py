@@ -290,7 +290,7 @@ def test_kv_aware_fill_term_sends_new_content_to_the_emptier_cache() -> None:
     assert build_policy("kv_aware").choose(req(10), deep).replica == "a"
 
 
-def test_kv_aware_fill_term_leaves_a_prompt_no_replica_holds_to_the_queues() -> None:
+def test_kv_aware_fill_term_bounds_the_wait_of_a_prompt_no_replica_holds() -> None:
     """New content held nowhere waits at most fill_weight x its own uncached tokens more for an
     emptier cache, no longer miss_weight x that (a cold 1,000-token prompt: 4,000 x 1.5 on the
     full a against 1,500 queued + 4,000 on the empty b sent it to b; now 4,000 x 1.125)."""
@@ -300,7 +300,7 @@ def test_kv_aware_fill_term_leaves_a_prompt_no_replica_holds_to_the_queues() -> 
     # within the bound the emptier cache still draws it (400 queued + 4,000 < 4,500)
     near = fleet(R("a", held_blocks=96), R("b", held_blocks=10, pending_prefill_tokens=400))
     assert build_policy("kv_aware").choose(cold, near).replica == "b"
-    # a prompt that b's empty cache does not hold but a's full one does in part: fill still prices it
+    # held in part by the full a: the full weight (4 x 872 x 1.45 on a against 4 x 1,000 on b)
     shared = fleet(R("a", held_blocks=96, matched_blocks=8), R("b", held_blocks=10))
     assert build_policy("kv_aware").choose(cold, shared).replica == "b"
 
