@@ -293,9 +293,9 @@ class TtftFeed:
         front of engines 4x faster, bench/live.py's decode_heavy) was routed on for 171 of 300
         first tokens once every fit's scale crossed 0.5 (first tokens waiting seconds behind long
         decodes), and over-predicted them (median relative error +0.78): placement and the
-        audit followed the worse model. The fit goes on learning either way. A stale fit, or
-        one on probation (``router_policies.ttft.freshness``), is priced as its fresh peers'
-        typical one."""
+        audit followed the worse model. The fit goes on learning either way. A stale fit, one on
+        probation, or a replica not yet answered (``router_policies.ttft.freshness``) is priced
+        as its fresh peers' typical one."""
         if self.freshness.as_peers(replica):
             typical = self._typical_fresh()
             if typical is not None:

@@ -78,7 +78,7 @@ class Freshness:
         """No first token of ``replica`` observed yet while its peers' were: the fleet started
         together and others answered first (``TtftFeed.adopt`` covers a replica that joins
         fitted peers). Its prior may be of another speed than the fleet's (the H100 default in
-        front of CPU engines), and a replica priced slower than its fitted peers gets no prompt
+        front of faster engines), and a replica priced slower than its fitted peers gets no prompt
         whose first token would correct it: with kv_aware's fill term off for new content, a live
         fleet of four sent every request to the two replicas that answered first
         (docs/performance.md, "The fill term and new content")."""
