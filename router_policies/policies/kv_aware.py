@@ -354,45 +354,40 @@ class KvAware:
         loads = [load_of(r) for r in healthy]
         limit = p.balance_rel * (sum(loads) / n) + p.balance_abs
         prompt = request.prompt_tokens
-        min_match = p.min_match_ratio * prompt
+        # matched_r (docstring): a match below min_match_ratio of the prompt counts as none
+        min_match = max(p.min_match_ratio * prompt, 1.0)
+        matches = [min(r.matched_blocks * request.block_size, prompt) for r in healthy]
+        matches = [m if m >= min_match else 0 for m in matches]
         start = self._cursor % n
         most_held = max(r.held_blocks for r in healthy)
-        # a prompt no replica holds usefully waits at most fill_weight x its own uncached tokens
-        # more for an emptier cache (docstring: w_fill)
-        held_anywhere = any(r.matched_blocks * request.block_size >= max(min_match, 1) for r in healthy)
+        # a prompt no replica holds waits at most fill_weight x its own uncached tokens more for
+        # an emptier cache (docstring: w_fill)
+        fill_weight = p.fill_weight if any(matches) else p.fill_weight / self._miss_weight
         fills = [r.held_blocks / most_held if most_held else 0.0 for r in healthy]
-        fill_weight = p.fill_weight if held_anywhere else p.fill_weight / self._miss_weight
         least_fill = min(fills)
         if p.rule == "tokens":  # no model to price with; the speeds only
             models, shares, times = [self._prior] * n, [1.0] * n, self._times(healthy, prompt)
         else:
             models, refs = self._models(healthy)
             shares, times = self._behind_scale(refs, loads), [1.0] * n
-        best: ReplicaState | None = None
+        best: int | None = None
         best_cost = 0.0
         scores: dict[str, float] = {}
         terms: dict[str, dict[str, float]] = {}
         for j in range(n):
             idx = (start + j) % n
             r = healthy[idx]
-            matched = min(r.matched_blocks * request.block_size, prompt)
-            if matched < min_match:
-                matched = 0
             spread = 1.0 + fill_weight * (fills[idx] - least_fill)
             cost, terms[r.id] = self._cost(
-                r, request, _Candidate(matched, spread, shares[idx], models[idx], times[idx])
+                r, request, _Candidate(matches[idx], spread, shares[idx], models[idx], times[idx])
             )
             scores[r.id] = cost
             if loads[idx] > limit:
                 continue
             if best is None or cost < best_cost:
-                best, best_cost = r, cost
+                best, best_cost = idx, cost
         if best is None:
-            best = min(healthy, key=load_of)
-            return Decision(best.id, "kv_aware:all_hot", best.matched_blocks, scores, terms)
-        reason = (
-            "kv_aware:cache"
-            if best.matched_blocks * request.block_size >= max(min_match, 1)
-            else "kv_aware:load"
-        )
-        return Decision(best.id, reason, best.matched_blocks, scores, terms)
+            hot = min(healthy, key=load_of)
+            return Decision(hot.id, "kv_aware:all_hot", hot.matched_blocks, scores, terms)
+        reason = "kv_aware:cache" if matches[best] else "kv_aware:load"
+        return Decision(healthy[best].id, reason, healthy[best].matched_blocks, scores, terms)

@@ -36,7 +36,7 @@ def test_the_floors_engine_is_of_the_fleets_fastest_kind_and_never_evicts() -> N
     assert cache_blocks >= working_set + largest  # every prompt's blocks and one more in flight
 
 
-def test_the_floor_of_a_workload_is_one_ttft_per_request(tmp_path: Path) -> None:
+def test_floor_run_reports_both_quantiles_of_a_workload(tmp_path: Path) -> None:
     w = workload("agent", Path("unused"))
     reqs = render(load(w, 12, seed=1), w, 12, max_blocks=48, max_tokens=1)
     args = argparse.Namespace(time_scale=0.25, cache_blocks=64, timeout=60.0)
