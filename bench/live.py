@@ -17,9 +17,12 @@ will not start). One row per (workload, router): engine-counted prefix hit rate 
 TTFT p50/p99 of streamed completions, engine TTFT p50/p99 (the engines' own
 ``vllm:time_to_first_token_seconds`` histograms, summed over the fleet: placement apart from the
 hop), completed requests per second, errors; for kvgate also its audits (``live_metrics``): the
-TTFT model's median absolute error and the cached-token audit's exact share and causes.
+TTFT model's median absolute error and the cached-token audit's exact share and causes. Each
+seed of ``--seeds`` (default three) is another slice of the workload replayed through every
+router; a row pools a router's replays (``bench/live_pool.py``) and keeps each seed's figures
+under ``per_seed``.
 
-    .venv/bin/python -m bench.live [--requests 300] [--replicas 4] [--trace FILE] [--out bench/results/live.json]
+    .venv/bin/python -m bench.live [--requests 300] [--replicas 4] [--seeds 5 6 7] [--trace FILE] [--out bench/results/live.json]
 """
 
 from __future__ import annotations
@@ -36,13 +39,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import numpy as np
 import uvloop
 
 from bench import live_metrics
 from bench.live_fleet import start_fleet, stream_completion
 from bench.live_floor import floor_run
 from bench.live_kvgate import MODEL, merged, start_agents, start_kvgate, wait_agents
+from bench.live_pool import RunMeasure, pooled_floor, pooled_row
 from bench.live_workloads import (
     MOONCAKE,
     TOKENIZER,
@@ -163,14 +166,10 @@ def start_router(
     raise ValueError(f"unknown router {name!r}")
 
 
-def _ms(seconds: float | None) -> float | None:
-    return round(seconds * 1e3, 3) if seconds is not None else None
-
-
 def one_run(
     w: LiveWorkload, router: str, reqs: list[tuple[float, str, int]], args: argparse.Namespace
-) -> dict[str, Any]:
-    tmp = args.out.parent / "tmp" / "live" / f"{w.name.replace(':', '_')}-{router}"
+) -> RunMeasure:
+    tmp = args.out.parent / "tmp" / "live" / f"{w.name.replace(':', '_')}-{router}-{args.run_seed}"
     audit: dict[str, Any] = {}
     with ProcessGroup(tmp) as procs:
         fleet = start_fleet(procs, args.replicas, args, w)
@@ -187,32 +186,69 @@ def one_run(
                 urllib.request.urlopen(url + "/admin/replicas", timeout=5) as r,
             ):
                 (tmp / "kvgate_replicas.json").write_bytes(r.read())
-    ok = [(t, tot) for s, t, tot in results if s == 200 and t > 0]
-    ttft = np.array([t for t, _ in ok]) * 1e3 if ok else np.zeros(1)
-    engine_ttft = live_metrics.delta(b1, b0)
-    return {
-        "workload": w.name,
-        "router": router,
-        "policy": policy,
-        "requests": len(results),
-        "ok": len(ok),
-        "errors": len(results) - len(ok),
-        "wall_s": wall,
-        "throughput_rps": len(ok) / wall if wall else 0.0,
-        "ttft_p50_ms": float(np.percentile(ttft, 50)),
-        "ttft_p99_ms": float(np.percentile(ttft, 99)),
-        "engine_ttft_p50_ms": _ms(live_metrics.quantile(engine_ttft, 0.5)),
-        "engine_ttft_p99_ms": _ms(live_metrics.quantile(engine_ttft, 0.99)),
-        "hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0,
-        "queried_tokens": q1 - q0,
-        # the share of the prompt tokens each engine was sent (engine order: hetero's slow ones odd)
-        "engine_token_share": [
-            round((a - b) / (q1 - q0), 3) if q1 > q0 else 0.0 for a, b in zip(e1, e0, strict=True)
-        ],
-        "cache_blocks_per_engine": getattr(args, "run_cache_blocks", None) or args.cache_blocks,
-        "working_set_blocks": getattr(args, "run_working_set", None),
-        **audit,
-    }
+    return RunMeasure(
+        seed=args.run_seed,
+        policy=policy,
+        statuses=[s for s, _t, _tot in results],
+        ttft_ms=[t * 1e3 for s, t, _tot in results if s == 200 and t > 0],
+        wall_s=wall,
+        hits=h1 - h0,
+        queries=q1 - q0,
+        engine_queries=[a - b for a, b in zip(e1, e0, strict=True)],
+        engine_ttft=live_metrics.delta(b1, b0),
+        audit=audit,
+    )
+
+
+def workload_rows(wl: str, routers: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One row per router for workload ``wl``: every seed's replay through it, pooled
+    (bench/live_pool.py); the floor likewise, over the same seeds."""
+    w = workload(wl, args.trace or MOONCAKE)
+    runs: dict[str, list[RunMeasure]] = {r: [] for r in routers}
+    floors: list[list[float]] = []
+    settings: dict[str, Any] = {}
+    for seed in args.seeds:
+        args.run_seed = seed
+        reqs = render(load(w, args.requests, seed), w, args.requests, args.max_blocks, args.max_tokens)
+        # KV pressure: the fleet's caches together hold 1 / pressure of the working set
+        pressure = pressure_cache_blocks(reqs, w, args.replicas)
+        args.run_cache_blocks, args.run_working_set = pressure if pressure else (None, None)
+        settings[str(seed)] = {"cache_blocks": args.run_cache_blocks, "working_set": args.run_working_set}
+        if not args.no_floor:
+            tmp = args.out.parent / "tmp" / "live" / f"{w.name.replace(':', '_')}-floor-{seed}"
+            floors.append(floor_run(w, reqs, args, tmp))
+        for router in routers:
+            runs[router].append(one_run(w, router, reqs, args))
+            _print_row(w.name, router, seed, pooled_row(runs[router][-1:]))
+    floor = pooled_floor(floors) if floors else {}
+    if floor:
+        print(
+            f"{w.name:12} {'floor':20} ttft p50 {floor['floor_ttft_p50_ms']:8.1f} p99 "
+            f"{floor['floor_ttft_p99_ms']:8.1f} ms (alone, idle, all cached before)",
+            flush=True,
+        )
+    rows = []
+    for router in routers:
+        row = {"workload": w.name, "router": router, **pooled_row(runs[router]), **floor}
+        row["cache_blocks_per_engine"] = {
+            s: v["cache_blocks"] or args.cache_blocks for s, v in settings.items()
+        }
+        row["working_set_blocks"] = {s: v["working_set"] for s, v in settings.items()}
+        rows.append(row)
+        if len(args.seeds) > 1:
+            _print_row(w.name, router, None, row)
+    return rows
+
+
+def _print_row(name: str, router: str, seed: int | None, row: dict[str, Any]) -> None:
+    engine_p99 = row["engine_ttft_p99_ms"]
+    print(
+        f"{name:12} {router:20} ({'seed ' + str(seed) if seed is not None else 'pooled':>8}) hit "
+        f"{row['hit_rate']:.3f} ttft p50 {row['ttft_p50_ms']:8.1f} p99 {row['ttft_p99_ms']:8.1f} ms "
+        f"(engine p99 {engine_p99 if engine_p99 is not None else float('nan'):8.1f})  "
+        f"{row['throughput_rps']:6.2f} req/s errors {row['errors']}",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,7 +276,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speedup", type=float, default=4.0)
     ap.add_argument("--time-scale", type=float, default=0.25)
     ap.add_argument("--timeout", type=float, default=120.0)
-    ap.add_argument("--seed", type=int, default=5)
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[5, 6, 7],
+        help="each seed a slice of the workload replayed through every router; a row pools them "
+        "(bench/live_pool.py: a p99 of one 300-request replay moves 0.2-0.4 between runs)",
+    )
+    ap.add_argument("--seed", type=int, help="one seed only (the same as --seeds SEED)")
     ap.add_argument(
         "--no-floor",
         action="store_true",
@@ -259,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         '{"tokenize_offload_chars": 2048}}); --kvgate-workers sets server.workers',
     )
     args = ap.parse_args(argv)
+    if args.seed is not None:
+        args.seeds = [args.seed]
     if args.kvgate_workers != 1:
         args.kvgate_config = merged(args.kvgate_config, {"server": {"workers": args.kvgate_workers}})
     if args.workloads is None:
@@ -266,34 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             ["trace"] if args.trace else ["agent", "mooncake", "kv_pressure", "hetero", "decode_heavy"]
         )
     routers = [r for r in args.routers if r.startswith("kvgate") or (BENCH_VENV / "bin/python").exists()]
-    rows = []
-    for wl in args.workloads:
-        w = workload(wl, args.trace or MOONCAKE)
-        reqs = render(load(w, args.requests, args.seed), w, args.requests, args.max_blocks, args.max_tokens)
-        # KV pressure: the fleet's caches together hold 1 / pressure of the working set
-        pressure = pressure_cache_blocks(reqs, w, args.replicas)
-        args.run_cache_blocks, args.run_working_set = pressure if pressure else (None, None)
-        floor: dict[str, Any] = {}
-        if not args.no_floor:
-            floor = floor_run(
-                w, reqs, args, args.out.parent / "tmp" / "live" / f"{w.name.replace(':', '_')}-floor"
-            )
-            print(
-                f"{w.name:12} {'floor':20} ttft p50 {floor['floor_ttft_p50_ms']:8.1f} p99 "
-                f"{floor['floor_ttft_p99_ms']:8.1f} ms (alone, idle, all cached before)",
-                flush=True,
-            )
-        for router in routers:
-            row = {**one_run(w, router, reqs, args), **floor}
-            rows.append(row)
-            engine_p99 = row["engine_ttft_p99_ms"]
-            print(
-                f"{w.name:12} {router:20} ({row['policy']:11}) hit {row['hit_rate']:.3f} ttft p50 "
-                f"{row['ttft_p50_ms']:8.1f} p99 {row['ttft_p99_ms']:8.1f} ms (engine p99 "
-                f"{engine_p99 if engine_p99 is not None else float('nan'):8.1f})  "
-                f"{row['throughput_rps']:6.2f} req/s errors {row['errors']}",
-                flush=True,
-            )
+    rows = [row for wl in args.workloads for row in workload_rows(wl, routers, args)]
     write_results(args.out, {"settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
     return 0
 

@@ -23,10 +23,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import aiohttp
-import numpy as np
 import uvloop
 
 from bench.live_fleet import start_fleet, stream_completion
@@ -56,14 +54,11 @@ def floor_fleet(w: LiveWorkload, reqs: list[tuple[float, str, int]]) -> tuple[Li
 
 def floor_run(
     w: LiveWorkload, reqs: list[tuple[float, str, int]], args: argparse.Namespace, tmp: Path
-) -> dict[str, Any]:
-    """``floor_ttft_p50_ms`` and ``floor_ttft_p99_ms`` of ``reqs`` on ``w``'s fleet (docstring)."""
+) -> list[float]:
+    """Each request's floor TTFT in ms, ``reqs`` on ``w``'s fleet (docstring); bench/live_pool.py
+    takes the quantiles (over one seed's requests or several)."""
     fastest, cache_blocks = floor_fleet(w, reqs)
     with ProcessGroup(tmp) as procs:
         ((url, _events, _replay),) = start_fleet(procs, 1, args, fastest, cache_blocks)
         ttfts = uvloop.run(sequential_ttfts(url, [p for _t, p, _n in reqs], args.timeout))
-    ms = np.array(ttfts) * 1e3
-    return {
-        "floor_ttft_p50_ms": round(float(np.percentile(ms, 50)), 3),
-        "floor_ttft_p99_ms": round(float(np.percentile(ms, 99)), 3),
-    }
+    return [t * 1e3 for t in ttfts]

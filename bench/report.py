@@ -10,6 +10,8 @@ Headline figures and how they are taken (conservative where a choice exists):
   block count measured; ``match_2048_us_at_10m``: the highest median ``match`` time of a
   2,048-block prompt at 10M blocks (or the largest count measured); ``bytes_per_block``: the
   highest resident bytes per indexed entry at that count;
+* the live rows pool each router's replays of every seed (``bench/live_pool.py``: the quantiles of
+  all their first tokens, hits over queries of all their prompts);
 * ``live_ttft_p99_vs_best_peer``: kvgate's TTFT p99 over the lowest peer TTFT p99, the worst
   (highest) ratio over the workloads; ``live_hit_rate_vs_best_peer``: kvgate's engine-counted hit
   rate over the highest peer's, the worst (lowest) ratio over the workloads;
@@ -216,17 +218,18 @@ def table(
         out += [
             "## Live fleet (simulated engines)",
             "",
-            "| workload | router | policy | hit rate | TTFT p50 ms | TTFT p99 ms | engine TTFT p99 ms "
-            "| floor TTFT p99 ms | req/s | errors | TTFT audit median abs error |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| workload | router | policy | hit rate | TTFT p50 ms | TTFT p99 ms | TTFT p99 ms per seed "
+            "| engine TTFT p99 ms | floor TTFT p99 ms | req/s | errors | TTFT audit median abs error |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in live["rows"]:
             engine = r.get("engine_ttft_p99_ms")
             audit = r.get("ttft_audit_median_abs_error")
             floor = r.get("floor_ttft_p99_ms")
+            each = " / ".join(f"{s['ttft_p99_ms']:.1f}" for s in r.get("per_seed", []))
             out.append(
                 f"| {r['workload']} | {r['router']} | {r['policy']} | {r['hit_rate']:.3f} | {r['ttft_p50_ms']:.1f} "
-                f"| {r['ttft_p99_ms']:.1f} | {'-' if engine is None else f'{engine:.1f}'} "
+                f"| {r['ttft_p99_ms']:.1f} | {each or '-'} | {'-' if engine is None else f'{engine:.1f}'} "
                 f"| {'-' if floor is None else f'{floor:.1f}'} "
                 f"| {r['throughput_rps']:.2f} | {r['errors']} | {'-' if audit is None else f'{audit:.3f}'} |"
             )

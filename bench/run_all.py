@@ -60,7 +60,22 @@ def main(argv: list[str] | None = None) -> int:
     if "live" in args.parts:
         live.main(
             ["--out", str(res / "live.json")]
-            + (["--requests", "16", "--replicas", "2", "--speedup", "8", "--workloads", "agent"] if q else [])
+            + (
+                [
+                    "--requests",
+                    "16",
+                    "--replicas",
+                    "2",
+                    "--speedup",
+                    "8",
+                    "--workloads",
+                    "agent",
+                    "--seed",
+                    "5",
+                ]
+                if q
+                else []
+            )
             + (["--routers", "kvgate_kv_aware"] if args.no_peers else [])
         )
     if "new_replica" in args.parts:

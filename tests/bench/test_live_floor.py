@@ -9,7 +9,7 @@ from pathlib import Path
 
 import uvloop
 
-from bench import live_fleet, live_floor
+from bench import live_fleet, live_floor, live_pool
 from bench.live_workloads import load, render, working_set_blocks, workload
 from kvgate_tools.procs import ProcessGroup
 
@@ -36,10 +36,12 @@ def test_the_floors_engine_is_of_the_fleets_fastest_kind_and_never_evicts() -> N
     assert cache_blocks >= working_set + largest  # every prompt's blocks and one more in flight
 
 
-def test_floor_run_reports_both_quantiles_of_a_workload(tmp_path: Path) -> None:
+def test_floor_run_gives_every_request_its_floor_and_the_pool_both_quantiles(tmp_path: Path) -> None:
     w = workload("agent", Path("unused"))
     reqs = render(load(w, 12, seed=1), w, 12, max_blocks=48, max_tokens=1)
     args = argparse.Namespace(time_scale=0.25, cache_blocks=64, timeout=60.0)
     got = live_floor.floor_run(w, reqs, args, tmp_path)
-    assert set(got) == {"floor_ttft_p50_ms", "floor_ttft_p99_ms"}
-    assert got["floor_ttft_p50_ms"] > 0  # sequential_ttfts raises on a request without a first token
+    assert len(got) == 12 and min(got) > 0  # sequential_ttfts raises on a request without a first token
+    pooled = live_pool.pooled_floor([got, [2 * t for t in got]])
+    assert set(pooled) == {"floor_ttft_p50_ms", "floor_ttft_p99_ms"}
+    assert pooled["floor_ttft_p99_ms"] > max(got)  # the second seed's slower requests are in the pool
