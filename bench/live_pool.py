@@ -2,8 +2,9 @@
 
 Why pool: a p99 over one 300-request replay is its third-worst request, and the same code gave
 ratios to the best peer 0.2-0.4 apart from one run to the next (docs/performance.md, "Is there
-placement headroom on Mooncake?"). Each seed draws another slice of the workload's sessions
-(``live_workloads.load``), so the replays are independent samples of the same traffic; their
+placement headroom on Mooncake?"). Each seed draws other sessions of a generated workload, or
+another window of a trace file (``live_workloads.load``), so the replays are independent samples
+of the same kind of traffic; their
 first tokens are pooled before any quantile is taken (a p99 over 900 requests is the ninth-worst),
 never averaged as quantiles. Sums pool as sums (prefix-cache hits and queries, the engines' TTFT
 histograms, the cached-token audit's outcomes and causes), rates as a ratio of sums. The TTFT

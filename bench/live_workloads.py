@@ -4,8 +4,9 @@ Each workload is a trace of chained block ids (``router_policies.sim.traces``) r
 of ``kvgate sim-engine``s, with what makes placement matter:
 
 * ``agent``: the seeded agent-session workload (``router_policies.sim.workloads.agent_trace``);
-* ``mooncake``: the first requests of ``shared/traces/mooncake_conversation_trace.jsonl``;
-* ``trace``: any Mooncake-format trace given with ``--trace`` (named by its file);
+* ``mooncake``: ``shared/traces/mooncake_conversation_trace.jsonl``, a window of it per seed
+  (``trace_window``);
+* ``trace``: any Mooncake-format trace given with ``--trace`` (named by its file), likewise;
 * ``kv_pressure``: the agent workload on engines whose KV caches together hold half of its
   working set (each engine ``working set / (2 x replicas)`` blocks), so that what is evicted
   where decides the hit rate;
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from router_policies.sim.traces import Trace, load_trace
@@ -69,7 +70,22 @@ def load(w: LiveWorkload, requests: int, seed: int) -> Trace:
     path = Path(w.source)
     if not path.is_file():
         raise SystemExit(f"live: no trace file {path} for the {w.name} workload (give one with --trace)")
-    return load_trace(path)
+    return trace_window(load_trace(path), requests, seed)
+
+
+def trace_window(trace: Trace, requests: int, seed: int) -> Trace:
+    """A trace file's slice for ``seed``: window ``seed mod (len // requests)`` of its consecutive
+    ``requests``-request windows (the whole trace when it holds less than two), its arrival times
+    counted from the window's first request. So each seed of the live bench replays another part
+    of the trace, as each seed of the agent workload draws other sessions; blocks first seen
+    before the window are new content to every router alike."""
+    windows = len(trace.requests) // requests if requests > 0 else 0
+    if windows < 2:
+        return trace
+    start = (seed % windows) * requests
+    part = trace.requests[start : start + requests]
+    t0 = part[0].timestamp_ms
+    return replace(trace, requests=tuple(replace(r, timestamp_ms=r.timestamp_ms - t0) for r in part))
 
 
 def render(

@@ -1,5 +1,6 @@
 """The live bench's pooling of several seeds into one row (``bench/live_pool.py``): quantiles of
-the pooled first tokens (not averaged quantiles), rates as ratios of sums."""
+the pooled first tokens (not averaged quantiles), rates as ratios of sums; and each seed's window
+of a trace file (``bench/live_workloads.py``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Any
 import numpy as np
 
 from bench.live_pool import RunMeasure, pooled_row
+from bench.live_workloads import trace_window
+from router_policies.sim.traces import Trace, TraceRequest
 
 
 def _run(
@@ -67,3 +70,13 @@ def test_audits_pool_by_their_counts() -> None:
     assert abs(row["cached_audit_exact_fraction"] - (100 + 270) / 400) < 1e-12
     assert row["cached_audit_causes"] == {"evicted": 20, "stale": 10}
     assert "ttft_audit_median_abs_error" not in pooled_row([_run(5, [1.0], 1, 2)])  # a peer: no audit
+
+
+def test_a_trace_file_gives_each_seed_its_own_window_from_time_zero() -> None:
+    reqs = tuple(TraceRequest(1000.0 + 10.0 * i, 512, 1, (i,)) for i in range(10))
+    trace = Trace("t", 512, reqs)
+    w1, w2 = trace_window(trace, 3, seed=1), trace_window(trace, 3, seed=5)  # 3 windows of 3
+    assert [r.hash_ids for r in w1.requests] == [(3,), (4,), (5,)]
+    assert [r.hash_ids for r in w2.requests] == [(6,), (7,), (8,)]  # 5 mod 3 = window 2
+    assert [r.timestamp_ms for r in w1.requests] == [0.0, 10.0, 20.0]
+    assert trace_window(trace, 6, seed=1) is trace  # fewer than two windows: the whole trace
