@@ -159,6 +159,10 @@ class _StateCollector(Collector):
                 "deferred_expedited_heads",
                 "Takeovers that encoded only the leading segments the two requests share.",
             ),
+            (
+                "deferred_heads_first",
+                "Leading new segments of queued deferred encodes encoded ahead of the queue.",
+            ),
             ("deferred_dropped", "Deferred encodes dropped from a full backlog."),
             ("memo_cache_hits", "Template outputs and prompt keys found in the memo cache."),
             ("memo_cache_misses", "Template outputs and prompt keys computed (and remembered)."),

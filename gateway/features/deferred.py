@@ -20,6 +20,16 @@ request's entries through ``on_prefix``, and the rest of the job stays queued. T
 request waits for the text it shares, not for the first one's own message (1.3-1.9 ms against
 3.4-4.5 for a whole 8 KB job; docs/performance.md, "The unloaded tail of new chats").
 
+Heads first: the worker encodes the leading new segments of every queued job (``EncodePlan.head``:
+all its new segments but the last) before any job's remaining text, oldest first. A prompt's
+blocks are keyed in a chain, so its later text cannot be matched before its head is, and the head
+is the part other requests share (a new system prompt reaches many conversations within
+milliseconds; a job's last segment, the newest message, is shared only by its own conversation's
+next turn, seconds later). When jobs queue faster than the thread encodes them, a request sharing
+a queued job's head then finds it cached and keyed, on the first request's replica (``on_prefix``),
+instead of taking the encode over on its own path. The job next in line is encoded whole, so with
+nothing queued behind it nothing changes.
+
 The backlog is bounded in characters and in bytes (the texts as held): when requests bring new text faster than it can be
 encoded, the oldest waiting jobs are dropped (their text is encoded on the request path if it
 ever comes back). Owned by the ``Featurizer``; ``close`` cancels the worker before the
@@ -106,6 +116,9 @@ class DeferredEncodes:
         self._urgent_executor = urgent_executor or executor
         self._jobs: deque[DeferredJob] = deque()
         self._pending: dict[int, DeferredJob] = {}  # by fingerprint, while queued or being encoded
+        # Invariant: the queued jobs whose head (``EncodePlan.head``) no one has encoded or begun to
+        # encode, by fingerprint, oldest first; each is in ``_jobs`` (so the backlog's bounds hold)
+        self._heads: dict[int, DeferredJob] = {}
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()  # set while nothing is queued or being encoded
         self._idle.set()
@@ -114,6 +127,7 @@ class DeferredEncodes:
         self.encoded = 0  # jobs finished (segments cached, entries recorded)
         self.expedited = 0  # jobs taken over by a request carrying the same text
         self.expedited_heads = 0  # of which only the shared leading segments were encoded then
+        self.heads_first = 0  # heads the worker encoded ahead of the queue (module docstring)
         self.dropped = 0  # jobs dropped from a full backlog
         self.failed = 0  # jobs whose encode raised (a bug; logged)
 
@@ -132,6 +146,8 @@ class DeferredEncodes:
             self.dropped += 1
         self._jobs.append(job)
         self._pending[job.fingerprint] = job
+        if job.plan.whole is None and len(job.plan.missing) > 1:  # it has a head (EncodePlan.head)
+            self._heads[job.fingerprint] = job
         self.queued_chars += job.chars
         self.queued_bytes += job.bytes
         self._idle.clear()
@@ -165,20 +181,27 @@ class DeferredEncodes:
         )
         if head is not None and job in self._jobs:
             self.expedited_heads += 1
-            await self._run_head(job, head)
+            await self._run_head(job, head, self._urgent_executor)
             return
         try:
             self._jobs.remove(job)
         except ValueError:  # being encoded by the worker
             await job.finished.wait()
             return
+        self._unhead(job)
         self.queued_chars -= job.chars
         self.queued_bytes -= job.bytes
         # on the request path's pool: the background one runs at the lowest priority, and a
         # request waiting on it would inherit that priority under CPU pressure
         await self._run_job(job, self._urgent_executor)
 
+    def _unhead(self, job: DeferredJob) -> None:
+        """``job``'s head is encoded, being encoded, or no longer wanted (it left the queue)."""
+        if self._heads.get(job.fingerprint) is job:
+            del self._heads[job.fingerprint]
+
     def _forget(self, job: DeferredJob) -> None:
+        self._unhead(job)
         self.queued_chars -= job.chars
         self.queued_bytes -= job.bytes
         if self._pending.get(job.fingerprint) is job:
@@ -187,11 +210,21 @@ class DeferredEncodes:
 
     async def _run(self) -> None:
         while True:
+            if self._heads:  # heads first (module docstring)
+                job = self._heads.pop(next(iter(self._heads)))
+                # (the job next in line anyway is encoded whole below, in one call)
+                head = None if job is self._jobs[0] else job.encoder.still_missing(job.plan).head()
+                if head is not None:  # (None also when another job's encode cached it meanwhile)
+                    self.heads_first += 1
+                    await self._run_head(job, head, self._executor)
+                del job
+                continue
             if not self._jobs:
                 self._idle.set()
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            assert not self._heads  # heads go first
             job = self._jobs.popleft()
             self.queued_chars -= job.chars
             self.queued_bytes -= job.bytes
@@ -200,13 +233,17 @@ class DeferredEncodes:
             await self._run_job(job, self._executor)
             del job  # an idle worker holds no finished job
 
-    async def _run_head(self, job: DeferredJob, head: EncodePlan) -> None:
-        """Encode ``head`` (the queued job's leading segments a takeover shares) on the urgent
-        pool, cache it and record the job's leading keys; the job stays queued for the rest."""
+    async def _run_head(
+        self, job: DeferredJob, head: EncodePlan, executor: Callable[[], Executor | None]
+    ) -> None:
+        """Encode ``head`` (the queued job's leading segments: those a takeover shares, on the
+        urgent pool, or its ``EncodePlan.head`` by the worker), cache it and record the job's
+        leading keys; the job stays queued for the rest."""
+        self._unhead(job)
         job.head_busy = busy = asyncio.Event()
         try:
             enc = job.encoder
-            enc.remember(head, await self._encoded(job, head, self._urgent_executor))
+            enc.remember(head, await self._encoded(job, head, executor))
             if job.on_prefix is not None:  # routed (not dropped meanwhile): its replica's entries
                 leading = enc.prefix_tokens(
                     enc.still_missing(job.plan), add_special_tokens=job.add_special_tokens

@@ -156,6 +156,7 @@ class Featurizer:
             "deferred_encoded": d.encoded,
             "deferred_expedited": d.expedited,
             "deferred_expedited_heads": d.expedited_heads,
+            "deferred_heads_first": d.heads_first,
             "deferred_dropped": d.dropped,
             "deferred_backlog_chars": d.queued_chars,
             "seen_entries": len(self.planner.seen),

@@ -86,6 +86,14 @@ class EncodePlan:
         """Character offset of segment ``i`` in the planned text."""
         return sum(len(k[2]) for k in self.keys[:i]) + sum(len(sep) for sep in self.separators[:i])
 
+    def head(self) -> EncodePlan | None:
+        """A copy that encodes only the missing segments before the last one: the text's leading
+        new part, the part other requests can share (a new system prompt, a document, an unseen
+        conversation's earlier turns); None with fewer than two missing (or one piece)."""
+        if self.whole is not None or len(self.missing) < 2:
+            return None
+        return EncodePlan(self.keys, list(self.found), self.separators, self.missing[:-1], self.empty)
+
     def leading(self, end: int, overlap: int) -> EncodePlan | None:
         """A copy that encodes only the missing segments lying in the text's first ``end``
         characters (each with at least ``overlap`` of its characters there, or all of them); None

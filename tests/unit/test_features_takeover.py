@@ -130,9 +130,9 @@ async def test_takeovers_of_one_head_at_once_encode_it_once_and_the_worker_waits
     )
     job.on_prefix, job.on_keys = prefix.append, whole.append
     try:
-        deferred.submit(earlier)  # the worker takes it and waits for the background pool
-        deferred.submit(job)
-        await asyncio.sleep(0.05)
+        deferred.submit(earlier)
+        await asyncio.sleep(0.05)  # the worker took it and waits for the background pool
+        deferred.submit(job)  # (queued with earlier, its head would go first: test_features_heads_first.py)
         assert len(deferred) == 1  # the job is queued behind
         takeovers = [asyncio.ensure_future(deferred.expedite(2, len(head) + 10)) for _ in range(2)]
         await asyncio.sleep(0.05)
