@@ -5,10 +5,10 @@
 Full: index at 1M and 10M blocks over 8 and 64 replicas; overhead at 2 KB / 8 KB, concurrency 1,
 32 and 128, streaming and not, 2,000 requests per point; streamed 256-token answers at a 20 ms
 inter-token gap, concurrency 32, 128 and 256 (bench/streaming.py); live fleet of 4 engines, 300 requests of
-each workload (bench/live_workloads.py); the new-replica share (bench/new_replica.py). Quick: the
+each workload for each of three seeds, pooled (bench/live_workloads.py, bench/live_pool.py); the new-replica share (bench/new_replica.py). Quick: the
 same parts at small sizes (8 KB prompts only, 200 requests per point, one streamed answer per
 connection at concurrency 32 and a 10 ms gap,
-16 live requests of the agent workload only on 2 engines — process start-up dominates there;
+16 live requests of the agent workload only on 2 engines, one seed — process start-up dominates there;
 about two minutes on 2 busy cores).
 """
 
@@ -22,6 +22,10 @@ from pathlib import Path
 from bench import index_bench, live, new_replica, overhead, report, streaming
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+# the quick live part: 16 agent-workload requests on 2 engines, one seed
+QUICK_LIVE = ["--requests", "16", "--replicas", "2", "--speedup", "8", "--workloads", "agent", "--seed", "5"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,22 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     if "live" in args.parts:
         live.main(
             ["--out", str(res / "live.json")]
-            + (
-                [
-                    "--requests",
-                    "16",
-                    "--replicas",
-                    "2",
-                    "--speedup",
-                    "8",
-                    "--workloads",
-                    "agent",
-                    "--seed",
-                    "5",
-                ]
-                if q
-                else []
-            )
+            + (QUICK_LIVE if q else [])
             + (["--routers", "kvgate_kv_aware"] if args.no_peers else [])
         )
     if "new_replica" in args.parts:
