@@ -35,6 +35,7 @@ import os
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -166,17 +167,33 @@ def start_router(
     raise ValueError(f"unknown router {name!r}")
 
 
-def one_run(
-    w: LiveWorkload, router: str, reqs: list[tuple[float, str, int]], args: argparse.Namespace
-) -> RunMeasure:
-    tmp = args.out.parent / "tmp" / "live" / f"{w.name.replace(':', '_')}-{router}-{args.run_seed}"
+@dataclass(frozen=True, slots=True)
+class SeedRun:
+    """One seed's slice of a workload: its requests, and the engines' KV blocks for it
+    (``kv_pressure``'s share of its working set; None: ``--cache-blocks``)."""
+
+    seed: int
+    reqs: list[tuple[float, str, int]]
+    cache_blocks: int | None = None
+    working_set: int | None = None
+
+    @staticmethod
+    def of(w: LiveWorkload, seed: int, args: argparse.Namespace) -> SeedRun:
+        reqs = render(load(w, args.requests, seed), w, args.requests, args.max_blocks, args.max_tokens)
+        # KV pressure: the fleet's caches together hold 1 / pressure of the working set
+        pressure = pressure_cache_blocks(reqs, w, args.replicas)
+        return SeedRun(seed, reqs, *pressure) if pressure else SeedRun(seed, reqs)
+
+
+def one_run(w: LiveWorkload, router: str, run: SeedRun, args: argparse.Namespace) -> RunMeasure:
+    tmp = args.out.parent / "tmp" / "live" / f"{w.name.replace(':', '_')}-{router}-{run.seed}"
     audit: dict[str, Any] = {}
     with ProcessGroup(tmp) as procs:
-        fleet = start_fleet(procs, args.replicas, args, w)
+        fleet = start_fleet(procs, args.replicas, args, w, run.cache_blocks)
         url, policy = start_router(procs, router, fleet, tmp, args.kvgate_params, args.kvgate_config)
         urls = [u for u, *_ in fleet]
         h0, q0, b0, e0 = engine_state(urls)
-        results, wall = uvloop.run(replay(url, reqs, args.speedup, args.timeout))
+        results, wall = uvloop.run(replay(url, run.reqs, args.speedup, args.timeout))
         h1, q1, b1, e1 = engine_state(urls)
         if router.startswith("kvgate"):
             audit = dict(live_metrics.kvgate_audit(live_metrics.scrape(url)))
@@ -187,7 +204,7 @@ def one_run(
             ):
                 (tmp / "kvgate_replicas.json").write_bytes(r.read())
     return RunMeasure(
-        seed=args.run_seed,
+        seed=run.seed,
         policy=policy,
         statuses=[s for s, _t, _tot in results],
         ttft_ms=[t * 1e3 for s, t, _tot in results if s == 200 and t > 0],
@@ -206,20 +223,14 @@ def workload_rows(wl: str, routers: list[str], args: argparse.Namespace) -> list
     w = workload(wl, args.trace or MOONCAKE)
     runs: dict[str, list[RunMeasure]] = {r: [] for r in routers}
     floors: list[list[float]] = []
-    settings: dict[str, Any] = {}
-    for seed in args.seeds:
-        args.run_seed = seed
-        reqs = render(load(w, args.requests, seed), w, args.requests, args.max_blocks, args.max_tokens)
-        # KV pressure: the fleet's caches together hold 1 / pressure of the working set
-        pressure = pressure_cache_blocks(reqs, w, args.replicas)
-        args.run_cache_blocks, args.run_working_set = pressure if pressure else (None, None)
-        settings[str(seed)] = {"cache_blocks": args.run_cache_blocks, "working_set": args.run_working_set}
+    slices = [SeedRun.of(w, seed, args) for seed in args.seeds]
+    for run in slices:
         if not args.no_floor:
-            tmp = args.out.parent / "tmp" / "live" / f"{w.name.replace(':', '_')}-floor-{seed}"
-            floors.append(floor_run(w, reqs, args, tmp))
+            tmp = args.out.parent / "tmp" / "live" / f"{w.name.replace(':', '_')}-floor-{run.seed}"
+            floors.append(floor_run(w, run.reqs, args, tmp))
         for router in routers:
-            runs[router].append(one_run(w, router, reqs, args))
-            _print_row(w.name, router, seed, pooled_row(runs[router][-1:]))
+            runs[router].append(one_run(w, router, run, args))
+            _print_row(w.name, router, run.seed, pooled_row(runs[router][-1:]))
     floor = pooled_floor(floors) if floors else {}
     if floor:
         print(
@@ -230,10 +241,8 @@ def workload_rows(wl: str, routers: list[str], args: argparse.Namespace) -> list
     rows = []
     for router in routers:
         row = {"workload": w.name, "router": router, **pooled_row(runs[router]), **floor}
-        row["cache_blocks_per_engine"] = {
-            s: v["cache_blocks"] or args.cache_blocks for s, v in settings.items()
-        }
-        row["working_set_blocks"] = {s: v["working_set"] for s, v in settings.items()}
+        row["cache_blocks_per_engine"] = {str(r.seed): r.cache_blocks or args.cache_blocks for r in slices}
+        row["working_set_blocks"] = {str(r.seed): r.working_set for r in slices}
         rows.append(row)
         if len(args.seeds) > 1:
             _print_row(w.name, router, None, row)

@@ -23,10 +23,10 @@ def start_fleet(
     cache_blocks: int | None = None,
 ) -> list[tuple[str, str, str]]:
     """(http url, events endpoint, replay endpoint) per engine (``w``: its speeds; the KV blocks
-    per engine are ``cache_blocks``, else the run's, else ``--cache-blocks``)."""
+    per engine are ``cache_blocks``, else ``--cache-blocks``)."""
     procs_ = []
     slowdowns = w.slowdowns if w is not None else (1.0,)
-    cache_blocks = cache_blocks or getattr(args, "run_cache_blocks", None) or args.cache_blocks
+    cache_blocks = cache_blocks or args.cache_blocks
     for i in range(n):
         procs_.append(
             procs.spawn(
