@@ -6,7 +6,8 @@ between rounds, all on the same fake backends, and takes ``bench/overhead.py``'s
 ``prime`` of the 64 warm 8 KB chats, then ``measure`` of warm chats at concurrency 32 (``--reps``
 times ``--requests``: CPU of the gateway's process tree per request), then unique 8 KB chats at
 concurrency 1 (``--c1`` requests, the same seeded bodies for every tree of a round: the added
-latency against the backend measured directly just before). One JSON line per run, and a summary
+latency against the backend measured directly just before, and kvgate's deferred-encode counters
+over that run: takeovers of a queued job's head, heads the worker encoded first). One JSON line per run, and a summary
 per tree at the end (CPU ms per request min / median, c=1 added p99 median / min / max).
 
     .venv/bin/python -m bench.overhead_ab --trees base=/path/to/base branch=. [--rounds 8] [--out ab.jsonl]
@@ -25,10 +26,15 @@ from typing import Any
 
 import yaml
 
-from bench import loadgen, overhead
+from bench import live_metrics, loadgen, overhead
 from kvgate_tools.procs import ProcessGroup, Ready
+from kvgate_tools.prom_text import sums
 
 WARM_SEED = 11099
+DEFERRED_COUNTERS = {  # per c=1 run: requests taking a queued head over, heads the worker took first
+    "expedited_heads": "kvgate_tokenize_deferred_expedited_heads_total",
+    "heads_first": "kvgate_tokenize_deferred_heads_first_total",
+}
 
 
 def _one(
@@ -56,10 +62,21 @@ def _one(
             overhead.measure(port, proc.pid, warm, args.requests, 32, 60.0)["cpu_s_per_1000"]
             for _ in range(args.reps)
         ]
+        before = _deferred_counts(port)
         c1 = overhead.measure(port, proc.pid, unique, args.c1, 1, 120.0)
-        return {"cpu_ms": [round(c, 4) for c in cpu], "c1": c1}
+        after = _deferred_counts(port)
+        # the new chats' deferred encodes: takeovers of a queued job's head on a request's path,
+        # and heads the background worker encoded first (counters absent from an older tree: 0)
+        c1_deferred = {k: round(after[k] - before[k]) for k in after}
+        return {"cpu_ms": [round(c, 4) for c in cpu], "c1": c1, "c1_deferred": c1_deferred}
     finally:
         procs.stop(proc)
+
+
+def _deferred_counts(port: int) -> dict[str, float]:
+    """kvgate's deferred-encode counters from its /metrics (0 for one the tree does not export)."""
+    got = sums([live_metrics.scrape(f"http://127.0.0.1:{port}")], DEFERRED_COUNTERS.values())
+    return {short: got[name] for short, name in DEFERRED_COUNTERS.items()}
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -109,9 +126,11 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
     for tree in dict.fromkeys(r["tree"] for r in rows):
         cpu = [c for r in rows if r["tree"] == tree for c in r["cpu_ms"]]
         p99 = [r["c1_added_p99"] for r in rows if r["tree"] == tree]
+        heads = [r["c1_deferred"]["expedited_heads"] for r in rows if r["tree"] == tree]
         lines.append(
             f"{tree}: CPU ms/request min {min(cpu):.3f} median {statistics.median(cpu):.3f} ({len(cpu)} runs); "
-            f"c=1 added p99 median {statistics.median(p99):.2f} (min {min(p99):.2f}, max {max(p99):.2f})"
+            f"c=1 added p99 median {statistics.median(p99):.2f} (min {min(p99):.2f}, max {max(p99):.2f}); "
+            f"c=1 takeovers of a head {min(heads)}-{max(heads)} per run"
         )
     return lines
 

@@ -92,7 +92,7 @@ class EncodePlan:
         conversation's earlier turns); None with fewer than two missing (or one piece)."""
         if self.whole is not None or len(self.missing) < 2:
             return None
-        return EncodePlan(self.keys, list(self.found), self.separators, self.missing[:-1], self.empty)
+        return self._encoding_only(self.missing[:-1])
 
     def leading(self, end: int, overlap: int) -> EncodePlan | None:
         """A copy that encodes only the missing segments lying in the text's first ``end``
@@ -108,7 +108,11 @@ class EncodePlan:
             keep.append(i)
         if not keep or len(keep) == len(self.missing):
             return None
-        return EncodePlan(self.keys, list(self.found), self.separators, keep, self.empty)
+        return self._encoding_only(keep)
+
+    def _encoding_only(self, missing: list[int]) -> EncodePlan:
+        """A copy of this plan that encodes the segments ``missing`` (a leading run of its own)."""
+        return EncodePlan(self.keys, list(self.found), self.separators, missing, self.empty)
 
 
 class SegmentEncoder:
