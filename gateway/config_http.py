@@ -58,6 +58,12 @@ class ProxyConfig(_Strict):
         description="Bytes the cache of tokenized messages may hold (texts and token ids); least "
         "recently used first out.",
     )
+    tokenize_checkpoint_bytes: NonNegativeInt = Field(
+        16 * 1024 * 1024,
+        description="Bytes the exact leading tokens of texts encoded whole may hold, one entry per "
+        "256 characters, so that a text starting the same way is encoded from where they end (0: "
+        "off); least recently used first out.",
+    )
     memo_cache_bytes: NonNegativeInt = Field(
         32 * 1024 * 1024,
         description="Bytes the cache of chat-template outputs, texts' token ids and block keys of "

@@ -164,6 +164,18 @@ class _StateCollector(Collector):
                 "Leading new segments of queued deferred encodes encoded ahead of the queue.",
             ),
             ("deferred_dropped", "Deferred encodes dropped from a full backlog."),
+            (
+                "checkpoint_heads",
+                "Heads of text seen before taken from prefix checkpoints instead of encoded from the start.",
+            ),
+            (
+                "checkpoint_refused",
+                "Continuations from a prefix checkpoint refused: the context word came back changed.",
+            ),
+            (
+                "checkpoint_mismatches",
+                "Heads from prefix checkpoints their full encode contradicted (checkpoints then off).",
+            ),
             ("memo_cache_hits", "Template outputs and prompt keys found in the memo cache."),
             ("memo_cache_misses", "Template outputs and prompt keys computed (and remembered)."),
         ):

@@ -7,6 +7,7 @@ What a client's text can make the gateway hold, and its bound:
 - the record of texts seen (``proxy.tokenize_seen_entries`` x ``SEEN_ENTRY_BYTES``: fixed-size
   fingerprints, so an entry bound is a byte bound);
 - the deferred backlog (``proxy.tokenize_defer_backlog_bytes``): texts waiting to be encoded;
+- the prefix checkpoints (``proxy.tokenize_checkpoint_bytes``): token ids of texts' blocks;
 - encodes in flight (``proxy.tokenize_inflight_bytes``): texts on worker threads at once. An
   encode takes about 100 times its text's size in transient memory (measured with
   ``tokenizers`` 0.x on a 3 MB text: ~300 MB), so this bound and the per-request cap
@@ -50,6 +51,7 @@ class Budgets:
     inflight_bytes: int = 4 * 1024 * 1024
     max_prompt_chars: int | None = None
     memo_cache_bytes: int = 32 * 1024 * 1024
+    checkpoint_bytes: int = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)

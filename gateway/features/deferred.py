@@ -47,11 +47,21 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
+import numpy as np
+from tokenizers import Encoding
+
 from gateway.features.budgets import non_negative, text_bytes
 from gateway.features.novelty import PROBE_CHARS
-from gateway.features.segment_encoder import EncodePlan, SegmentEncoder, TokenArray
+from gateway.features.prefix_checkpoints import Checkpoint, PrefixCheckpoints, checkpoints_of
+from gateway.features.segment_encoder import EncodePlan, FirstPiece, SegmentEncoder, TokenArray
 
 log = logging.getLogger(__name__)
+
+
+def _same_first(planned: EncodePlan, now: EncodePlan) -> bool:
+    """Whether ``now`` (``planned`` less what was cached meanwhile) still encodes ``planned``'s
+    first text to encode first (the text whose blocks the job's fingerprints are of)."""
+    return planned.whole is not None or (bool(now.missing) and now.missing[0] == planned.missing[0])
 
 
 @dataclass(slots=True, eq=False, weakref_slot=True)  # eq=False: a job is itself, hashed by identity
@@ -76,6 +86,10 @@ class DeferredJob:
     # (``Router.record``; the audit and the operator view wait for the whole keys, ``on_keys``)
     on_prefix: Callable[[list[int]], None] | None = field(default=None, init=False)
     head_busy: asyncio.Event | None = field(default=None, init=False)  # set while a head is encoded
+    # a whole text's block fingerprints: its encode records their checkpoints (prefix_checkpoints.py)
+    fingerprints: tuple[int, ...] = field(default=(), init=False)
+    # the head routed on, when composed from checkpoints: checked against the whole text's tokens
+    head_check: TokenArray | None = field(default=None, init=False)
     chars: int = field(init=False)
     bytes: int = field(init=False)
     finished: asyncio.Event = field(default_factory=asyncio.Event, init=False)
@@ -101,11 +115,13 @@ class DeferredEncodes:
         urgent_executor: Callable[[], Executor | None] | None = None,
         backlog_bytes: int | None = None,
         after_encode: Callable[[int], None] | None = None,
+        checkpoints: PrefixCheckpoints | None = None,
     ) -> None:
         """``executor`` returns the pool of the background encodes, ``urgent_executor`` the one of
         encodes a waiting request takes over (default: the same); None encodes on the event loop.
         ``backlog_bytes``: the backlog's bound in bytes of text (None: characters only);
-        ``after_encode(chars)`` runs on the encoding thread after each encode (memory release)."""
+        ``after_encode(chars)`` runs on the encoding thread after each encode (memory release);
+        ``checkpoints``: where a whole text's encode records the exact tokens of its blocks."""
         non_negative(backlog_chars=backlog_chars, backlog_bytes=backlog_bytes)
         self.backlog_chars = backlog_chars
         self.backlog_bytes = backlog_bytes
@@ -113,6 +129,7 @@ class DeferredEncodes:
         self.queued_bytes = 0
         self._executor = executor
         self._after_encode = after_encode
+        self.checkpoints = checkpoints
         self._urgent_executor = urgent_executor or executor
         self._jobs: deque[DeferredJob] = deque()
         self._pending: dict[int, DeferredJob] = {}  # by fingerprint, while queued or being encoded
@@ -256,14 +273,18 @@ class DeferredEncodes:
             busy.set()
 
     async def _encoded(
-        self, job: DeferredJob, plan: EncodePlan, executor: Callable[[], Executor | None]
+        self,
+        job: DeferredJob,
+        plan: EncodePlan,
+        executor: Callable[[], Executor | None],
+        on_first: FirstPiece | None = None,
     ) -> list[TokenArray]:
         """``plan``'s missing segments of ``job``'s text, encoded on ``executor``'s pool (the
         background one, or the urgent one for a takeover; None: here)."""
         if plan.whole is None and not plan.missing:
             return []
         encode = functools.partial(
-            self._encode, job.encoder, plan, job.add_special_tokens, plan.missing_chars
+            self._encode, job.encoder, plan, job.add_special_tokens, plan.missing_chars, on_first
         )
         pool = executor()
         return encode() if pool is None else await asyncio.get_running_loop().run_in_executor(pool, encode)
@@ -272,7 +293,22 @@ class DeferredEncodes:
         try:
             enc = job.encoder
             plan = enc.still_missing(job.plan)
-            done = await self._encoded(job, plan, executor)
+            found: list[tuple[list[tuple[int, Checkpoint]], TokenArray]] = []
+            record: FirstPiece | None = None
+            if self.checkpoints is not None and job.fingerprints and _same_first(job.plan, plan):
+                fps = job.fingerprints
+
+                def record(e: Encoding, span: tuple[int, int], shift: int) -> None:  # worker thread
+                    own = np.asarray(e.ids[span[0] : span[1]], dtype=np.uint32)
+                    found.append((checkpoints_of(e, span, shift, fps), own))
+
+            done = await self._encoded(job, plan, executor, record)
+            if found and self.checkpoints is not None:
+                checkpoints, own = found[0]
+                # a head composed from checkpoints is checked against this encode before more
+                # are learned from it
+                if job.head_check is None or self.checkpoints.check(job.head_check, own):
+                    self.checkpoints.learn(checkpoints)
             if job.on_keys is None:  # not routed (explain, or no replica): only cache the segments
                 enc.remember(plan, done)
             else:
@@ -287,10 +323,15 @@ class DeferredEncodes:
             job.end()
 
     def _encode(
-        self, enc: SegmentEncoder, plan: EncodePlan, add_special_tokens: bool, chars: int
+        self,
+        enc: SegmentEncoder,
+        plan: EncodePlan,
+        add_special_tokens: bool,
+        chars: int,
+        on_first: FirstPiece | None,
     ) -> list[TokenArray]:
         try:
-            return enc.encode_missing(plan, add_special_tokens=add_special_tokens)
+            return enc.encode_missing(plan, add_special_tokens=add_special_tokens, on_first=on_first)
         finally:
             if self._after_encode is not None:
                 self._after_encode(chars)

@@ -43,6 +43,8 @@ class Defer:
     start: int  # character offset of the first uncached segment
     head_chars: int  # characters from ``start`` encoded before routing (0: none)
     anchor: int  # the fingerprint a later request with the same new text finds the job by
+    fingerprints: tuple[int, ...] = ()  # of the new text's blocks (``SeenTexts.fingerprints``)
+    seen: int = 0  # how many of them were seen before
 
 
 EncodeStep = EncodeNow | Defer
@@ -106,5 +108,5 @@ class EncodePlanner:
             # encoding through it (and a margin for the words dropped at the cut) keys every
             # block another request can share
             head = (seen + 1) * PROBE_CHARS + HEAD_MARGIN_CHARS if seen else 0
-            return Defer(plan, start, head, fingerprints[a])
+            return Defer(plan, start, head, fingerprints[a], tuple(fingerprints), seen)
         return EncodeNow(plan)  # all of it came before, so a replica may hold all of it

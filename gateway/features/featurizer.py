@@ -51,9 +51,10 @@ from gateway.features.feature_info import (
 )
 from gateway.features.memo_cache import MemoCache, TextTokens
 from gateway.features.model_registry import ModelRegistry
+from gateway.features.prefix_checkpoints import PrefixCheckpoints, continue_head
 from gateway.features.prompt import Chars, Prompt, PromptSpec, Remote, Text, TokenIds, chars_of, read_prompt
 from gateway.features.remote_tokenizer import RemoteTokenizeError, RemoteTokenizer, UrlChooser
-from gateway.features.segment_encoder import BoundedLRU, SegmentEncoder, TokenArray
+from gateway.features.segment_encoder import BoundedLRU, EncodePlan, SegmentEncoder, TokenArray
 from gateway.openai_errors import RequestError
 from gateway.request import Endpoint, ParsedRequest, request_of
 from router_policies.policy import RequestFeatures
@@ -120,12 +121,14 @@ class Featurizer:
         self.fallback_counts: dict[str, int] = {}
         self._cache = BoundedLRU(settings.cache_entries, b.cache_bytes)
         self.executor = EncodeExecutor(settings.threads, settings.offload_chars, b.inflight_bytes)
+        self.checkpoints = PrefixCheckpoints(b.checkpoint_bytes)
         self.deferred = DeferredEncodes(
             settings.defer_backlog_chars,
             self.executor.background_pool,
             self.executor.pool,
             backlog_bytes=b.defer_backlog_bytes,
             after_encode=self.executor.releaser.after_encode,
+            checkpoints=self.checkpoints if b.checkpoint_bytes else None,
         )
         self.planner = EncodePlanner(settings.defer_chars, settings.seen_entries, self.deferred)
         self._remote = RemoteTokenizer(remote) if remote is not None else None
@@ -160,6 +163,9 @@ class Featurizer:
             "deferred_dropped": d.dropped,
             "deferred_backlog_chars": d.queued_chars,
             "seen_entries": len(self.planner.seen),
+            "checkpoint_heads": self.checkpoints.composed,
+            "checkpoint_refused": self.checkpoints.refused,
+            "checkpoint_mismatches": self.checkpoints.mismatches,
             "memo_cache_hits": self.memo.hits,
             "memo_cache_misses": self.memo.misses,
         }
@@ -170,6 +176,7 @@ class Featurizer:
         return {
             "segment_cache": (self._cache.bytes, b.cache_bytes or 0),
             "memo_cache": (self.memo.bytes, b.memo_cache_bytes),
+            "prefix_checkpoints": (self.checkpoints.bytes, b.checkpoint_bytes),
             "seen_texts": (len(seen) * SEEN_ENTRY_BYTES, seen.capacity * SEEN_ENTRY_BYTES),
             "deferred_backlog": (d.queued_bytes, b.defer_backlog_bytes or 0),
             "encodes_in_flight": (self.executor.inflight.held, b.inflight_bytes),
@@ -299,6 +306,25 @@ class Featurizer:
             keys = self.memo.keys(namespace_of(spec), tokens, compute, source)
         return exact_features(spec, tokens, how, req.session_id, keys)
 
+    def _composed_head(
+        self, enc: SegmentEncoder, plan: EncodePlan, step: Defer
+    ) -> tuple[TokenArray, int] | None:
+        """The head of a text to encode (the whole prompt, or its first new segment) from the
+        checkpoints of its blocks seen before, encoding only what follows them
+        (prefix_checkpoints.py); None: encode it from the start."""
+        if self.deferred.checkpoints is None or not step.seen:
+            return None
+        known = self.checkpoints.known(step.fingerprints[: step.seen])
+        if known is None:
+            return None
+        text = plan.whole if plan.whole is not None else plan.keys[plan.missing[0]][2]
+        out = continue_head(enc.tokenizer, text, step.head_chars, known)
+        if out is None:
+            self.checkpoints.refused += 1
+        else:
+            self.checkpoints.composed += 1
+        return out
+
     async def _defer(
         self, req: ParsedRequest, spec: PromptSpec, prompt: Text, step: Defer, explain: bool
     ) -> Result:
@@ -308,15 +334,22 @@ class Featurizer:
         enc, plan, ast = self._encoder(spec), step.plan, prompt.add_special_tokens
         tokens = enc.prefix_tokens(plan, add_special_tokens=ast)
         covered = 0
+        composed = None
         if step.head_chars and (plan.whole is None or enc.can_cut_whole(ast)):
-            # a long head leaves the event loop like any long encode
-            (head, covered), _ = await self.executor.run(
-                step.head_chars, lambda: enc.head_tokens(plan, step.head_chars)
-            )
+            composed = self._composed_head(enc, plan, step)
+            if composed is None:
+                # a long head leaves the event loop like any long encode
+                (head, covered), _ = await self.executor.run(
+                    step.head_chars, lambda: enc.head_tokens(plan, step.head_chars)
+                )
+            else:
+                head, covered = composed
             tokens = np.concatenate([tokens, head])
         rest = len(prompt.text) - step.start - covered
         job = None if explain else DeferredJob(enc, plan, ast, step.anchor, keys_of(spec))
         if job is not None:
+            job.fingerprints = step.fingerprints
+            job.head_check = None if composed is None else composed[0]
             self.deferred.submit(job)
         how = Encoded(
             "local",

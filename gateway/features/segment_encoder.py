@@ -27,13 +27,13 @@ Threading: ``plan`` and ``finish`` touch the cache and run on the event loop thr
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
 import xxhash
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer
 
 from gateway.features.budgets import SEGMENT_ENTRY_OVERHEAD, text_bytes
 from gateway.features.byte_lru import ByteLRU
@@ -42,6 +42,8 @@ TokenArray = npt.NDArray[np.uint32]
 SegmentKey = tuple[str, str, str, str]  # (tokenizer, token before or "", segment text, token after or "")
 
 _EMPTY: TokenArray = np.zeros(0, dtype=np.uint32)
+# the first missing piece's encoding, where its own tokens are, where its characters start
+FirstPiece = Callable[[Encoding, tuple[int, int], int], None]
 
 
 class BoundedLRU(ByteLRU[SegmentKey, TokenArray]):
@@ -282,12 +284,21 @@ class SegmentEncoder:
 
     # -- encoding (any thread) -----------------------------------------------------------------
 
-    def encode_missing(self, plan: EncodePlan, *, add_special_tokens: bool) -> list[TokenArray]:
+    def encode_missing(
+        self, plan: EncodePlan, *, add_special_tokens: bool, on_first: FirstPiece | None = None
+    ) -> list[TokenArray]:
+        """The missing segments' ids (the whole text's for a whole plan). ``on_first(encoding,
+        (lo, hi), shift)``: called with the first one's encoding, where its own tokens are
+        (the rest are context or the post-processor's) and where its characters start."""
         if plan.whole is not None:
             # encode_batch, not encode: tokenizers releases the GIL only in encode_batch (an
             # 8 KB encode holds it ~3 ms, stalling the event loop; docs/performance.md)
-            ids = self.tokenizer.encode_batch([plan.whole], add_special_tokens=add_special_tokens)[0].ids
-            return [np.asarray(ids, dtype=np.uint32)]
+            enc = self.tokenizer.encode_batch([plan.whole], add_special_tokens=add_special_tokens)[0]
+            if on_first is not None:
+                n = len(self._affixes[0]) if add_special_tokens and self._affixes else 0
+                m = len(self._affixes[1]) if add_special_tokens and self._affixes else 0
+                on_first(enc, (n, len(enc.ids) - m), 0)
+            return [np.asarray(enc.ids, dtype=np.uint32)]
         if not plan.missing:
             return []
         texts = [plan.keys[i][1] + plan.keys[i][2] + plan.keys[i][3] for i in plan.missing]
@@ -305,6 +316,8 @@ class SegmentEncoder:
                 nxt and (not ids or ids[-1] != self._ids[nxt])
             ):
                 raise AssertionError(f"segment context tokens changed while encoding {plan.keys[i]!r}")
+            if on_first is not None and not out:
+                on_first(enc, (lo, hi), len(prev))
             out.append(np.asarray(ids[lo:hi], dtype=np.uint32))
         return out
 

@@ -153,7 +153,9 @@ async def test_a_prompt_above_the_cap_is_refused_before_it_is_encoded() -> None:
 
 async def test_memory_stats_report_every_holder_under_its_budget() -> None:
     cache = 200_000
-    f = _featurizer(cache_bytes=cache, defer_backlog_bytes=50_000, inflight_bytes=30_000)
+    f = _featurizer(
+        cache_bytes=cache, defer_backlog_bytes=50_000, inflight_bytes=30_000, checkpoint_bytes=20_000
+    )
     try:
         for i in range(20):  # distinct long prompts: far more than the cache's bytes
             req = request_of("completions", {"model": "tiny", "prompt": _text(i, 8000) + "<|im_end|>"})
@@ -165,9 +167,12 @@ async def test_memory_stats_report_every_holder_under_its_budget() -> None:
             "seen_texts",
             "deferred_backlog",
             "encodes_in_flight",
+            "prefix_checkpoints",
         }
         held, bound = stats["segment_cache"]
         assert 0 < held <= bound == cache
+        held, bound = stats["prefix_checkpoints"]
+        assert held <= bound == 20_000  # filled and bounded: test_prefix_checkpoints.py
         assert stats["encodes_in_flight"] == (0, 30_000)
         assert f.executor.inflight.peak > 0  # the long encodes went through the budget
     finally:
@@ -180,7 +185,14 @@ def test_default_budgets_stay_well_under_the_chart_memory_limit() -> None:
     p = parse_config({"models": [{"name": "m"}]}).proxy
     seen = p.tokenize_seen_entries * 80
     in_flight_transient = p.tokenize_inflight_bytes * 100
-    total = p.tokenize_cache_bytes + seen + p.tokenize_defer_backlog_bytes + in_flight_transient
+    total = (
+        p.tokenize_cache_bytes
+        + seen
+        + p.tokenize_defer_backlog_bytes
+        + in_flight_transient
+        + p.tokenize_checkpoint_bytes
+        + p.memo_cache_bytes
+    )
     assert total < 1024**3, total
 
 

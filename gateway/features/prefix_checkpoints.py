@@ -1,0 +1,208 @@
+"""Exact leading tokens of texts encoded before, so that a text sharing their start is not encoded
+from its first character again (docs/architecture.md, "Request path": features).
+
+A prompt sent as one piece of text (``/v1/completions``, or a chat message too long to be cut at
+added tokens) has no segment to cache: a request whose text starts with what an earlier one sent
+(a document asked about again, an agent's transcript resent with one more turn) used to encode
+all of that shared start before routing (``EncodePlanner``'s head), ~0.15 ms per 1,000
+characters on the event loop, every time.
+
+A checkpoint is kept per ``PROBE_CHARS`` block of a text that was encoded whole, keyed by the
+block's chained fingerprint (``SeenTexts.fingerprints``: it covers the text from its first
+character to the end of the block, seeded per tokenizer):
+
+    cut_j      = characters covered by the exact tokens through block j: the text's tokens up to
+                 the word before the one holding block j's last character (``head_tokens``' rule:
+                 a word's tokens depend on its own characters and one after them, so the tokens
+                 of every word ending two words before a cut are those of any text sharing the
+                 characters before the cut)
+    delta_j    = those tokens after cut_(j-1)
+    ctx_j      = where the last of those words starts, and its token count
+
+A text whose first J blocks have checkpoints gets its tokens through cut_(J-1) from them, then
+encodes only from ctx_(J-1) on: the last kept word is encoded again as context, and the
+continuation is taken only when that word comes back as the same tokens ending at the same
+character (a pre-tokenizer splits a text at the same places from any of its split points on; what
+a tokenizer does at a text's first character, such as adding a prefix space, is confined to that
+context word, and a changed context word is refused, never used). The deferred encode of the
+whole text then checks the composed tokens against its own: a difference disables checkpoints for
+good (``disabled``), logged and counted, and routing goes back to encoding from the start.
+
+Bounded in bytes (``proxy.tokenize_checkpoint_bytes``); an evicted checkpoint only shortens the
+run of blocks found (the rest is encoded, as before). Event-loop thread only, but the pure
+functions (``checkpoints_of``, ``continue_head``) run on any thread.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from gateway.features.byte_lru import ByteLRU
+from gateway.features.novelty import PROBE_CHARS
+from gateway.features.segment_encoder import TokenArray
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_OVERHEAD = 200  # one entry beyond its ids: key, dataclass, array header, LRU node
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    cut: int  # the text's characters covered by the exact tokens through this block
+    ctx_start: int  # character offset of the last kept word (the continuation's context)
+    ctx_tokens: int  # tokens of that word
+    delta: TokenArray  # the kept tokens after the previous block's cut
+
+
+@dataclass(frozen=True, slots=True)
+class Known:
+    """The exact leading tokens of a text, through ``cut`` characters, from checkpoints."""
+
+    tokens: TokenArray
+    cut: int
+    ctx_start: int
+    ctx_tokens: int
+    blocks: int  # checkpoints used
+
+
+class EncodingLike(Protocol):
+    @property
+    def ids(self) -> list[int]: ...
+    @property
+    def offsets(self) -> list[tuple[int, int]]: ...
+    @property
+    def word_ids(self) -> list[int | None]: ...
+
+
+def _entry_bytes(_key: int, value: Checkpoint) -> int:
+    return value.delta.nbytes + CHECKPOINT_OVERHEAD
+
+
+class PrefixCheckpoints:
+    def __init__(self, max_bytes: int) -> None:
+        self._lru: ByteLRU[int, Checkpoint] = ByteLRU(
+            max_bytes // CHECKPOINT_OVERHEAD, max_bytes, _entry_bytes
+        )
+        self.disabled = False  # set for good by a composed head its own full encode contradicted
+        self.composed = 0  # heads composed from checkpoints
+        self.refused = 0  # continuations whose context word came back changed
+        self.mismatches = 0  # composed heads a full encode contradicted
+
+    @property
+    def bytes(self) -> int:
+        return self._lru.bytes
+
+    @property
+    def max_bytes(self) -> int:
+        return self._lru.max_bytes or 0
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def learn(self, checkpoints: Sequence[tuple[int, Checkpoint]]) -> None:
+        if not self.disabled:
+            for fp, cp in checkpoints:
+                self._lru.put(fp, cp)
+
+    def known(self, fingerprints: Sequence[int]) -> Known | None:
+        """The exact tokens through the longest run of leading ``fingerprints`` with checkpoints
+        (None: none, or no whole word kept)."""
+        if self.disabled:
+            return None
+        parts: list[TokenArray] = []
+        last: Checkpoint | None = None
+        for fp in fingerprints:
+            cp = self._lru.get(fp)
+            if cp is None:
+                break
+            parts.append(cp.delta)
+            last = cp
+        if last is None or not last.ctx_tokens:
+            return None
+        return Known(np.concatenate(parts), last.cut, last.ctx_start, last.ctx_tokens, len(parts))
+
+    def check(self, composed: TokenArray, full: TokenArray) -> bool:
+        """Whether ``composed`` (a head from checkpoints) leads ``full`` (the whole text's tokens);
+        if not, checkpoints are disabled: a tokenizer they are not exact for."""
+        n = len(composed)
+        if len(full) >= n and np.array_equal(full[:n], composed):
+            return True
+        self.mismatches += 1
+        if not self.disabled:
+            log.error("a head composed from prefix checkpoints differs from its full encode: disabled")
+            self.disabled = True
+            self._lru.clear()
+        return False
+
+
+def _kept(words: list[int], starts: list[int], end: int) -> int:
+    """How many leading tokens are kept for a cut at ``end`` characters: those of the words
+    before the one holding character ``end - 1`` and the one before it."""
+    t = bisect.bisect_left(starts, end) - 1  # the last token starting before the cut
+    if t < 0:
+        return 0
+    return bisect.bisect_left(words, words[t] - 1)  # word ids never decrease along a text
+
+
+def checkpoints_of(
+    enc: EncodingLike, span: tuple[int, int], shift: int, fingerprints: Sequence[int]
+) -> list[tuple[int, Checkpoint]]:
+    """The checkpoints of a text encoded whole: its tokens are ``enc``'s ``span`` (the others are
+    context or the post-processor's), its characters start at ``shift`` in ``enc``'s offsets;
+    one per fingerprint of its blocks (those starting in it)."""
+    lo, hi = span
+    ids, offsets = enc.ids[lo:hi], [(a - shift, b - shift) for a, b in enc.offsets[lo:hi]]
+    wids = [w for w in enc.word_ids[lo:hi] if w is not None]
+    if len(wids) != len(ids) or not ids:
+        return []
+    starts = [o[0] for o in offsets]
+    blocks = -(-offsets[-1][1] // PROBE_CHARS)
+    out: list[tuple[int, Checkpoint]] = []
+    prev = 0
+    for j, fp in enumerate(fingerprints[:blocks]):
+        n = max(_kept(wids, starts, (j + 1) * PROBE_CHARS), prev)
+        if n:
+            first = n - 1
+            while first and wids[first - 1] == wids[n - 1]:
+                first -= 1
+            delta = np.asarray(ids[prev:n], dtype=np.uint32)
+            cp = Checkpoint(offsets[n - 1][1], offsets[first][0], n - first, delta)
+        else:
+            cp = Checkpoint(0, 0, 0, np.zeros(0, dtype=np.uint32))
+        out.append((fp, cp))
+        prev = n
+    return out
+
+
+def continue_head(tokenizer: Tokenizer, text: str, chars: int, known: Known) -> tuple[TokenArray, int] | None:
+    """The exact leading tokens of ``text[:chars]`` (``head_tokens``' cut; ``text``: the whole
+    prompt, or its first segment to encode) and the characters they cover, encoding only from
+    ``known``'s context word on; None when that word does not come back as the same tokens
+    ending at the same character."""
+    sub = text[known.ctx_start : max(chars, known.cut)]
+    enc = tokenizer.encode_batch([sub], add_special_tokens=False)[0]  # GIL released
+    ids, words, offsets = enc.ids, enc.word_ids, enc.offsets
+    k = known.ctx_tokens
+    edge = known.cut - known.ctx_start
+    if (
+        len(ids) < k
+        or words[0] is None
+        or ids[:k] != known.tokens[-k:].tolist()
+        or offsets[k - 1][1] != edge
+        or any(w != words[0] for w in words[:k])
+        or (len(ids) > k and (words[k] == words[0] or offsets[k][0] < edge))
+    ):
+        return None
+    last = max((w for w in words[k:] if w is not None), default=-1)
+    n = k
+    while n < len(ids) and (w := words[n]) is not None and w < last - 1:
+        n += 1
+    covered = known.ctx_start + offsets[n - 1][1] if n > k else known.cut
+    return np.concatenate([known.tokens, np.asarray(ids[k:n], dtype=np.uint32)]), covered
