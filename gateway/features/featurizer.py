@@ -306,24 +306,29 @@ class Featurizer:
             keys = self.memo.keys(namespace_of(spec), tokens, compute, source)
         return exact_features(spec, tokens, how, req.session_id, keys)
 
-    def _composed_head(
-        self, enc: SegmentEncoder, plan: EncodePlan, step: Defer
-    ) -> tuple[TokenArray, int] | None:
+    async def _composed_head(
+        self, enc: SegmentEncoder, plan: EncodePlan, step: Defer, explain: bool
+    ) -> tuple[TokenArray, int, int] | None:
         """The head of a text to encode (the whole prompt, or its first new segment) from the
         checkpoints of its blocks seen before, encoding only what follows them
-        (prefix_checkpoints.py); None: encode it from the start."""
+        (prefix_checkpoints.py): its tokens, the characters they cover and those encoded; None:
+        encode it from the start. ``explain``: no checkpoint refreshed, nothing counted."""
         if self.deferred.checkpoints is None or not step.seen:
             return None
-        known = self.checkpoints.known(step.fingerprints[: step.seen])
+        known = self.checkpoints.known(step.fingerprints[: step.seen], peek=explain)
         if known is None:
             return None
         text = plan.whole if plan.whole is not None else plan.keys[plan.missing[0]][2]
-        out = continue_head(enc.tokenizer, text, step.head_chars, known)
-        if out is None:
-            self.checkpoints.refused += 1
-        else:
-            self.checkpoints.composed += 1
-        return out
+        chars = max(step.head_chars, known.cut) - known.ctx_start
+        out, _ = await self.executor.run(
+            chars, lambda: continue_head(enc.tokenizer, text, step.head_chars, known)
+        )
+        if not explain:
+            if out is None:
+                self.checkpoints.refused += 1
+            else:
+                self.checkpoints.composed += 1
+        return None if out is None else (out[0], out[1], chars)
 
     async def _defer(
         self, req: ParsedRequest, spec: PromptSpec, prompt: Text, step: Defer, explain: bool
@@ -333,17 +338,18 @@ class Featurizer:
         it all in the background (not for ``explain``)."""
         enc, plan, ast = self._encoder(spec), step.plan, prompt.add_special_tokens
         tokens = enc.prefix_tokens(plan, add_special_tokens=ast)
-        covered = 0
+        covered = encoded = 0
         composed = None
         if step.head_chars and (plan.whole is None or enc.can_cut_whole(ast)):
-            composed = self._composed_head(enc, plan, step)
+            composed = await self._composed_head(enc, plan, step, explain)
             if composed is None:
                 # a long head leaves the event loop like any long encode
                 (head, covered), _ = await self.executor.run(
                     step.head_chars, lambda: enc.head_tokens(plan, step.head_chars)
                 )
+                encoded = covered
             else:
-                head, covered = composed
+                head, covered, encoded = composed
             tokens = np.concatenate([tokens, head])
         rest = len(prompt.text) - step.start - covered
         job = None if explain else DeferredJob(enc, plan, ast, step.anchor, keys_of(spec))
@@ -356,7 +362,7 @@ class Featurizer:
             len(tokens) + enc.estimate_tokens(rest),
             segments=plan.segments,
             segments_cached=plan.cached_segments,
-            encoded_chars=covered,
+            encoded_chars=encoded,
             deferred_chars=rest,
             deferred=job,
         )

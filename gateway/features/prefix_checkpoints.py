@@ -111,15 +111,15 @@ class PrefixCheckpoints:
             for fp, cp in checkpoints:
                 self._lru.put(fp, cp)
 
-    def known(self, fingerprints: Sequence[int]) -> Known | None:
+    def known(self, fingerprints: Sequence[int], *, peek: bool = False) -> Known | None:
         """The exact tokens through the longest run of leading ``fingerprints`` with checkpoints
-        (None: none, or no whole word kept)."""
+        (None: none, or no whole word kept). ``peek``: no entry refreshed (``/admin/explain``)."""
         if self.disabled:
             return None
         parts: list[TokenArray] = []
         last: Checkpoint | None = None
         for fp in fingerprints:
-            cp = self._lru.get(fp)
+            cp = self._lru.peek(fp) if peek else self._lru.get(fp)
             if cp is None:
                 break
             parts.append(cp.delta)

@@ -24,6 +24,7 @@ from gateway.features.prefix_checkpoints import (
     continue_head,
 )
 from gateway.features.tokenizer_files import load_tokenizer_files
+from gateway.request import request_of
 from tests.unit.test_features_deferred import SYSTEM, TINY, WORDS, _metaspace, chat, closing, make
 
 SEED = 7
@@ -143,7 +144,7 @@ async def test_a_completion_sharing_a_document_routes_on_its_exact_head_from_che
         want, _ = await plain.features("completions", body)
         assert fz.checkpoints.composed == 1 and plain.checkpoints.composed == 0
         assert list(got.block_keys) == list(want.block_keys) and len(got.block_keys) > 20
-        assert info.deferred_chars > 0
+        assert info.deferred_chars > 0 and info.encoded_chars < 1200 < len(doc)  # only past the checkpoints
         await fz.deferred.drain()
         assert fz.checkpoints.mismatches == 0 and not fz.checkpoints.disabled
         assert fz.memory_stats()["prefix_checkpoints"][0] == fz.checkpoints.bytes > 0
@@ -159,6 +160,8 @@ async def test_a_chat_message_sharing_a_document_routes_on_its_exact_head_from_c
                 await f.features("chat", chat(SYSTEM, first))
                 await f.deferred.drain()
         body = chat(SYSTEM, doc + " " + _text(random.Random(10), 150))
+        seen, _ = await fz.featurize(request_of("chat", body), explain=True)  # counts nothing
+        assert fz.checkpoints.composed == 0 and len(seen.block_keys) > 20
         got, _ = await fz.features("chat", body)
         want, _ = await plain.features("chat", body)
         assert fz.checkpoints.composed == 1
