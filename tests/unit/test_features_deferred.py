@@ -113,7 +113,9 @@ async def test_text_seen_before_is_encoded_before_routing() -> None:
         common = 0
         while list(want.block_keys)[common] == list(before.block_keys)[common]:
             common += 1
-        assert 1000 < third.encoded_chars < 1400 and third.deferred_chars > 2000
+        # (encoded: only what follows the first text's checkpoints, once its deferred encode ran;
+        # otherwise its first 1,000 characters and a block more: test_prefix_checkpoints.py)
+        assert 0 < third.encoded_chars < 1400 and third.deferred_chars > 2000
         assert common <= len(got.block_keys) < common + 8
         assert list(got.block_keys) == list(want.block_keys)[: len(got.block_keys)]
 
