@@ -47,7 +47,6 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
-import numpy as np
 from tokenizers import Encoding
 
 from gateway.features.budgets import non_negative, text_bytes
@@ -299,8 +298,7 @@ class DeferredEncodes:
                 fps = job.fingerprints
 
                 def record(e: Encoding, span: tuple[int, int], shift: int) -> None:  # worker thread
-                    own = np.asarray(e.ids[span[0] : span[1]], dtype=np.uint32)
-                    found.append((checkpoints_of(e, span, shift, fps), own))
+                    found.append(checkpoints_of(e, span, shift, fps))
 
             done = await self._encoded(job, plan, executor, record)
             if found and self.checkpoints is not None:

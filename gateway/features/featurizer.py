@@ -51,7 +51,7 @@ from gateway.features.feature_info import (
 )
 from gateway.features.memo_cache import MemoCache, TextTokens
 from gateway.features.model_registry import ModelRegistry
-from gateway.features.prefix_checkpoints import PrefixCheckpoints, continue_head
+from gateway.features.prefix_checkpoints import MAX_TEXT_CHARS, PrefixCheckpoints, continue_head
 from gateway.features.prompt import Chars, Prompt, PromptSpec, Remote, Text, TokenIds, chars_of, read_prompt
 from gateway.features.remote_tokenizer import RemoteTokenizeError, RemoteTokenizer, UrlChooser
 from gateway.features.segment_encoder import BoundedLRU, EncodePlan, SegmentEncoder, TokenArray
@@ -354,7 +354,8 @@ class Featurizer:
         rest = len(prompt.text) - step.start - covered
         job = None if explain else DeferredJob(enc, plan, ast, step.anchor, keys_of(spec))
         if job is not None:
-            job.fingerprints = step.fingerprints
+            if len(plan.whole if plan.whole is not None else plan.keys[plan.missing[0]][2]) <= MAX_TEXT_CHARS:
+                job.fingerprints = step.fingerprints  # its encode records checkpoints
             job.head_check = None if composed is None else composed[0]
             self.deferred.submit(job)
         how = Encoded(

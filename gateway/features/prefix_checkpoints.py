@@ -51,6 +51,10 @@ from gateway.features.segment_encoder import TokenArray
 log = logging.getLogger(__name__)
 
 CHECKPOINT_OVERHEAD = 200  # one entry beyond its ids: key, dataclass, array header, LRU node
+# texts longer than this get no checkpoints: recording reads the encoding's ids, offsets and words
+# as Python lists, ~300 bytes a token at once (a 2 MB text: ~150 MB, which glibc keeps after);
+# a head composed for a longer text is not checked against its encode either
+MAX_TEXT_CHARS = 256 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,15 +157,17 @@ def _kept(words: list[int], starts: list[int], end: int) -> int:
 
 def checkpoints_of(
     enc: EncodingLike, span: tuple[int, int], shift: int, fingerprints: Sequence[int]
-) -> list[tuple[int, Checkpoint]]:
-    """The checkpoints of a text encoded whole: its tokens are ``enc``'s ``span`` (the others are
-    context or the post-processor's), its characters start at ``shift`` in ``enc``'s offsets;
-    one per fingerprint of its blocks (those starting in it)."""
+) -> tuple[list[tuple[int, Checkpoint]], TokenArray]:
+    """The checkpoints of a text encoded whole, one per fingerprint of its blocks (those starting
+    in it), and its tokens: ``enc``'s ``span`` (the others are context or the post-processor's);
+    its characters start at ``shift`` in ``enc``'s offsets."""
     lo, hi = span
-    ids, offsets = enc.ids[lo:hi], [(a - shift, b - shift) for a, b in enc.offsets[lo:hi]]
+    ids = enc.ids[lo:hi]
+    own = np.asarray(ids, dtype=np.uint32)
+    offsets = [(a - shift, b - shift) for a, b in enc.offsets[lo:hi]]
     wids = [w for w in enc.word_ids[lo:hi] if w is not None]
     if len(wids) != len(ids) or not ids:
-        return []
+        return [], own
     starts = [o[0] for o in offsets]
     blocks = -(-offsets[-1][1] // PROBE_CHARS)
     out: list[tuple[int, Checkpoint]] = []
@@ -178,7 +184,7 @@ def checkpoints_of(
             cp = Checkpoint(0, 0, 0, np.zeros(0, dtype=np.uint32))
         out.append((fp, cp))
         prev = n
-    return out
+    return out, own
 
 
 def continue_head(tokenizer: Tokenizer, text: str, chars: int, known: Known) -> tuple[TokenArray, int] | None:

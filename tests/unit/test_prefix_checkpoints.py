@@ -57,7 +57,7 @@ def encode_recording(
 ) -> tuple[list[int], list[tuple[int, Checkpoint]]]:
     """``text``'s ids and checkpoints, as the deferred encode of a whole text records them."""
     enc = tok.encode(text, add_special_tokens=False)
-    return enc.ids, checkpoints_of(enc, (0, len(enc.ids)), 0, fingerprints)
+    return enc.ids, checkpoints_of(enc, (0, len(enc.ids)), 0, fingerprints)[0]
 
 
 def _head(tok: Tokenizer, text: str, chars: int) -> list[int]:
