@@ -313,12 +313,12 @@ class Featurizer:
         checkpoints of its blocks seen before, encoding only what follows them
         (prefix_checkpoints.py): its tokens, the characters they cover and those encoded; None:
         encode it from the start. ``explain``: no checkpoint refreshed, nothing counted."""
-        if self.deferred.checkpoints is None or not step.seen:
+        if not self.budgets.checkpoint_bytes or not step.seen:
             return None
         known = self.checkpoints.known(step.fingerprints[: step.seen], peek=explain)
         if known is None:
             return None
-        text = plan.whole if plan.whole is not None else plan.keys[plan.missing[0]][2]
+        text = plan.first_text()
         chars = max(step.head_chars, known.cut) - known.ctx_start
         out, _ = await self.executor.run(
             chars, lambda: continue_head(enc.tokenizer, text, step.head_chars, known)
@@ -354,7 +354,7 @@ class Featurizer:
         rest = len(prompt.text) - step.start - covered
         job = None if explain else DeferredJob(enc, plan, ast, step.anchor, keys_of(spec))
         if job is not None:
-            if len(plan.whole if plan.whole is not None else plan.keys[plan.missing[0]][2]) <= MAX_TEXT_CHARS:
+            if len(plan.first_text()) <= MAX_TEXT_CHARS:
                 job.fingerprints = step.fingerprints  # its encode records checkpoints
             job.head_check = None if composed is None else composed[0]
             self.deferred.submit(job)

@@ -90,6 +90,9 @@ def _entry_bytes(_key: int, value: Checkpoint) -> int:
 
 
 class PrefixCheckpoints:
+    """Checkpoints by block fingerprint, least recently used out first. Invariants: ``bytes <=
+    max_bytes`` (``ByteLRU``'s, asserted on every put); once ``disabled``, empty for good."""
+
     def __init__(self, max_bytes: int) -> None:
         self._lru: ByteLRU[int, Checkpoint] = ByteLRU(
             max_bytes // CHECKPOINT_OVERHEAD, max_bytes, _entry_bytes
@@ -102,10 +105,6 @@ class PrefixCheckpoints:
     @property
     def bytes(self) -> int:
         return self._lru.bytes
-
-    @property
-    def max_bytes(self) -> int:
-        return self._lru.max_bytes or 0
 
     def __len__(self) -> int:
         return len(self._lru)

@@ -84,6 +84,10 @@ class EncodePlan:
     def cached_segments(self) -> int:
         return 0 if self.whole is not None else len(self.keys) - self.empty - len(self.missing)
 
+    def first_text(self) -> str:
+        """The text encoded first: the whole text, or the first missing segment."""
+        return self.whole if self.whole is not None else self.keys[self.missing[0]][2]
+
     def start_of(self, i: int) -> int:
         """Character offset of segment ``i`` in the planned text."""
         return sum(len(k[2]) for k in self.keys[:i]) + sum(len(sep) for sep in self.separators[:i])
@@ -294,11 +298,12 @@ class SegmentEncoder:
             # encode_batch, not encode: tokenizers releases the GIL only in encode_batch (an
             # 8 KB encode holds it ~3 ms, stalling the event loop; docs/performance.md)
             enc = self.tokenizer.encode_batch([plan.whole], add_special_tokens=add_special_tokens)[0]
+            whole = enc.ids
             if on_first is not None:
                 n = len(self._affixes[0]) if add_special_tokens and self._affixes else 0
                 m = len(self._affixes[1]) if add_special_tokens and self._affixes else 0
-                on_first(enc, (n, len(enc.ids) - m), 0)
-            return [np.asarray(enc.ids, dtype=np.uint32)]
+                on_first(enc, (n, len(whole) - m), 0)
+            return [np.asarray(whole, dtype=np.uint32)]
         if not plan.missing:
             return []
         texts = [plan.keys[i][1] + plan.keys[i][2] + plan.keys[i][3] for i in plan.missing]
