@@ -294,7 +294,12 @@ class DeferredEncodes:
             plan = enc.still_missing(job.plan)
             found: list[tuple[list[tuple[int, Checkpoint]], TokenArray]] = []
             record: FirstPiece | None = None
-            if self.checkpoints is not None and job.fingerprints and _same_first(job.plan, plan):
+            if (
+                self.checkpoints is not None
+                and self.checkpoints.enabled
+                and job.fingerprints
+                and _same_first(job.plan, plan)
+            ):
                 fps = job.fingerprints
 
                 def record(e: Encoding, span: tuple[int, int], shift: int) -> None:  # worker thread

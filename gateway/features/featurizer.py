@@ -128,7 +128,7 @@ class Featurizer:
             self.executor.pool,
             backlog_bytes=b.defer_backlog_bytes,
             after_encode=self.executor.releaser.after_encode,
-            checkpoints=self.checkpoints if b.checkpoint_bytes else None,
+            checkpoints=self.checkpoints,
         )
         self.planner = EncodePlanner(settings.defer_chars, settings.seen_entries, self.deferred)
         self._remote = RemoteTokenizer(remote) if remote is not None else None
@@ -313,13 +313,12 @@ class Featurizer:
         checkpoints of its blocks seen before, encoding only what follows them
         (prefix_checkpoints.py): its tokens, the characters they cover and those encoded; None:
         encode it from the start. ``explain``: no checkpoint refreshed, nothing counted."""
-        if not self.budgets.checkpoint_bytes or not step.seen:
-            return None
         known = self.checkpoints.known(step.fingerprints[: step.seen], peek=explain)
         if known is None:
             return None
         text = plan.first_text()
-        chars = max(step.head_chars, known.cut) - known.ctx_start
+        start, end = known.span(step.head_chars)
+        chars = end - start
         out, _ = await self.executor.run(
             chars, lambda: continue_head(enc.tokenizer, text, step.head_chars, known)
         )

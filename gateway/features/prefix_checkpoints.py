@@ -46,7 +46,7 @@ from tokenizers import Tokenizer
 
 from gateway.features.byte_lru import ByteLRU
 from gateway.features.novelty import PROBE_CHARS
-from gateway.features.segment_encoder import TokenArray
+from gateway.features.segment_encoder import TokenArray, kept_before_cut
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,10 @@ class Known:
     ctx_start: int
     ctx_tokens: int
     blocks: int  # checkpoints used
+
+    def span(self, chars: int) -> tuple[int, int]:
+        """The characters a continuation to ``chars`` encodes: from the context word on."""
+        return self.ctx_start, max(chars, self.cut)
 
 
 class EncodingLike(Protocol):
@@ -109,15 +113,20 @@ class PrefixCheckpoints:
     def __len__(self) -> int:
         return len(self._lru)
 
+    @property
+    def enabled(self) -> bool:
+        """Whether checkpoints are kept: a byte bound above 0, and no head contradicted yet."""
+        return bool(self._lru.max_bytes) and not self.disabled
+
     def learn(self, checkpoints: Sequence[tuple[int, Checkpoint]]) -> None:
-        if not self.disabled:
+        if self.enabled:
             for fp, cp in checkpoints:
                 self._lru.put(fp, cp)
 
     def known(self, fingerprints: Sequence[int], *, peek: bool = False) -> Known | None:
         """The exact tokens through the longest run of leading ``fingerprints`` with checkpoints
         (None: none, or no whole word kept). ``peek``: no entry refreshed (``/admin/explain``)."""
-        if self.disabled:
+        if not self.enabled:
             return None
         parts: list[TokenArray] = []
         last: Checkpoint | None = None
@@ -191,7 +200,8 @@ def continue_head(tokenizer: Tokenizer, text: str, chars: int, known: Known) -> 
     prompt, or its first segment to encode) and the characters they cover, encoding only from
     ``known``'s context word on; None when that word does not come back as the same tokens
     ending at the same character."""
-    sub = text[known.ctx_start : max(chars, known.cut)]
+    start, end = known.span(chars)
+    sub = text[start:end]
     enc = tokenizer.encode_batch([sub], add_special_tokens=False)[0]  # GIL released
     ids, words, offsets = enc.ids, enc.word_ids, enc.offsets
     k = known.ctx_tokens
@@ -205,9 +215,6 @@ def continue_head(tokenizer: Tokenizer, text: str, chars: int, known: Known) -> 
         or (len(ids) > k and (words[k] == words[0] or offsets[k][0] < edge))
     ):
         return None
-    last = max((w for w in words[k:] if w is not None), default=-1)
-    n = k
-    while n < len(ids) and (w := words[n]) is not None and w < last - 1:
-        n += 1
+    n = kept_before_cut(words, k)
     covered = known.ctx_start + offsets[n - 1][1] if n > k else known.cut
     return np.concatenate([known.tokens, np.asarray(ids[k:n], dtype=np.uint32)]), covered

@@ -46,6 +46,18 @@ _EMPTY: TokenArray = np.zeros(0, dtype=np.uint32)
 FirstPiece = Callable[[Encoding, tuple[int, int], int], None]
 
 
+def kept_before_cut(words: Sequence[int | None], lo: int) -> int:
+    """Where the exact tokens of a cut text end (``head_tokens``' rule, also
+    ``prefix_checkpoints.continue_head``'s): from token ``lo`` on, those of every word before the
+    text's last two (the last may be cut; the one before it is the margin for pre-tokenizers that
+    look ahead), stopping at a token of no word."""
+    last = max((w for w in words[lo:] if w is not None), default=-1)
+    n = lo
+    while n < len(words) and (w := words[n]) is not None and w < last - 1:
+        n += 1
+    return n
+
+
 class BoundedLRU(ByteLRU[SegmentKey, TokenArray]):
     """The segment cache: segments' token ids by (namespace, context, text, context), bounded in
     entries and in bytes of texts and token ids (byte_lru.py)."""
@@ -250,13 +262,7 @@ class SegmentEncoder:
             if not ids or ids[0] != self._ids[prev]:
                 raise AssertionError(f"segment context token changed while encoding {prev!r}")
             lo = 1
-        last = max((w for w in words[lo:] if w is not None), default=-1)
-        n = lo
-        while n < len(ids):
-            w = words[n]
-            if w is None or w >= last - 1:
-                break
-            n += 1
+        n = kept_before_cut(words, lo)
         covered = offsets[n - 1][1] - len(prev) if n > lo else 0
         return np.asarray(ids[lo:n], dtype=np.uint32), covered
 

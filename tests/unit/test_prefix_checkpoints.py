@@ -143,6 +143,7 @@ async def test_a_completion_sharing_a_document_routes_on_its_exact_head_from_che
         got, info = await fz.features("completions", body)
         want, _ = await plain.features("completions", body)
         assert fz.checkpoints.composed == 1 and plain.checkpoints.composed == 0
+        assert len(fz.checkpoints) > 0 and len(plain.checkpoints) == 0  # 0 bytes: off, nothing kept
         assert list(got.block_keys) == list(want.block_keys) and len(got.block_keys) > 20
         assert info.deferred_chars > 0 and info.encoded_chars < 1200 < len(doc)  # only past the checkpoints
         await fz.deferred.drain()
