@@ -10,7 +10,7 @@ import random
 from pathlib import Path
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
@@ -73,6 +73,7 @@ def _head(tok: Tokenizer, text: str, chars: int) -> list[int]:
     shared=st.integers(min_value=0, max_value=2500),
     which=st.sampled_from(sorted(TOKENIZERS)),
 )
+@example(seed=737, shared=0, which="whitespace")  # the first text ends in whitespace no token covers
 def test_a_composed_head_is_the_exact_head(seed: int, shared: int, which: str) -> None:
     tok = TOKENIZERS[which]()
     rng = random.Random(seed)
@@ -80,7 +81,10 @@ def test_a_composed_head_is_the_exact_head(seed: int, shared: int, which: str) -
     second = first[:shared] + _text(rng, 200)  # the same start, then other text (maybe mid-word)
     store = PrefixCheckpoints(1 << 20)
     ids, found = encode_recording(tok, first, SeenTexts.fingerprints(SEED, first, 0))
-    assert len(found) == -(-len(first) // PROBE_CHARS)
+    # one per block through the last token's end: a tail no token covers (trailing whitespace
+    # a WordPiece pre-tokenizer drops) would only repeat the checkpoint before it
+    last_end = tok.encode(first, add_special_tokens=False).offsets[-1][1]
+    assert len(found) == -(-last_end // PROBE_CHARS)
     store.learn(found)
     fps = SeenTexts.fingerprints(SEED, second, 0)
     seen = shared // PROBE_CHARS
