@@ -145,6 +145,9 @@ class _Fleet:
     def agent_state(self, replica_id: str, *, connected: bool, degraded: bool) -> None:
         pass
 
+    def snapshot_keep(self) -> tuple[float, float]:
+        return 0.0, 10.0
+
 
 def stage_decode(payloads: list[bytes]) -> Callable[[], None]:
     def run() -> None:

@@ -110,6 +110,7 @@ class Fleet:
         self._block_sizes = {m.name: m.block_size for m in config.models}
         self._lora_fallback = {m.name: m.lora_fallback for m in config.models}
         self._allow_registration = config.inventory.allow_registration
+        self._speculative_ttl_s = config.proxy.speculative_ttl_s
         prior = ttft_prior_of(config)
         if prior != self.ttft.model.prior(""):  # another prior: every fit restarts from it
             self.ttft = self._new_ttft(prior)
@@ -291,6 +292,15 @@ class Fleet:
         lifetime = TouchRule(speculative_ttl_s).lifetime_s(self._index, self.has_agent(replica))
         keys = placement.speculative_keys(keys, self._index.is_hybrid(replica))
         placement.speculative_touch(self._index, replica, keys, self._clock(), lifetime)
+
+    def snapshot_keep(self) -> tuple[float, float]:
+        """(now, lifetime_s) for the precise entries a snapshot drops, kept as speculative ones
+        with the lifetime of a routed request's on a replica with an agent: an agent restarted
+        beside a busy engine (its replay no longer reaching back) knows less than the engine still
+        holds, and routing on what the gateway knew keeps that traffic there, where the engine
+        hits and the held-prefix hints heal the agent (docs/agent.md, "Recovery without
+        replay"). Blocks the engine did evict stop drawing traffic within that lifetime."""
+        return self._clock(), TouchRule(self._speculative_ttl_s).lifetime_s(self._index, True)
 
     # ------------------------------------------------------------------ health
     def check_result(self, replica: str, ok: bool, error: str = "") -> None:

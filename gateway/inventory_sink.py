@@ -67,6 +67,12 @@ class FleetSink(Protocol):
         on the Ack of the Hello, so that an agent keying a smaller engine page re-keys."""
         ...
 
+    def snapshot_keep(self) -> tuple[float, float]:
+        """(now, lifetime_s) on the clock of the index's speculative entries: the precise entries
+        a replica's snapshot drops are kept that long as speculative ones
+        (``PrefixIndex.replace_replica``; docs/agent.md, "Recovery without replay")."""
+        ...
+
     def agent_state(self, replica_id: str, *, connected: bool, degraded: bool) -> None:
         """The replica's agent stream connected or went away, or its inventory became (in)complete.
 

@@ -49,6 +49,7 @@ from gateway.inventory_refusals import Refusal, check_keyed_at, engine_of, malfo
 from gateway.inventory_sink import AgentHello, AgentLoad, FleetSink
 from proto.contract import PROTOCOL_VERSION
 from proto.kvgate.v1 import inventory_pb2 as pb
+from router_policies.placement import replace_snapshot
 from router_policies.prefix_index import IndexBoundError, PrefixIndex
 
 MAX_HELD_HINTS = 64  # held-prefix hints queued per stream
@@ -313,7 +314,7 @@ class Streams:
             return
         stream.staging = None
         try:
-            self.index.replace_replica(replica, staging.entries)
+            replace_snapshot(self.index, replica, staging.entries, self.fleet.snapshot_keep())
         except IndexBoundError as exc:
             raise over_bound(str(exc)) from None
         if self.observer is not None:

@@ -295,7 +295,7 @@ class HubClient:
             return  # refused here too (its registration was)
         if kind == b"S":
             entries = decode_snapshot(rest, index.config.max_blocks_per_replica)
-            index.replace_replica(replica, entries)
+            placement.replace_snapshot(index, replica, entries, self._app.fleet.snapshot_keep())
             if observer is not None:
                 observer.inventory_snapshot(replica, entries)
         else:

@@ -37,6 +37,7 @@ from gateway.shared_state_codec import (
 )
 from gateway.shared_state_context import Redis, SharedContext
 from gateway.shared_state_publisher import AgentStreams
+from router_policies.placement import replace_snapshot
 from router_policies.prefix_index import IndexBoundError, PrefixIndex
 
 log = logging.getLogger("kvgate.shared_state")
@@ -56,6 +57,10 @@ class RemoteReplicas(Protocol):
         ...
 
     def set_shared_inventory(self, replica_id: str, shared: bool) -> None: ...
+
+    def snapshot_keep(self) -> tuple[float, float]:
+        """(now, lifetime_s) for the entries a snapshot drops (``Fleet.snapshot_keep``)."""
+        ...
 
 
 @dataclass(slots=True)
@@ -179,7 +184,7 @@ class Follower:
                 follow.synced = False
                 return
             entries = decode_snapshot(raw[b"p"], self.index.config.max_blocks_per_replica)
-            self.index.replace_replica(replica, entries)
+            replace_snapshot(self.index, replica, entries, self.fleet.snapshot_keep())
         except (IndexBoundError, SnapshotBoundError) as exc:
             self._refuse(follow, "index_bound", f"snapshot of {replica!r} refused by the index: {exc}")
             return

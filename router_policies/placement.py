@@ -9,6 +9,7 @@ what surrounds a policy's decision, so that the simulator runs the very router t
 * ``TouchRule`` and ``speculative_touch``: the speculative index entry of a routed request, its
   lifetime (short when an agent reports the replica's blocks, the index TTL otherwise) and the
   refresh-at-most-once-a-second rule.
+* ``replace_snapshot``: a replica's snapshot, the entries it drops kept as speculative ones.
 * ``ExpirySweep``: expired speculative entries are dropped every ``EXPIRE_INTERVAL_S`` (the
   gateway's housekeeping loop; the simulator on virtual time).
 
@@ -124,6 +125,29 @@ class TouchRule:
         index's ``approximate_ttl_s``."""
         ttl = index.config.approximate_ttl_s
         return min(self.speculative_ttl_s, ttl) if has_agent else ttl
+
+
+def replace_snapshot(
+    index: PrefixIndex, replica: str, entries: Mapping[int, str], keep: tuple[float, float]
+) -> None:
+    """Apply a replica's snapshot (its agent's whole inventory), keeping the precise entries it
+    drops as speculative ones for ``keep`` = (now, lifetime_s). Why: an agent restarted beside
+    a busy engine whose replay no longer reaches back reports less than the engine still holds
+    (docs/agent.md, "Recovery without replay"); forgetting it at once sent that replica's
+    prefixes elsewhere, to be computed again, and with them the requests whose cached-token
+    counts heal the agent. Blocks the engine did evict draw traffic for ``lifetime_s`` at most,
+    as a routed request's entries do; a later report makes a kept block precise again.
+
+    The index keeps no parent links, so the kept entries stand in no known order among
+    themselves (the one exception to the LRU's "each block before its parent"): they share one
+    stamp and expire together, a touch orders those it walks, and evicting one before its child
+    (over the approximate bound) leaves the child unmatched until it expires too. A bound error
+    raised by the snapshot leaves the index as it was."""
+    dropped = [k for k in index.precise_keys(replica) if k not in entries]
+    index.replace_replica(replica, entries)
+    if dropped and not index.is_hybrid(replica):  # a hybrid engine's reusable blocks depend on windows
+        now, lifetime_s = keep
+        index.touch_approximate(replica, dropped, now, lifetime_s)
 
 
 def speculative_keys(keys: Sequence[int], hybrid: bool) -> Sequence[int]:

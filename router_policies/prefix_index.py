@@ -25,6 +25,7 @@ Invariants
   Hence the first entry never has a child in the dict, so ``popitem(last=False)`` always evicts
   a leaf, and the least recently used one (a parent becomes evictable only when its children are
   gone). Touch times are monotone along the order, so TTL expiry also pops from the front.
+  Except among a snapshot's kept entries (``placement.replace_snapshot``: no known order, one stamp).
 * Mutations never await and never raise half-way: bounds are checked before anything changes.
 
 Hybrid replicas (``set_hybrid``; docs/gateway.md, "Hybrid models") are matched by their deepest
