@@ -102,9 +102,7 @@ class Admin:
             choice = self._router.decide(state, features, match)
         except NoReplicaError:
             decision: dict[str, Any] | None = None
-            snapshot = self._fleet.snapshot(
-                self._fleet.candidates(features.model), match.blocks, match.scores
-            )
+            snapshot = self._fleet.snapshot(self._fleet.candidates(features.model), features, match)
         else:
             d = choice.decision
             decision = {
@@ -137,6 +135,7 @@ class Admin:
                         "healthy": r.healthy,
                         "matched_blocks": r.matched_blocks,
                         "matched_tokens": r.matched_blocks * features.block_size,
+                        "evicted_blocks": r.evicted_blocks,
                         "match_score": r.match_score,
                         "score": scores.get(r.id),
                         "terms": terms.get(r.id),

@@ -43,8 +43,8 @@ from router_policies.placement import (
     TtftFeed,
     TtftSample,
 )
-from router_policies.policy import FleetSnapshot
-from router_policies.prefix_index import IndexBoundError, PrefixIndex
+from router_policies.policy import FleetSnapshot, RequestFeatures
+from router_policies.prefix_index import IndexBoundError, MatchResult, PrefixIndex
 from router_policies.ttft.model import TtftModel
 from router_policies.ttft.params import DEFAULT_PRIOR, NAMED_PRIORS, TtftParams
 
@@ -237,11 +237,19 @@ class Fleet:
     def snapshot(
         self,
         candidates: Iterable[ReplicaRecord],
-        matched: Mapping[str, int],
-        scores: Mapping[str, float],
+        request: RequestFeatures,
+        match: MatchResult,
         exclude: frozenset[str] = frozenset(),
     ) -> FleetSnapshot:
         now = self._clock()
+        view = IndexView(
+            match.blocks,
+            match.scores,
+            self._index,
+            request.block_keys,
+            request.prompt_tokens,
+            request.block_size,
+        )
         return placement.snapshot(
             (
                 Candidate(
@@ -249,10 +257,11 @@ class Fleet:
                     rec.health.healthy,
                     rec.load(),
                     *combined_queue(rec.flights, rec.remote, now),
+                    rec.flights.held_keys(),
                 )
                 for rec in candidates
             ),
-            IndexView(matched, scores, self._index),
+            view,
             exclude,
             self.ttft.params,
         )
@@ -276,7 +285,8 @@ class Fleet:
         and the TTFT model fitted by its first byte (``Flight.first_byte()``, at the clock's now)."""
         flight = self.ttft.flight(record.flights, dispatch)
         blocks = dispatch.cached_tokens // dispatch.block_size if dispatch.block_size else 0
-        flight.at_dispatch = IndexAtDispatch.of(self._index, record.id, dispatch.keys, blocks)
+        evicted = dispatch.state.evicted_blocks
+        flight.at_dispatch = IndexAtDispatch.of(self._index, record.id, dispatch.keys, (blocks, evicted))
         return flight
 
     @property

@@ -252,7 +252,7 @@ class GatewayMetrics(MetricSet):
     e2e_seconds = Spec(Histogram, "kvgate_e2e_seconds", "Request start to last byte, seen through the proxy.", ("replica",), _LATENCY_BUCKETS)
     audit = Spec(Counter, "kvgate_prediction_audit", "Requests whose engine reported cached tokens, by outcome (exact, over, under).", ("replica", "outcome"))
     audit_error = Spec(Histogram, "kvgate_prediction_error_tokens", "Predicted minus engine-reported cached tokens.", ("replica",), _ERROR_BUCKETS)
-    audit_cause = Spec(Counter, "kvgate_prediction_audit_inexact", "Inexact cached-token predictions by cause (concurrent_not_stored, evicted, stale_index, not_yet_reported, tokenization).", ("replica", "cause"))
+    audit_cause = Spec(Counter, "kvgate_prediction_audit_inexact", "Inexact cached-token predictions by cause (concurrent_not_stored, evicted, stale_index, eviction_estimate, not_yet_reported, tokenization).", ("replica", "cause"))
     ttft_error = Spec(Histogram, "kvgate_ttft_prediction_relative_error", "TTFT model: (predicted - observed) / observed time to first byte, per first token.", ("replica",), _RELATIVE_BUCKETS)
     features = Spec(Counter, "kvgate_features", "Requests featurized, by how the tokens were obtained (local, remote, token_ids, chars) and whether the keys are approximate character blocks.", ("mode", "approximate"))
     reloads = Spec(Counter, "kvgate_config_reloads", "Config reloads by result.", ("result",))

@@ -31,6 +31,9 @@ where prediction and engine differ. With P the predicted and R the reported cach
   - ``stale_index``: it was reported, no removal was reported since, and the prompt lengths do
     not differ: the index held an entry the engine no longer had (a removal lost or not sent);
 * under-predicted (P < R): the engine had blocks the prediction did not credit, from block P:
+  - ``eviction_estimate``: block P was one the index held and the prediction took as evicted
+    before the prefill (the queue ahead filling the replica's cache,
+    ``router_policies.cache_prediction.evicted_before_prefill``); the engine kept it;
   - ``deferred_encode``: block P lies past the keys the request was routed on (its text was
     encoded after routing): the gateway had no key for it at the decision; with the whole keys
     (when known) the index holds the engine's blocks or the engine's length fits them;
@@ -166,6 +169,8 @@ def _over_cause(index: PrefixIndex, replica: str, case: AuditCase) -> str:
 
 
 def _under_cause(index: PrefixIndex, replica: str, case: AuditCase) -> str:
+    if case.at_dispatch.estimated_evicted:  # blocks P.. were the ones taken as evicted
+        return "eviction_estimate"
     bs = max(1, case.block_size)
     had = -(-case.reported // bs)  # blocks the engine had for the request
     keys = case.keys if case.full_keys is None else case.full_keys

@@ -78,13 +78,16 @@ class Router:
         """Pick a replica (raises ``NoReplicaError``). Pure: changes neither the index, the
         fleet nor the policy (``/admin/explain`` calls it on the live policy)."""
         candidates = self._fleet.candidates(features.model, features.lora, exclude)
-        snap = self._fleet.snapshot(candidates, match.blocks, match.scores, exclude)
+        snap = self._fleet.snapshot(candidates, features, match, exclude)
         decision = state.policy.choose(features, snap)
         record = self._fleet.get(decision.replica)
         assert record is not None  # the snapshot only holds fleet records
-        matched = match.blocks.get(decision.replica, 0)
-        predicted = predicted_cached_tokens(matched, features.prompt_tokens, features.block_size)
-        return Choice(decision, record, snap, predicted, matched)
+        chosen = next(r for r in snap.replicas if r.id == decision.replica)
+        # the prediction counts the blocks expected still cached at its prefill
+        predicted = predicted_cached_tokens(
+            chosen.expected_blocks, features.prompt_tokens, features.block_size
+        )
+        return Choice(decision, record, snap, predicted, chosen.matched_blocks)
 
     def commit(self, state: RoutingState, features: RequestFeatures, choice: Choice) -> Speculation:
         """The request is sent to ``choice``'s replica: advance the policy and record the

@@ -2,9 +2,8 @@
 (``router_policies.placement``, docs/architecture.md, "Placement") that follows a routed attempt
 from dispatch to its first byte and end.
 
-* ``predicted_cached_tokens`` / ``uncached_prompt_tokens``: what the engine will report cached on
-  the chosen replica, and the prefill it still has to do (counted as pending until the first
-  byte).
+* What the engine will report cached and the prefill it still has to do (counted as pending
+  until the first byte): ``router_policies.cache_prediction``.
 * ``FlightCounters`` and ``Flight``: this router's own load on a replica (requests, tokens,
   pending prefill and its attention pairs). A ``Flight`` is the only writer of its replica's
   counters.
@@ -27,6 +26,7 @@ import math
 from collections.abc import Callable, Iterable, KeysView, Sequence
 from dataclasses import dataclass, field
 
+from router_policies.cache_prediction import uncached_prompt_tokens
 from router_policies.policy import FleetSnapshot, ReplicaState, RequestFeatures
 from router_policies.prefix_index import PrefixIndex
 from router_policies.ttft.features import REFERENCE_INPUTS, TtftInputs, attention_pairs, predict
@@ -34,22 +34,6 @@ from router_policies.ttft.freshness import Freshness
 from router_policies.ttft.model import TtftModel
 from router_policies.ttft.params import TtftParams
 from router_policies.ttft.snapshot import inputs_for
-
-
-def predicted_cached_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
-    """What the engine will report as cached for ``matched_blocks`` leading blocks.
-
-    vLLM always computes at least the prompt's last token (its cache-hit length is capped at
-    ``prompt_tokens - 1``), so a fully cached prompt whose length is a multiple of the block size
-    reports one block less."""
-    if prompt_tokens <= 0:
-        return 0
-    return min(matched_blocks, (prompt_tokens - 1) // block_size) * block_size
-
-
-def uncached_prompt_tokens(prompt_tokens: int, predicted: int) -> int:
-    """The prefill a request adds to its replica: its prompt minus the predicted cached tokens."""
-    return max(0, prompt_tokens - predicted)
 
 
 # ---------------------------------------------------------------------- flight accounting
@@ -220,15 +204,20 @@ class Dispatch:
 class IndexAtDispatch:
     """What the index said of a dispatched request's predicted blocks, kept for the prediction
     audit's causes (``gateway.prediction_audit.inexact_cause``): how many of them led precisely
-    (reported by the engine, not speculative entries), and the replica's removal count then."""
+    (reported by the engine, not speculative entries), the replica's removal count then, and the
+    matched blocks after them the prediction took as evicted before the prefill
+    (``ReplicaState.evicted_blocks``)."""
 
     precise_blocks: int
     removed: int
+    estimated_evicted: int = 0
 
     @staticmethod
-    def of(index: PrefixIndex, replica: str, keys: Sequence[int], predicted_blocks: int) -> IndexAtDispatch:
-        run = index.precise_run(replica, keys[:predicted_blocks]) if predicted_blocks else 0
-        return IndexAtDispatch(run, index.removed_count(replica))
+    def of(index: PrefixIndex, replica: str, keys: Sequence[int], blocks: tuple[int, int]) -> IndexAtDispatch:
+        """``blocks``: (predicted cached, estimated evicted)."""
+        predicted, evicted = blocks
+        run = index.precise_run(replica, keys[:predicted]) if predicted else 0
+        return IndexAtDispatch(run, index.removed_count(replica), evicted)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,11 +1,13 @@
 """Placement glue shared by the gateway and the simulator (docs/architecture.md, "Placement"):
 what surrounds a policy's decision, so that the simulator runs the very router the gateway runs.
 
-* Flight accounting and the TTFT model's feed (``predicted_cached_tokens``, ``Flight``,
-  ``Dispatch``, ``TtftFeed``, ...) live in ``router_policies.flights`` and are part of this
+* Flight accounting and the TTFT model's feed (``Flight``, ``Dispatch``, ``TtftFeed``, ...) live
+  in ``router_policies.flights``, the cached-token prediction (``predicted_cached_tokens``,
+  ``evicted_before_prefill``) in ``router_policies.cache_prediction``; both are part of this
   module's interface (imported here, so ``placement.X`` names every piece of the glue).
 * ``ReplicaLoad`` and ``snapshot``: the immutable ``FleetSnapshot`` a policy sees, from each
-  candidate's health, load, index match, index fullness and fitted TTFT model.
+  candidate's health, load, index match (and the part of it expected evicted before the
+  request's prefill), index fullness and fitted TTFT model.
 * ``TouchRule`` and ``speculative_touch``: the speculative index entry of a routed request, its
   lifetime (short when an agent reports the replica's blocks, the index TTL otherwise) and the
   refresh-at-most-once-a-second rule.
@@ -22,10 +24,13 @@ Invariants
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from router_policies.cache_prediction import evicted_before_prefill as evicted_before_prefill
+from router_policies.cache_prediction import predicted_cached_tokens as predicted_cached_tokens
+from router_policies.cache_prediction import uncached_prompt_tokens as uncached_prompt_tokens
 from router_policies.flights import MAX_ERROR_RATIO as MAX_ERROR_RATIO
 from router_policies.flights import MIN_OBSERVED_MS as MIN_OBSERVED_MS
 from router_policies.flights import Dispatch as Dispatch
@@ -35,8 +40,6 @@ from router_policies.flights import IndexAtDispatch as IndexAtDispatch
 from router_policies.flights import TtftFeed as TtftFeed
 from router_policies.flights import TtftProbe as TtftProbe
 from router_policies.flights import TtftSample as TtftSample
-from router_policies.flights import predicted_cached_tokens as predicted_cached_tokens
-from router_policies.flights import uncached_prompt_tokens as uncached_prompt_tokens
 from router_policies.policy import FleetSnapshot, ReplicaState
 from router_policies.prefix_index import PrefixIndex
 from router_policies.ttft.params import TtftParams
@@ -72,16 +75,33 @@ class Candidate(NamedTuple):
     pending_prefill_pairs: float = 0.0  # of this router's pending prefill (FlightCounters)
     in_flight_shared_tokens: int = 0  # FlightCounters.shared_tokens
     pending_age_ms: float = 0.0  # FlightCounters.pending_age_ms at the decision's time
+    # the block keys this router's flights there hold in use (FlightCounters.held_keys)
+    held_keys: Container[int] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
 class IndexView:
     """The index's answer for one request: each replica's matched leading blocks and their
-    medium-weighted score, and the index (for how full it believes each replica is)."""
+    medium-weighted score, and the index (for how full it believes each replica is); the
+    request's keys and prompt tokens (for ``evicted_before_prefill``; none: nothing evicted)."""
 
     blocks: Mapping[str, int]
     scores: Mapping[str, float]
     index: PrefixIndex
+    keys: Sequence[int] = ()
+    prompt_tokens: int = 0
+    block_size: int = 0
+
+    def evicted(self, c: Candidate, capacity_tokens: int) -> int:
+        """Of ``c``'s matched blocks, those expected evicted before the request's prefill."""
+        matched = self.blocks.get(c.id, 0)
+        queued = c.load.pending_prefill_tokens
+        if not matched or capacity_tokens <= 0 or queued + self.prompt_tokens <= capacity_tokens:
+            return 0  # the usual answer, without the walk below
+        keys, held = self.keys, c.held_keys
+        pinned = next((i for i in range(min(matched, len(keys))) if keys[i] not in held), matched)
+        tokens = (self.prompt_tokens, queued, capacity_tokens)
+        return evicted_before_prefill(matched, pinned, tokens, self.block_size)
 
 
 def snapshot(
@@ -92,23 +112,26 @@ def snapshot(
 ) -> FleetSnapshot:
     """The immutable fleet a policy decides on; ``exclude`` (replicas already tried) count as
     unhealthy; ``ttft``: each replica's TTFT model (``TtftFeed.params``), None for the policy's
-    prior."""
+    prior. A replica's KV capacity is its model's (``kv_capacity_tokens``: an engine setting its
+    agent reported, not fitted); without models nothing is taken as evicted."""
     return FleetSnapshot(
-        tuple(
-            ReplicaState(
-                c.id,
-                c.healthy and c.id not in exclude,
-                *c.load,
-                matched_blocks=view.blocks.get(c.id, 0),
-                match_score=view.scores.get(c.id, 0.0),
-                held_blocks=view.index.held_count(c.id),
-                pending_prefill_pairs=max(0.0, c.pending_prefill_pairs),
-                in_flight_shared_tokens=max(0, c.in_flight_shared_tokens),
-                pending_age_ms=c.pending_age_ms,
-                ttft=ttft(c.id) if ttft is not None else None,
-            )
-            for c in candidates
-        )
+        tuple(_state(c, view, exclude, ttft(c.id) if ttft is not None else None) for c in candidates)
+    )
+
+
+def _state(c: Candidate, view: IndexView, exclude: frozenset[str], model: TtftParams | None) -> ReplicaState:
+    return ReplicaState(
+        c.id,
+        c.healthy and c.id not in exclude,
+        *c.load,
+        matched_blocks=view.blocks.get(c.id, 0),
+        evicted_blocks=view.evicted(c, model.kv_capacity_tokens) if model is not None else 0,
+        match_score=view.scores.get(c.id, 0.0),
+        held_blocks=view.index.held_count(c.id),
+        pending_prefill_pairs=max(0.0, c.pending_prefill_pairs),
+        in_flight_shared_tokens=max(0, c.in_flight_shared_tokens),
+        pending_age_ms=c.pending_age_ms,
+        ttft=model,
     )
 
 

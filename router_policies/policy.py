@@ -45,6 +45,9 @@ class ReplicaState:
     matched_blocks: int = (
         0  # request blocks this replica can reuse (index match: leading run, or deepest key)
     )
+    # of matched_blocks, the trailing ones its engine is expected to evict before this request's
+    # prefill starts (router_policies.flights.evicted_before_prefill): the queue ahead needs the room
+    evicted_blocks: int = 0
     match_score: float = 0.0  # matched_blocks weighted by medium
     held_blocks: int = 0  # how full the index believes its cache is (PrefixIndex.held_count)
     # of matched_blocks, those held on a slower medium than the GPU: ((medium, blocks), ...)
@@ -59,6 +62,11 @@ class ReplicaState:
     # has waited, in ms at decision time (0: none): a replica whose queue does not move shows it
     pending_age_ms: float = 0.0
     ttft: TtftParams | None = None  # the replica's fitted TTFT model (None: the policy's prior)
+
+    @property
+    def expected_blocks(self) -> int:
+        """The matched blocks expected still cached when this request's prefill starts."""
+        return self.matched_blocks - self.evicted_blocks
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,9 +5,12 @@ The rule ``rule: ms`` (opt-in, see "Why the token rule stays the default") price
 milliseconds: the predicted time to first token on r plus the delay its own prefill adds to the
 requests queued behind it, per healthy replica r:
 
-    matched_r  = tokens of the request's leading blocks r holds (index match x block size);
-                 set to 0 when matched_r < min_match_ratio x prompt_tokens, so that a tiny shared
-                 head (a greeting, one system-prompt block) does not decide placement
+    matched_r  = tokens of the request's leading blocks r holds and is expected to still hold
+                 when its prefill starts ((index match - evicted) x block size: evicted_r, the
+                 blocks the queue ahead pushes out of r's cache, ReplicaState.evicted_blocks,
+                 router_policies.cache_prediction.evicted_before_prefill); set to 0 when
+                 matched_r < min_match_ratio x prompt_tokens, so that a tiny shared head (a
+                 greeting, one system-prompt block) does not decide placement
     own_r      = r's fitted TTFT model (ReplicaState.ttft, exported by the model owner,
                  router_policies.ttft.model); the prior ``prior`` until r has one
     ref_r      = own_r's TTFT of a lone 8,192-token prompt on an idle replica (its speed)
@@ -356,7 +359,7 @@ class KvAware:
         prompt = request.prompt_tokens
         # matched_r (docstring): a match below min_match_ratio of the prompt counts as none
         min_match = max(p.min_match_ratio * prompt, 1.0)
-        matches = [min(r.matched_blocks * request.block_size, prompt) for r in healthy]
+        matches = [min(r.expected_blocks * request.block_size, prompt) for r in healthy]
         matches = [m if m >= min_match else 0 for m in matches]
         start = self._cursor % n
         most_held = max(r.held_blocks for r in healthy)

@@ -96,7 +96,9 @@ class SimGateway:
             f = self._flights[i]
             load = ReplicaLoad(f.requests, f.tokens, f.pending_prefill_tokens, running, waiting, kv_usage)
             age = f.pending_age_ms(now)
-            out.append(Candidate(name, True, load, f.pending_prefill_pairs, f.shared_tokens, age))
+            out.append(
+                Candidate(name, True, load, f.pending_prefill_pairs, f.shared_tokens, age, f.held_keys())
+            )
         return out
 
     def route(
@@ -110,7 +112,7 @@ class SimGateway:
         if keys is None:
             keys = features.block_keys
         m = index.match(keys)
-        view = IndexView(m.blocks, m.scores, index)
+        view = IndexView(m.blocks, m.scores, index, keys, features.prompt_tokens, features.block_size)
         snap = placement.snapshot(self._candidates(now), view, ttft=self.ttft.params)
         decision = self._policy.choose(features, snap)
         self._policy.commit(decision)
@@ -118,7 +120,8 @@ class SimGateway:
         lifetime = self._touch.lifetime_s(index, has_agent=True)
         placement.speculative_touch(index, name, keys, now, lifetime)
         prompt = features.prompt_tokens
-        predicted = placement.predicted_cached_tokens(m.blocks.get(name, 0), prompt, features.block_size)
+        chosen = next(r for r in snap.replicas if r.id == name)
+        predicted = placement.predicted_cached_tokens(chosen.expected_blocks, prompt, features.block_size)
         ri = self._slot[name]
         dispatch = Dispatch.of(snap, name, features, predicted, output_tokens)
         flight = self.ttft.flight(self._flights[ri], dispatch, now)

@@ -10,7 +10,8 @@ backend sends directly. The prompt (or the last chat message) steers its behavio
 * ``die-mid-stream@ID``: a stream from replica ID sends two chunks, then the process exits;
 * ``overloaded@ID``: replica ID answers 503;
 * ``hang-forever``: the response never comes (the handler waits until the client goes away);
-* ``slow``: stream chunks 0.3 s apart instead of 0.02 s.
+* ``slow``: stream chunks 0.3 s apart instead of 0.02 s;
+* ``late-first-byte``: the answer starts after 1.5 s (a prefill that takes that long).
 
 Responses to generate requests carry ``x-fake-seen-headers`` (the request header names received)
 and a ``Proxy-Authenticate`` header (hop-by-hop: a proxy must drop it).
@@ -103,6 +104,8 @@ class Backend:
             )
         if "hang-forever" in text:
             await asyncio.Event().wait()
+        if "late-first-byte" in text:
+            await asyncio.sleep(1.5)
         digest = hashlib.sha256(raw).hexdigest()[:16]
         cached = int(body.get("fake_cached_tokens", 0))
         prompt_tokens = int(body.get("fake_prompt_tokens", len(text)))

@@ -234,3 +234,39 @@ def test_deferred_requests_are_audited_with_their_full_keys(fleet: Fleet) -> Non
     audit = f.gw.replicas()["r0"]["prediction_audit"]
     assert (audit["total"], audit["exact"]) == (3, 1)
     assert audit["inexact_causes"] == {"deferred_encode": 1, "tokenization": 1}
+
+
+def test_blocks_taken_as_evicted_before_the_prefill_and_kept(procs: Procs) -> None:
+    """eviction_estimate: the replica's agent says its KV cache holds 10 blocks; a long prompt
+    awaits its first byte there (its prefill queued ahead); a request whose three blocks the
+    index holds then needs more room than the cache has, so the prediction takes them as evicted
+    before its prefill (``evicted_before_prefill``), and the engine reports them cached."""
+    b = procs.backend("r0")
+    cfg = base_config(b)
+    gw = procs.gateway(cfg)
+    agent = StreamAgent(gw.inventory_port, AGENT_TOKEN)
+    try:
+        agent.send(hello=pb.Hello(replica_id="r0", url=b.url, models=["m"], block_size=BS, engine="fake",
+                                  capacity_blocks=10, protocol_version=1))  # fmt: skip
+        agent.send(snapshot=pb.SnapshotChunk(snapshot_id=1, keys=[], medium="GPU", last=True))
+        wait_until(lambda: gw.replicas()["r0"]["agent_connected"], what="agent registered")
+        f = Fleet(gw, b, agent, cfg)
+        prompt = _sentence("iota")
+        keys, n = f.features(prompt)
+        assert len(keys) >= 3
+        f.events(stored=pb.Stored(keys=keys[:3]))
+        wait_until(_held(f, keys[:3]), what="blocks stored")
+        ahead = "late-first-byte " + " ".join(f"word{i}" for i in range(150))
+        seen = b.stats()["requests"]
+        t = threading.Thread(target=lambda: f.post(ahead))
+        t.start()
+        wait_until(lambda: b.stats()["requests"] > seen, what="the long prompt at the backend")
+        h = f.post(prompt, fake_cached_tokens=3 * BS, fake_prompt_tokens=n)
+        t.join(30)
+        assert h["x-kvgate-matched-tokens"] == "0"  # the prediction: all three taken as evicted
+        entry = [e for e in _access_lines(gw) if e.get("audit_cause")]
+        assert [e["audit_cause"] for e in entry] == ["eviction_estimate"], entry
+        assert (entry[0]["matched_blocks"], entry[0]["predicted_cached_tokens"]) == (3, 0)
+        assert f.causes() == {"eviction_estimate": 1}
+    finally:
+        agent.close()

@@ -43,7 +43,7 @@ def test_the_index_at_dispatch_counts_the_leading_precise_blocks() -> None:
     index = _index()
     index.store("r", KEYS[:3])
     index.touch_approximate("r", KEYS[:5], 0.0, 10.0)  # a request routed there before
-    at = IndexAtDispatch.of(index, "r", KEYS, 5)
+    at = IndexAtDispatch.of(index, "r", KEYS, (5, 0))
     assert at == IndexAtDispatch(3, 0)
     index.remove("r", KEYS[2:3])
     assert index.removed_count("r") == 1 and index.precise_run("r", KEYS) == 2
@@ -62,7 +62,7 @@ def test_over_prediction_causes(precise: int, removed_after: list[int], cause: s
     index = _index()
     index.store("r", KEYS[:precise])
     index.touch_approximate("r", KEYS[:5], 0.0, 10.0)
-    at = IndexAtDispatch.of(index, "r", KEYS, 5)
+    at = IndexAtDispatch.of(index, "r", KEYS, (5, 0))
     assert at.precise_blocks == precise
     index.remove("r", [KEYS[i] for i in removed_after])
     assert _cause(index, 5, 3, at) == cause
@@ -71,7 +71,7 @@ def test_over_prediction_causes(precise: int, removed_after: list[int], cause: s
 def test_under_prediction_is_late_events_or_tokenization() -> None:
     index = _index()
     index.store("r", KEYS[:2])
-    at = IndexAtDispatch.of(index, "r", KEYS, 2)
+    at = IndexAtDispatch.of(index, "r", KEYS, (2, 0))
     assert _cause(index, 2, 4, at) == "tokenization"  # the engine's blocks never carried our keys
     index.store("r", KEYS[:4])  # the events of a concurrent request arrived since
     assert _cause(index, 2, 4, at) == "not_yet_reported"
@@ -80,7 +80,7 @@ def test_under_prediction_is_late_events_or_tokenization() -> None:
 def test_over_prediction_with_another_prompt_length_is_tokenization() -> None:
     index = _index()
     index.store("r", KEYS[:5])
-    at = IndexAtDispatch.of(index, "r", KEYS, 5)
+    at = IndexAtDispatch.of(index, "r", KEYS, (5, 0))
     for engine_tokens, cause in ((100, "stale_index"), (104, "tokenization"), (None, "stale_index")):
         case = AuditCase(KEYS, BS, 5 * BS, 3 * BS, at, gateway_tokens=100, engine_tokens=engine_tokens)
         assert inexact_cause(index, "r", case) == cause
@@ -89,7 +89,7 @@ def test_over_prediction_with_another_prompt_length_is_tokenization() -> None:
 def test_more_cached_blocks_than_the_prompt_has_is_tokenization() -> None:
     index = _index()
     index.store("r", KEYS)
-    at = IndexAtDispatch.of(index, "r", KEYS, 6)
+    at = IndexAtDispatch.of(index, "r", KEYS, (6, 0))
     assert _cause(index, 6, 7, at) == "tokenization"  # the index holds every key: not a late event
 
 
@@ -97,7 +97,7 @@ def test_blocks_gone_from_the_index_again_are_told_by_the_prompt_length() -> Non
     """Four blocks reported, none predicted, none held by the index now (stored after the
     decision and evicted since, or never under the request's keys)."""
     index = _index()
-    at = IndexAtDispatch.of(index, "r", KEYS, 0)
+    at = IndexAtDispatch.of(index, "r", KEYS, (0, 0))
 
     def cause(engine_tokens: int | None, degraded: bool = False) -> str:
         case = AuditCase(KEYS, BS, 0, 4 * BS, at, gateway_tokens=100, engine_tokens=engine_tokens,
@@ -114,7 +114,7 @@ def test_deferred_features_are_audited_on_the_keys_they_had() -> None:
     """Routed on the first two keys (the rest encoded after routing): four blocks reported."""
     index = _index()
     index.store("r", KEYS[:2])
-    at = IndexAtDispatch.of(index, "r", KEYS[:2], 2)
+    at = IndexAtDispatch.of(index, "r", KEYS[:2], (2, 0))
 
     def cause(predicted: int, full: list[int] | None, engine_tokens: int | None = None) -> str:
         case = AuditCase(
@@ -139,7 +139,7 @@ def test_deferred_features_are_audited_on_the_keys_they_had() -> None:
 def test_character_block_features_are_approximate() -> None:
     index = _index()
     index.store("r", KEYS)
-    at = IndexAtDispatch.of(index, "r", KEYS, 6)
+    at = IndexAtDispatch.of(index, "r", KEYS, (6, 0))
     for predicted, reported in ((6 * BS, 3), (0, 40)):
         case = AuditCase(KEYS, BS, predicted, reported, at, "approximate")
         assert inexact_cause(index, "r", case) == "approximate_features"
@@ -206,3 +206,16 @@ async def test_upstream_stop_ends_the_audits_waiting_for_keys() -> None:
     task = upstream._late_audits.start(asyncio.wait_for(never, LATE_AUDIT_S))
     await upstream.stop()
     assert task.cancelled() and len(upstream._late_audits) == 0
+
+
+def test_blocks_the_prediction_took_as_evicted_and_the_engine_kept() -> None:
+    """The snapshot expected the queue ahead to evict blocks 3.. before the prefill
+    (``evicted_before_prefill``); the engine kept them: the estimate's doing, whatever the index."""
+    index = _index()
+    index.store("r", KEYS[:6])
+    at = IndexAtDispatch.of(index, "r", KEYS, (3, 3))
+    assert at == IndexAtDispatch(3, 0, 3)
+    assert _cause(index, 3, 6, at) == "eviction_estimate"
+    assert _cause(index, 3, 5, at) == "eviction_estimate"  # part of them kept
+    index.remove("r", KEYS[2:3])  # and more than the estimate went: an over-prediction
+    assert _cause(index, 3, 2, at) == "evicted"

@@ -15,8 +15,9 @@ from gateway.fleet import Fleet, RemoteLoad
 from gateway.inventory_sink import AgentHello, AgentLoad
 from gateway.routing import Router, RoutingState
 from router_policies.policy import NoReplicaError, RequestFeatures
-from router_policies.prefix_index import PrefixIndex, UnknownReplicaError
+from router_policies.prefix_index import MatchResult, PrefixIndex, UnknownReplicaError
 from router_policies.registry import build_policy
+from tests.unit.fleet_requests import NO_REQUEST
 
 
 def _config(**extra: Any) -> GatewayConfig:
@@ -91,7 +92,7 @@ def test_flights_load_the_record_and_the_snapshot_until_released() -> None:
         100,
         1,
     )
-    (state,) = fleet.snapshot([a], {}, {}).replicas
+    (state,) = fleet.snapshot([a], NO_REQUEST, MatchResult({}, {})).replicas
     assert (state.in_flight_requests, state.in_flight_tokens, state.pending_prefill_tokens) == (2, 160, 105)
     flight.end()
     assert (a.in_flight_requests, a.in_flight_tokens, a.pending_prefill_tokens, a.requests) == (0, 0, 0, 1)
@@ -104,7 +105,7 @@ def test_snapshot_is_immutable_and_honours_exclusions() -> None:
     cands = fleet.candidates("m")
     assert [r.id for r in cands] == ["a", "b"]
     assert [r.id for r in fleet.candidates("n")] == ["b"]  # a serves m only; b serves all
-    snap = fleet.snapshot(cands, {"a": 3}, {"a": 2.5}, exclude=frozenset({"b"}))
+    snap = fleet.snapshot(cands, NO_REQUEST, MatchResult({"a": 3}, {"a": 2.5}), exclude=frozenset({"b"}))
     a, b = snap.replicas
     assert (a.matched_blocks, a.match_score, a.healthy) == (3, 2.5, True)
     assert (b.matched_blocks, b.healthy) == (0, False)

@@ -40,8 +40,10 @@ from gateway.shared_state_codec import (
 from proto.kvgate.v1 import inventory_pb2 as pb
 from router_policies.flights import Dispatch
 from router_policies.policy import ReplicaState
+from router_policies.prefix_index import MatchResult
 from tests.integration.gateway_harness import RedisServer, SharedStateInstance, shared_state_instance
 from tests.polling import until
+from tests.unit.fleet_requests import NO_REQUEST
 
 
 # ---------------------------------------------------------------------- codec
@@ -265,7 +267,7 @@ async def test_load_of_other_instances_is_added_to_the_snapshot(
     def b_view() -> tuple[int, int, int]:
         rec = b.fleet.get("r0")
         assert rec is not None
-        (state,) = b.fleet.snapshot([rec], {}, {}).replicas
+        (state,) = b.fleet.snapshot([rec], NO_REQUEST, MatchResult({}, {})).replicas
         return state.in_flight_requests, state.in_flight_tokens, state.pending_prefill_tokens
 
     await until(lambda: b_view() == (3, 300, 180), "B sees A's load")
@@ -343,7 +345,7 @@ async def test_the_queue_age_crosses_instances_on_the_fleets_clock(
     now[0] = 501.5  # waiting 1.5 s
 
     def age_at_b() -> float:
-        return b.fleet.snapshot([rec_b], {}, {}).replicas[0].pending_age_ms
+        return b.fleet.snapshot([rec_b], NO_REQUEST, MatchResult({}, {})).replicas[0].pending_age_ms
 
     await until(lambda: age_at_b() > 0, "B sees A's pending request")
     assert age_at_b() == pytest.approx(1500.0, abs=1.0)

@@ -12,9 +12,10 @@ import pytest
 from router_policies import placement
 from router_policies.placement import Candidate, Dispatch, FlightCounters, IndexView, ReplicaLoad, TtftFeed
 from router_policies.policy import ReplicaState, RequestFeatures
-from router_policies.prefix_index import PrefixIndex
+from router_policies.prefix_index import MatchResult, PrefixIndex
 from router_policies.ttft.features import TtftInputs, attention_pairs, predict
 from router_policies.ttft.params import DEFAULT_PRIOR
+from tests.unit.fleet_requests import NO_REQUEST
 
 
 def _dispatch(state: ReplicaState, prompt: int = 1000, cached: int = 400) -> Dispatch:
@@ -121,14 +122,14 @@ def test_the_gateway_fleet_feeds_the_model_and_exports_the_ttft_audit() -> None:
     metrics = GatewayMetrics(CollectorRegistry(), index, fleet, dict)
     rec = fleet.get("a")
     assert rec is not None
-    snap = fleet.snapshot([rec], {}, {})
+    snap = fleet.snapshot([rec], NO_REQUEST, MatchResult({}, {}))
     for _ in range(5):
         f = fleet.dispatch(rec, Dispatch.of(snap, "a", RequestFeatures("m", [], 2000, 16), 0, 10))
         now[0] += 0.2
         f.first_byte()  # at the fleet's clock
         f.end()
     assert rec.ttft_audit.total == 5 and fleet.ttft.params("a").observations == 5
-    assert fleet.snapshot([rec], {}, {}).replicas[0].ttft == fleet.ttft.params("a")
+    assert fleet.snapshot([rec], NO_REQUEST, MatchResult({}, {})).replicas[0].ttft == fleet.ttft.params("a")
     mae = rec.ttft_audit.median_abs_error()
     described = cast(dict[str, Any], rec.describe()["ttft_audit"])
     assert mae is not None and described["total"] == 5 and described["median_abs_error"] == mae
@@ -193,7 +194,9 @@ def test_cached_blocks_several_flights_share_are_counted_once_and_the_snapshot_c
     other = go(10, [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18])  # a different prefix
     assert c.shared_tokens == 25 * 16
     # the decision's snapshot, as the router takes it, carries the figure
-    assert fleet.snapshot([rec], {}, {}).replicas[0].in_flight_shared_tokens == 25 * 16
+    assert (
+        fleet.snapshot([rec], NO_REQUEST, MatchResult({}, {})).replicas[0].in_flight_shared_tokens == 25 * 16
+    )
     a.first_byte(0.1)
     assert c.shared_tokens == 25 * 16  # held until the request ends: its KV stays pinned
     a.end()
