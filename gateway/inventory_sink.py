@@ -70,7 +70,7 @@ class FleetSink(Protocol):
     def snapshot_keep(self) -> tuple[float, float]:
         """(now, lifetime_s) on the clock of the index's speculative entries: the precise entries
         a replica's snapshot drops are kept that long as speculative ones
-        (``PrefixIndex.replace_replica``; docs/agent.md, "Recovery without replay")."""
+        (``placement.replace_snapshot``; docs/agent.md, "Recovery without replay")."""
         ...
 
     def agent_state(self, replica_id: str, *, connected: bool, degraded: bool) -> None:
