@@ -39,6 +39,7 @@ from proto.kvgate.v1 import inventory_pb2 as pb
 from replica_agent.engine_events import decode_payload
 from replica_agent.inventory import AgentInventory
 from replica_agent.outbox import Outbox
+from router_policies.placement import SPECULATIVE_TTL_S
 from router_policies.prefix_index import IndexConfig, PrefixIndex
 
 MODEL = "bench-model"
@@ -146,7 +147,7 @@ class _Fleet:
         pass
 
     def snapshot_keep(self) -> tuple[float, float]:
-        return 0.0, 10.0
+        return time.monotonic(), SPECULATIVE_TTL_S  # as the gateway's fleet, at its default
 
 
 def stage_decode(payloads: list[bytes]) -> Callable[[], None]:

@@ -109,7 +109,7 @@ class _Bench:
         keys = list(self.sessions[s])
         feats = RequestFeatures("m", keys, len(keys) * BS + 5, BS, f"s{s}")
         choice = self.router.choose(self.state, feats)
-        d = Dispatch.of(choice.snapshot, choice.record.id, feats, choice.predicted_tokens, 100)
+        d = Dispatch.of(choice.state, feats, choice.predicted_tokens, 100)
         rid = choice.record.id
         first_at = self.engines[rid].first_token_at(self.now, feats.prompt_tokens - choice.predicted_tokens)
         self._seq += 1

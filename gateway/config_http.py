@@ -48,7 +48,9 @@ class ProxyConfig(_Strict):
     session_header: str = Field("x-session-id", description="Request header carrying the session id.")
     debug_headers: bool = Field(True, description="Send x-kvgate-replica and x-kvgate-matched-tokens.")
     speculative_ttl_s: PositiveFloat = Field(
-        10.0, description="TTL of the index entry each routed request adds."
+        10.0,
+        description="TTL of the index entry each routed request adds (with an agent), and of the "
+        "entries a replica's snapshot drops (kept as guesses: an agent restarted beside a busy engine).",
     )
     tokenize_cache_entries: NonNegativeInt = Field(
         4096, description="Bound of the cache of tokenized messages."

@@ -110,7 +110,9 @@ class Fleet:
         self._block_sizes = {m.name: m.block_size for m in config.models}
         self._lora_fallback = {m.name: m.lora_fallback for m in config.models}
         self._allow_registration = config.inventory.allow_registration
-        self._speculative_ttl_s = config.proxy.speculative_ttl_s
+        # the lifetime of speculative entries: a routed request's (touch) and a snapshot's dropped
+        # ones (snapshot_keep), from the one config field
+        self.touch_rule = TouchRule(config.proxy.speculative_ttl_s)
         prior = ttft_prior_of(config)
         if prior != self.ttft.model.prior(""):  # another prior: every fit restarts from it
             self.ttft = self._new_ttft(prior)
@@ -294,12 +296,12 @@ class Fleet:
         """The prefix index (read by the prediction audit)."""
         return self._index
 
-    def touch(self, replica: str, keys: Sequence[int], speculative_ttl_s: float) -> None:
+    def touch(self, replica: str, keys: Sequence[int]) -> None:
         """The speculative index entries of a request routed to ``replica`` with ``keys``, with
-        the placement rule's lifetime (``placement.TouchRule``)."""
+        the placement rule's lifetime (``touch_rule``)."""
         if replica not in self._records:
             return  # left the fleet since (a deferred encode finishing late)
-        lifetime = TouchRule(speculative_ttl_s).lifetime_s(self._index, self.has_agent(replica))
+        lifetime = self.touch_rule.lifetime_s(self._index, self.has_agent(replica))
         keys = placement.speculative_keys(keys, self._index.is_hybrid(replica))
         placement.speculative_touch(self._index, replica, keys, self._clock(), lifetime)
 
@@ -310,7 +312,7 @@ class Fleet:
         holds, and routing on what the gateway knew keeps that traffic there, where the engine
         hits and the held-prefix hints heal the agent (docs/agent.md, "Recovery without
         replay"). Blocks the engine did evict stop drawing traffic within that lifetime."""
-        return self._clock(), TouchRule(self._speculative_ttl_s).lifetime_s(self._index, True)
+        return self._clock(), self.touch_rule.lifetime_s(self._index, True)
 
     # ------------------------------------------------------------------ health
     def check_result(self, replica: str, ok: bool, error: str = "") -> None:

@@ -56,7 +56,7 @@ from gateway.shared_state_codec import CodecError, decode_hello, decode_ops, dec
 from gateway.workers_metrics import merge_expositions
 from gateway.workers_ttft import RelayedTtftModel
 from router_policies import placement
-from router_policies.placement import TouchRule, TtftFeed
+from router_policies.placement import TtftFeed
 from router_policies.prefix_index import IndexBoundError, PrefixIndex
 from router_policies.ttft.params import TtftParams
 
@@ -95,11 +95,11 @@ class WorkerFleet(Fleet):
         if rec is not None:
             rec.ttft_model = model.params(rec.id)
 
-    def touch(self, replica: str, keys: Sequence[int], speculative_ttl_s: float) -> None:
+    def touch(self, replica: str, keys: Sequence[int]) -> None:
         if self.get(replica) is None:
             return  # left the fleet since (a deferred encode finishing late)
         index = self.index
-        lifetime = TouchRule(speculative_ttl_s).lifetime_s(index, self.has_agent(replica))
+        lifetime = self.touch_rule.lifetime_s(index, self.has_agent(replica))
         keys = placement.speculative_keys(keys, index.is_hybrid(replica))
         if placement.speculative_touch(index, replica, keys, time.monotonic(), lifetime):
             self._link.send(encode_touch(replica, keys, lifetime))

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from gateway.config import GatewayConfig
 from gateway.features import Featurizer
 from gateway.fleet import Fleet, ReplicaRecord
-from router_policies.placement import predicted_cached_tokens
-from router_policies.policy import Decision, FleetSnapshot, Policy, RequestFeatures
+from router_policies.placement import chosen_prediction
+from router_policies.policy import Decision, FleetSnapshot, Policy, ReplicaState, RequestFeatures
 from router_policies.prefix_index import MatchResult, PrefixIndex
 
 __all__ = ["Choice", "Router", "RoutingState"]
@@ -43,14 +43,13 @@ class Choice:
     record: ReplicaRecord
     snapshot: FleetSnapshot
     predicted_tokens: int  # cached prompt tokens the engine should report on this replica
-    matched_blocks: int  # leading blocks of the prompt the index says the replica holds
+    state: ReplicaState  # the replica as the decision saw it (its matched and expected blocks)
 
 
 @dataclass(slots=True)
 class Speculation:
     """The speculative entries one committed attempt recorded (written only by ``Router``)."""
 
-    state: RoutingState
     replica: str
     held_blocks: int  # leading blocks the replica held before: never undone
     keys: Sequence[int] = ()  # the longest key chain recorded
@@ -82,18 +81,14 @@ class Router:
         decision = state.policy.choose(features, snap)
         record = self._fleet.get(decision.replica)
         assert record is not None  # the snapshot only holds fleet records
-        chosen = next(r for r in snap.replicas if r.id == decision.replica)
-        # the prediction counts the blocks expected still cached at its prefill
-        predicted = predicted_cached_tokens(
-            chosen.expected_blocks, features.prompt_tokens, features.block_size
-        )
-        return Choice(decision, record, snap, predicted, chosen.matched_blocks)
+        chosen, predicted = chosen_prediction(snap, decision.replica, features)
+        return Choice(decision, record, snap, predicted, chosen)
 
     def commit(self, state: RoutingState, features: RequestFeatures, choice: Choice) -> Speculation:
         """The request is sent to ``choice``'s replica: advance the policy and record the
         speculative entries (undone by ``undo`` if it is retried elsewhere)."""
         state.policy.commit(choice.decision)
-        spec = Speculation(state, choice.decision.replica, choice.matched_blocks)
+        spec = Speculation(choice.decision.replica, choice.state.matched_blocks)
         self.record(spec, features.block_keys)
         return spec
 
@@ -104,7 +99,7 @@ class Router:
             return
         if len(keys) > len(spec.keys):
             spec.keys = keys
-        self.touch(spec.state, spec.replica, keys)
+        self.touch(spec.replica, keys)
 
     def undo(self, spec: Speculation) -> None:
         """The attempt failed and the request goes elsewhere: drop the entries it added (the keys
@@ -125,8 +120,8 @@ class Router:
         self.commit(state, features, choice)
         return choice
 
-    def touch(self, state: RoutingState, replica: str, keys: Sequence[int]) -> None:
+    def touch(self, replica: str, keys: Sequence[int]) -> None:
         """Record the speculative entries of a request routed to ``replica`` with ``keys``
         (the placement rule: ``router_policies.placement.speculative_touch``, through the fleet
         for whether an agent reports the replica and for the clock)."""
-        self._fleet.touch(replica, keys, state.config.proxy.speculative_ttl_s)
+        self._fleet.touch(replica, keys)

@@ -191,8 +191,7 @@ class Upstream:
         assert ctx.parsed is not None
         out_tokens = ctx.parsed.max_output_tokens
         predicted = a.choice.predicted_tokens
-        snap = a.choice.snapshot
-        flight = self._fleet.dispatch(rec, Dispatch.of(snap, rec.id, features, predicted, out_tokens))
+        flight = self._fleet.dispatch(rec, Dispatch.of(a.choice.state, features, predicted, out_tokens))
         assert flight.at_dispatch is not None  # Fleet.dispatch records it
         ctx.log["dispatch_ms"] = round(ctx.elapsed() * 1000, 3)  # the gateway's own share of ttft_ms
         audit = AttemptAudit(a.info, flight.at_dispatch)  # before any await (its docstring)

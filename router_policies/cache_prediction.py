@@ -6,6 +6,8 @@ checks, the TTFT model's inputs and the pending prefill use (``router_policies.f
 
 from __future__ import annotations
 
+from router_policies.policy import FleetSnapshot, ReplicaState, RequestFeatures
+
 
 def predicted_cached_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
     """What the engine will report as cached for ``matched_blocks`` leading blocks.
@@ -16,6 +18,17 @@ def predicted_cached_tokens(matched_blocks: int, prompt_tokens: int, block_size:
     if prompt_tokens <= 0:
         return 0
     return min(matched_blocks, (prompt_tokens - 1) // block_size) * block_size
+
+
+def chosen_prediction(
+    snap: FleetSnapshot, replica: str, request: RequestFeatures
+) -> tuple[ReplicaState, int]:
+    """The chosen ``replica``'s state in the decision's snapshot and the cached tokens predicted
+    there: its matched blocks expected still cached at the prefill (``ReplicaState.
+    expected_blocks``). The gateway's ``Router.decide`` and the simulator's ``SimGateway.route``
+    both predict through here."""
+    state = next(r for r in snap.replicas if r.id == replica)
+    return state, predicted_cached_tokens(state.expected_blocks, request.prompt_tokens, request.block_size)
 
 
 def evicted_before_prefill(

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, KeysView, Sequence
 from dataclasses import dataclass, field
 
 from router_policies.cache_prediction import uncached_prompt_tokens
-from router_policies.policy import FleetSnapshot, ReplicaState, RequestFeatures
+from router_policies.policy import ReplicaState, RequestFeatures
 from router_policies.prefix_index import PrefixIndex
 from router_policies.ttft.features import REFERENCE_INPUTS, TtftInputs, attention_pairs, predict
 from router_policies.ttft.freshness import Freshness
@@ -191,10 +191,7 @@ class Dispatch:
     keys: Sequence[int] = ()  # the request's block keys
 
     @staticmethod
-    def of(
-        snap: FleetSnapshot, replica: str, request: RequestFeatures, cached: int, output_tokens: int
-    ) -> Dispatch:
-        state = next(r for r in snap.replicas if r.id == replica)
+    def of(state: ReplicaState, request: RequestFeatures, cached: int, output_tokens: int) -> Dispatch:
         return Dispatch(
             state, request.prompt_tokens, cached, request.block_size, output_tokens, request.block_keys
         )

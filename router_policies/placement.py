@@ -2,8 +2,8 @@
 what surrounds a policy's decision, so that the simulator runs the very router the gateway runs.
 
 * Flight accounting and the TTFT model's feed (``Flight``, ``Dispatch``, ``TtftFeed``, ...) live
-  in ``router_policies.flights``, the cached-token prediction (``predicted_cached_tokens``,
-  ``evicted_before_prefill``) in ``router_policies.cache_prediction``; both are part of this
+  in ``router_policies.flights``, the cached-token prediction (``chosen_prediction``,
+  ``predicted_cached_tokens``, ``evicted_before_prefill``) in ``router_policies.cache_prediction``; both are part of this
   module's interface (imported here, so ``placement.X`` names every piece of the glue).
 * ``ReplicaLoad`` and ``snapshot``: the immutable ``FleetSnapshot`` a policy sees, from each
   candidate's health, load, index match (and the part of it expected evicted before the
@@ -28,6 +28,7 @@ from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from router_policies.cache_prediction import chosen_prediction as chosen_prediction
 from router_policies.cache_prediction import evicted_before_prefill as evicted_before_prefill
 from router_policies.cache_prediction import predicted_cached_tokens as predicted_cached_tokens
 from router_policies.cache_prediction import uncached_prompt_tokens as uncached_prompt_tokens
@@ -166,8 +167,7 @@ def replace_snapshot(
     stamp and expire together, a touch orders those it walks, and evicting one before its child
     (over the approximate bound) leaves the child unmatched until it expires too. A bound error
     raised by the snapshot leaves the index as it was."""
-    dropped = [k for k in index.precise_keys(replica) if k not in entries]
-    index.replace_replica(replica, entries)
+    dropped = index.replace_replica(replica, entries)
     if dropped and not index.is_hybrid(replica):  # a hybrid engine's reusable blocks depend on windows
         now, lifetime_s = keep
         index.touch_approximate(replica, dropped, now, lifetime_s)

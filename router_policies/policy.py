@@ -46,7 +46,7 @@ class ReplicaState:
         0  # request blocks this replica can reuse (index match: leading run, or deepest key)
     )
     # of matched_blocks, the trailing ones its engine is expected to evict before this request's
-    # prefill starts (router_policies.flights.evicted_before_prefill): the queue ahead needs the room
+    # prefill starts (router_policies.cache_prediction.evicted_before_prefill): the queue ahead needs the room
     evicted_blocks: int = 0
     match_score: float = 0.0  # matched_blocks weighted by medium
     held_blocks: int = 0  # how full the index believes its cache is (PrefixIndex.held_count)

@@ -186,18 +186,17 @@ class PrefixIndex:
             return 0
         return self.remove(replica, self._table.keys_of(rep.slot))
 
-    def replace_replica(self, replica: str, entries: Mapping[int, str]) -> None:
+    def replace_replica(self, replica: str, entries: Mapping[int, str]) -> list[int]:
         """Atomically replace the precise inventory of ``replica`` (a snapshot): on a bound error
-        nothing changes."""
+        nothing changes. Returns the precise keys it dropped."""
         check_replica_bound(self.config, len(entries), f"snapshot of {replica!r} has")
         rep = self._rep(replica)
         current = set(self.precise_keys(replica))
         approx = rep.approx
-        grow = sum(1 for k in entries if k not in current and k not in approx) - sum(
-            1 for k in current if k not in entries
-        )
+        gone = [k for k in current if k not in entries]
+        grow = sum(1 for k in entries if k not in current and k not in approx) - len(gone)
         check_total_bound(self.config, self._entries + grow)
-        self.remove(replica, [k for k in current if k not in entries])
+        self.remove(replica, gone)
         by_medium: dict[str, list[int]] = {}
         non_gpu = rep.non_gpu
         for k, medium in entries.items():
@@ -207,6 +206,7 @@ class PrefixIndex:
                 by_medium.setdefault(medium, []).append(k)
         for medium, keys in by_medium.items():
             self.store(replica, keys, medium)
+        return gone
 
     def precise_entries(self, replica: str) -> dict[int, str]:
         """Its precise keys with their medium (the index's own record: GPU unless noted)."""

@@ -119,10 +119,8 @@ class SimGateway:
         name = decision.replica
         lifetime = self._touch.lifetime_s(index, has_agent=True)
         placement.speculative_touch(index, name, keys, now, lifetime)
-        prompt = features.prompt_tokens
-        chosen = next(r for r in snap.replicas if r.id == name)
-        predicted = placement.predicted_cached_tokens(chosen.expected_blocks, prompt, features.block_size)
+        chosen, predicted = placement.chosen_prediction(snap, name, features)
         ri = self._slot[name]
-        dispatch = Dispatch.of(snap, name, features, predicted, output_tokens)
+        dispatch = Dispatch.of(chosen, features, predicted, output_tokens)
         flight = self.ttft.flight(self._flights[ri], dispatch, now)
         return Routed(decision, ri, snap, predicted, flight)

@@ -116,8 +116,7 @@ class _GatewaySide:
         choice = self.router.choose(self.state, feats)
         # as the proxy's attempt does
         prefill = max(0, feats.prompt_tokens - choice.predicted_tokens)
-        snap, replica = choice.snapshot, choice.record.id
-        dispatch = Dispatch.of(snap, replica, feats, choice.predicted_tokens, out)
+        dispatch = Dispatch.of(choice.state, feats, choice.predicted_tokens, out)
         self.flights[rid] = self.fleet.dispatch(choice.record, dispatch)
         assert self.flights[rid].prefill == prefill
         return choice.decision, choice.snapshot, choice.predicted_tokens

@@ -217,18 +217,17 @@ def test_router_refreshes_a_hot_chains_entries_at_most_once_a_second() -> None:
     fleet = Fleet(cfg, index)
     fleet.check_result("a", True)
     router = Router(index, fleet)
-    state = _state(cfg)
-    router.touch(state, "a", [11, 12, 13])
-    router.touch(state, "a", [11, 14])  # shares the root: 11 moves behind 14
+    router.touch("a", [11, 12, 13])
+    router.touch("a", [11, 14])  # shares the root: 11 moves behind 14
     assert index.approximate_keys("a") == [13, 12, 14, 11]
-    router.touch(state, "a", [11, 12, 13])  # its leaf was stamped just now: nothing to do
+    router.touch("a", [11, 12, 13])  # its leaf was stamped just now: nothing to do
     assert index.approximate_keys("a") == [13, 12, 14, 11]
-    router.touch(state, "a", [11, 12, 13, 15])  # a longer chain is new: touched
+    router.touch("a", [11, 12, 13, 15])  # a longer chain is new: touched
     assert index.approximate_keys("a") == [14, 15, 13, 12, 11]
     index.store("a", [21, 22])  # held precisely (the engine's events came): never duplicated
-    router.touch(state, "a", [21, 22])
+    router.touch("a", [21, 22])
     assert index.approximate_keys("a") == [14, 15, 13, 12, 11]
-    router.touch(state, "gone", [31])  # a replica no longer in the fleet gets nothing
+    router.touch("gone", [31])  # a replica no longer in the fleet gets nothing
     assert "gone" not in index.replicas
 
 
@@ -303,11 +302,11 @@ def test_speculative_entries_of_a_replica_whose_agent_connects_later_expire_in_t
     cfg = _config(index={"approximate_ttl_s": 120.0}, proxy={"speculative_ttl_s": 10.0})
     index = PrefixIndex(cfg.index)
     fleet = Fleet(cfg, index, clock=lambda: now[0])
-    fleet.touch("b", [1, 2], cfg.proxy.speculative_ttl_s)  # no agent: lives 120 s
+    fleet.touch("b", [1, 2])  # no agent: lives 120 s
     assert fleet.agent_hello(_hello("b")) is None
     fleet.agent_state("b", connected=True, degraded=False)
     now[0] += 5.0
-    fleet.touch("b", [3, 4], cfg.proxy.speculative_ttl_s)  # with the agent: lives 10 s
+    fleet.touch("b", [3, 4])  # with the agent: lives 10 s
     assert [t for _, t in index.approximate_expiry("b")] == [1015.0] * 4
     index.expire(1015.5)  # the app's housekeeping sweep
     assert index.approximate_keys("b") == []

@@ -121,7 +121,7 @@ def test_undo_drops_only_what_the_attempt_added() -> None:
     feats = _feats(1, 2, 3, 4)
     match = router.match(feats)
     choice = router.decide(state, feats, match, exclude=frozenset({"b"}))
-    assert choice.record.id == "a" and choice.matched_blocks == 2
+    assert choice.record.id == "a" and choice.state.matched_blocks == 2
     spec = router.commit(state, feats, choice)
     router.record(spec, [1, 2, 3, 4, 5])  # its deferred encode finished before the retry
     assert set(index.approximate_keys("a")) == {2, 3, 4, 5}

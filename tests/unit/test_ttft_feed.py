@@ -97,7 +97,7 @@ def test_the_dispatch_is_the_chosen_replica_as_the_decision_saw_it() -> None:
         index.add_replica(r)
     cands = [Candidate("a", True, ReplicaLoad(in_flight_requests=3)), Candidate("b", True, ReplicaLoad())]
     snap = placement.snapshot(cands, IndexView({}, {}, index))
-    d = Dispatch.of(snap, "a", RequestFeatures("m", [], 100, 16), 32, 7)
+    d = Dispatch.of(snap.replicas[0], RequestFeatures("m", [], 100, 16), 32, 7)
     assert d.state.in_flight_requests == 3 and (d.prompt_tokens, d.cached_tokens, d.block_size) == (
         100,
         32,
@@ -124,7 +124,7 @@ def test_the_gateway_fleet_feeds_the_model_and_exports_the_ttft_audit() -> None:
     assert rec is not None
     snap = fleet.snapshot([rec], NO_REQUEST, MatchResult({}, {}))
     for _ in range(5):
-        f = fleet.dispatch(rec, Dispatch.of(snap, "a", RequestFeatures("m", [], 2000, 16), 0, 10))
+        f = fleet.dispatch(rec, Dispatch.of(snap.replicas[0], RequestFeatures("m", [], 2000, 16), 0, 10))
         now[0] += 0.2
         f.first_byte()  # at the fleet's clock
         f.end()
