@@ -217,10 +217,13 @@ class Upstream:
             if ctx.state.config.proxy.debug_headers:
                 headers["x-kvgate-replica"] = rec.id
                 headers["x-kvgate-matched-tokens"] = str(predicted)
-            flight.first_byte()
+            sample = flight.first_byte()
             ttft = ctx.elapsed()
             self._metrics.ttft_by(rec.id).observe(ttft)
             ctx.log["ttft_ms"] = round(ttft * 1000, 3)
+            if sample is not None:  # the TTFT model's prediction at dispatch, and what came
+                ctx.log["predicted_first_byte_ms"] = round(sample.predicted_ms, 3)
+                ctx.log["first_byte_ms"] = round(sample.observed_ms, 3)
             if not is_sse and complete:
                 done = True
                 if up.status < 500:
