@@ -148,10 +148,12 @@ def test_access_log_is_json_and_keeps_prompts_out_unless_asked(procs: Procs, log
     assert entry["status"] == 200 and entry["replica"] == "r0" and entry["model"] == "m"
     assert {"duration_ms", "dispatch_ms", "ttft_ms", "policy", "reason", "prompt_tokens", "ts"} <= set(entry)
     assert 0 <= entry["dispatch_ms"] <= entry["ttft_ms"] <= entry["duration_ms"]
-    # the TTFT model's prediction at dispatch beside what it observed (dispatch to first byte,
-    # on the model's own clock: within a millisecond of ttft_ms - dispatch_ms)
+    # the TTFT model's prediction at dispatch beside what it observed: dispatch to first byte on
+    # the model's own clock, so within ttft_ms and, but for the microseconds between the
+    # statements that read the clocks, ttft_ms - dispatch_ms (2 ms: a collection between them)
     assert entry["predicted_first_byte_ms"] > 0
-    assert entry["first_byte_ms"] == pytest.approx(entry["ttft_ms"] - entry["dispatch_ms"], abs=1.0)
+    assert 0 < entry["first_byte_ms"] <= entry["ttft_ms"] + 0.01
+    assert entry["first_byte_ms"] == pytest.approx(entry["ttft_ms"] - entry["dispatch_ms"], abs=2.0)
     assert ("my secret prompt" in gw.stderr()) is log_prompts
 
 
