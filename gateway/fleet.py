@@ -296,14 +296,17 @@ class Fleet:
         """The prefix index (read by the prediction audit)."""
         return self._index
 
-    def touch(self, replica: str, keys: Sequence[int]) -> None:
+    def touch(self, replica: str, keys: Sequence[int]) -> tuple[Sequence[int], float] | None:
         """The speculative index entries of a request routed to ``replica`` with ``keys``, with
-        the placement rule's lifetime (``touch_rule``)."""
+        the placement rule's lifetime (``touch_rule``): (the keys entered, their lifetime) when
+        the index was touched, else None (a worker relays what was touched to the others)."""
         if replica not in self._records:
-            return  # left the fleet since (a deferred encode finishing late)
+            return None  # left the fleet since (a deferred encode finishing late)
         lifetime = self.touch_rule.lifetime_s(self._index, self.has_agent(replica))
         keys = placement.speculative_keys(keys, self._index.is_hybrid(replica))
-        placement.speculative_touch(self._index, replica, keys, self._clock(), lifetime)
+        if not placement.speculative_touch(self._index, replica, keys, self._clock(), lifetime):
+            return None
+        return keys, lifetime
 
     def snapshot_keep(self) -> tuple[float, float]:
         """(now, lifetime_s) for the precise entries a snapshot drops, kept as speculative ones

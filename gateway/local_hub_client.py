@@ -23,7 +23,6 @@ import contextlib
 import itertools
 import logging
 import os
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -95,14 +94,12 @@ class WorkerFleet(Fleet):
         if rec is not None:
             rec.ttft_model = model.params(rec.id)
 
-    def touch(self, replica: str, keys: Sequence[int]) -> None:
-        if self.get(replica) is None:
-            return  # left the fleet since (a deferred encode finishing late)
-        index = self.index
-        lifetime = self.touch_rule.lifetime_s(index, self.has_agent(replica))
-        keys = placement.speculative_keys(keys, index.is_hybrid(replica))
-        if placement.speculative_touch(index, replica, keys, time.monotonic(), lifetime):
-            self._link.send(encode_touch(replica, keys, lifetime))
+    def touch(self, replica: str, keys: Sequence[int]) -> tuple[Sequence[int], float] | None:
+        """As the fleet's, and what was touched goes to the parent for the other workers."""
+        touched = super().touch(replica, keys)
+        if touched is not None:
+            self._link.send(encode_touch(replica, *touched))
+        return touched
 
 
 class HubClient:
