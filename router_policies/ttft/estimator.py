@@ -31,10 +31,27 @@ needs:
   old observations weigh ``forgetting^age`` (memory about 1 / (1 - forgetting) observations); its
   trace is capped at the prior's, so directions the traffic does not excite (say, decode load on
   an idle replica) cannot blow up between observations.
+* The prior's covariance says what the prior is least sure of: the replica's speed. A prior is a
+  profile of one kind of hardware; a replica of another kind (or the default prior in front of
+  an unknown engine) differs from it mostly by one factor on every engine-time coefficient,
+  while how a first token's time splits among the terms (per step, per token, attention) is
+  surer. So P0 = I / prior_strength + speed_variance x v v^T / |v|^2, v the prior's multiples
+  along the coefficients that scale with the engine's speed (all but ``queue_age_ratio``, a
+  ratio of waits). Why: with an isotropic P0 (I / 0.01) the first observations moved each
+  coefficient in proportion to its share of them, and traffic of one prompt size cannot tell
+  per-step from per-token costs apart, so the fit's reading of a replica's speed at another size
+  drifted with the noise. Two replicas 2.84x apart fitted from the default prior on prompts of
+  700-760 tokens (10 % noise, five seeds), read at 2,048 tokens: ratios 2.07-3.36 after 6 first
+  tokens, 2.37-5.58 after 50; with this P0 2.43-2.81 and 2.46-2.93
+  (tests/unit/test_ttft_model.py). Replayed, the first tokens of live bench runs gave the TTFT
+  audit's median error 0.075 / 0.065 / 0.082 / 0.254 (agent, kv_pressure, hetero,
+  decode_heavy) against 0.086 / 0.073 / 0.087 / 0.264, and 0.182 against 0.173 on Mooncake
+  (docs/performance.md, "The prior's speed first").
 
 Coefficients are fitted as multiples ``w`` of reference scales (the prior, or a floor where the
 prior is 0), so that every direction is of order 1, and kept within ``[0, max_multiple]``.
-Memory: a d-vector and a d x d matrix (d = 9), whatever the number of observations.
+Memory: d-vectors and two d x d matrices (the covariance and the prior's; d = 9), whatever the
+number of observations.
 Deterministic: float64 arithmetic only, no randomness.
 """
 
@@ -45,7 +62,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
+from router_policies.ttft.params import COEFFICIENTS
 from router_policies.ttft.rls_kernel import dot_scaled, rls_step
 
 # Smallest reference scale per coefficient (see params.COEFFICIENTS), where a prior is 0: 1 ms
@@ -53,12 +72,16 @@ from router_policies.ttft.rls_kernel import dot_scaled, rls_step
 # per million KV tokens read per step; 0.001 ms per cached token; 1 ms per thousand tokens of
 # KV demand beyond capacity; 1 ms of per-request overhead; 0.1 ms per ms of the queue head's age.
 REFERENCE_FLOORS = (1.0, 0.01, 0.1, 0.01, 10.0, 0.001, 1.0, 1.0, 0.1)
+# the coefficients a replica's speed scales together (the direction of P0's speed part): engine
+# time, not the ratio of a queue's remaining wait to its wait so far
+SPEED_SCALED = np.array([name != "queue_age_ratio" for name in COEFFICIENTS])
 
 
 @dataclass(frozen=True, slots=True)
 class FitConfig:
     forgetting: float = 0.995  # weight of an observation per later observation
-    prior_strength: float = 0.01  # initial covariance P0 = I / prior_strength (multiples^2)
+    prior_strength: float = 0.05  # P0's shape part: I / prior_strength (multiples^2)
+    speed_variance: float = 1000.0  # P0's speed part along the prior's multiples (docstring)
     huber_k: float = 3.0  # residuals beyond huber_k x scale are clipped
     initial_scale: float = 0.3  # relative residual scale before any observation
     scale_rate: float = 0.05  # EW weight of a new absolute residual in the scale
@@ -70,6 +93,7 @@ class FitConfig:
     def __post_init__(self) -> None:
         assert 0.5 < self.forgetting <= 1.0, "forgetting must be in (0.5, 1]"
         assert self.prior_strength > 0 and self.huber_k > 0 and self.initial_scale > 0
+        assert self.speed_variance >= 0
         assert 0 < self.scale_rate < 1 and self.min_norm_ms > 0 and self.max_multiple > 1
 
 
@@ -94,6 +118,16 @@ def next_scale(scale: float, residual: float, cfg: FitConfig, rate: float = 0.0,
     return max(cfg.min_scale, (1 - rate) * scale + rate * dev)
 
 
+def prior_covariance(w0: npt.NDArray[np.float64], cfg: FitConfig) -> npt.NDArray[np.float64]:
+    """P0 for a fit starting at the multiples ``w0`` (module docstring: the prior's speed)."""
+    v = np.where(SPEED_SCALED, w0, 0.0)
+    p0 = np.eye(len(w0)) / cfg.prior_strength
+    norm = float(v @ v)
+    if norm > 0 and cfg.speed_variance > 0:
+        p0 += cfg.speed_variance * np.outer(v, v) / norm
+    return p0
+
+
 class PriorScale:
     """The same robust scale as ``RobustRls.scale``, of a fixed model's residuals (the prior's,
     beside its fit): whichever predicts better is the one to route on."""
@@ -115,6 +149,7 @@ class RobustRls:
         "_cfg",
         "_consts",
         "_p",
+        "_p0",
         "_p0_trace",
         "_ref",
         "_scale",
@@ -129,9 +164,9 @@ class RobustRls:
         self._cfg = config
         self._ref = np.maximum(np.asarray(prior, dtype=np.float64), REFERENCE_FLOORS)
         self._w = np.asarray(prior, dtype=np.float64) / self._ref
-        d = len(prior)
-        self._p = np.eye(d) / config.prior_strength
-        self._p0_trace = float(np.trace(self._p))
+        self._p0 = prior_covariance(self._w, config)
+        self._p = self._p0.copy()
+        self._p0_trace = float(np.trace(self._p0))
         self._consts = np.array((0.0, config.forgetting, config.max_multiple, self._p0_trace))
         self._scale = config.initial_scale
         self._slow_scale = config.initial_scale
@@ -165,7 +200,7 @@ class RobustRls:
         self._scale = next_scale(s, e, cfg)
         self._slow_scale = next_scale(self._slow_scale, e, cfg, cfg.scale_rate / 10, clip)
         if self._scale > cfg.reset_ratio * self._slow_scale:
-            self._p = np.eye(len(self._w)) * (self._p0_trace / len(self._w))
+            self._p = self._p0.copy()
             self._slow_scale = self._scale
             self.resets += 1
         self.observations += 1
