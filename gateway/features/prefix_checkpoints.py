@@ -35,7 +35,7 @@ functions (``checkpoints_of``, ``continue_head``) run on any thread.
 
 from __future__ import annotations
 
-import bisect
+import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -154,40 +154,43 @@ class PrefixCheckpoints:
         return False
 
 
-def _kept(words: list[int], starts: list[int], end: int) -> int:
-    """How many leading tokens are kept for a cut at ``end`` characters: those of the words
-    before the one holding character ``end - 1`` and the one before it."""
-    t = bisect.bisect_left(starts, end) - 1  # the last token starting before the cut
-    if t < 0:
-        return 0
-    return bisect.bisect_left(words, words[t] - 1)  # word ids never decrease along a text
-
-
 def checkpoints_of(
     enc: EncodingLike, span: tuple[int, int], shift: int, fingerprints: Sequence[int]
 ) -> tuple[list[tuple[int, Checkpoint]], TokenArray]:
     """The checkpoints of a text encoded whole, one per fingerprint of its blocks (those starting
     in it), and its tokens: ``enc``'s ``span`` (the others are context or the post-processor's);
-    its characters start at ``shift`` in ``enc``'s offsets."""
+    its characters start at ``shift`` in ``enc``'s offsets.
+
+    Per block j, ending at character e = (j + 1) x PROBE_CHARS: the kept tokens are those of the
+    words before the one holding the last token that starts before e, and the one before it
+    (``head_tokens``' rule), at least the previous block's (n_j = max over blocks <= j); the
+    context word is the last kept token's. Word ids never decrease along a text, so each is a
+    binary search, done for every block at once: this runs on the encode thread holding the GIL.
+    Measured on an 11,000-character text (5,463 tokens, 43 blocks): 1.65 ms with per-token Python
+    lists and bisects, 1.36 ms so, of which 0.58 ms is ``enc.offsets`` building its tuples."""
     lo, hi = span
     ids = enc.ids[lo:hi]
     own = np.asarray(ids, dtype=np.uint32)
-    offsets = [(a - shift, b - shift) for a, b in enc.offsets[lo:hi]]
-    wids = [w for w in enc.word_ids[lo:hi] if w is not None]
-    if len(wids) != len(ids) or not ids:
+    words = enc.word_ids[lo:hi]
+    if not ids or None in words:
         return [], own
-    starts = [o[0] for o in offsets]
-    blocks = -(-offsets[-1][1] // PROBE_CHARS)
+    # (start, end) pairs flattened by one C-level iterator: ~2x faster than an array of the tuples
+    pairs = itertools.chain.from_iterable(enc.offsets[lo:hi])
+    offsets = np.fromiter(pairs, dtype=np.int64, count=2 * len(ids)).reshape(-1, 2) - shift
+    w = np.asarray(words, dtype=np.int64)
+    fps = fingerprints[: -(-int(offsets[-1, 1]) // PROBE_CHARS)]
+    ends = np.arange(1, len(fps) + 1, dtype=np.int64) * PROBE_CHARS
+    last = np.searchsorted(offsets[:, 0], ends, side="left") - 1  # the last token starting before e
+    kept = np.where(last >= 0, np.searchsorted(w, w[np.maximum(last, 0)] - 1, side="left"), 0)
+    ns = np.maximum.accumulate(kept) if len(kept) else kept
+    firsts = np.searchsorted(w, w[np.maximum(ns - 1, 0)], side="left")  # the context word's start
     out: list[tuple[int, Checkpoint]] = []
     prev = 0
-    for j, fp in enumerate(fingerprints[:blocks]):
-        n = max(_kept(wids, starts, (j + 1) * PROBE_CHARS), prev)
+    for fp, n, first in zip(fps, ns.tolist(), firsts.tolist(), strict=True):
         if n:
-            first = n - 1
-            while first and wids[first - 1] == wids[n - 1]:
-                first -= 1
-            delta = np.asarray(ids[prev:n], dtype=np.uint32)
-            cp = Checkpoint(offsets[n - 1][1], offsets[first][0], n - first, delta)
+            # a copy: a view would keep the whole text's array alive beyond its bytes in the LRU
+            delta = own[prev:n].copy()
+            cp = Checkpoint(int(offsets[n - 1, 1]), int(offsets[first, 0]), n - first, delta)
         else:
             cp = Checkpoint(0, 0, 0, np.zeros(0, dtype=np.uint32))
         out.append((fp, cp))
