@@ -46,6 +46,9 @@ from router_policies.policy import NoReplicaError, RequestFeatures
 
 __all__ = ["BodyTooLarge", "Proxy", "ProxyParts", "read_body"]
 
+# an x-request-id longer than this is logged cut (the line stays bounded, whatever a client sends)
+MAX_REQUEST_ID_CHARS = 128
+
 
 class BodyTooLarge(RequestError):
     def __init__(self, limit: int) -> None:
@@ -183,6 +186,9 @@ class Proxy:
             span = self._tracing.tracer.start_span("kvgate.request", attributes={"http.route": request.path})
         ctx = RequestContext(request, state, span)
         ctx.log.update(method=request.method, path=request.path, policy=state.policy.name)
+        rid = request.headers.get("x-request-id")
+        if rid:  # the client's id, to join its own records to this line (forwarded upstream as is)
+            ctx.log["request_id"] = rid[:MAX_REQUEST_ID_CHARS]
         status = 500
         try:
             try:

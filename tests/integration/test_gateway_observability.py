@@ -155,6 +155,21 @@ def test_access_log_is_json_and_keeps_prompts_out_unless_asked(procs: Procs, log
     assert 0 < entry["first_byte_ms"] <= entry["ttft_ms"] + 0.01
     assert entry["first_byte_ms"] == pytest.approx(entry["ttft_ms"] - entry["dispatch_ms"], abs=2.0)
     assert ("my secret prompt" in gw.stderr()) is log_prompts
+    assert "request_id" not in entry  # none sent
+
+
+def test_access_log_carries_the_clients_request_id_bounded(procs: Procs) -> None:
+    b = procs.backend("r0")
+    gw = procs.gateway(base_config(b))
+    body = json.dumps({"model": "m", "prompt": "hello"}).encode()
+    for rid in ("client-42", "x" * 1000):
+        assert http("POST", gw.url + "/v1/completions", body, {**JSON, "x-request-id": rid})[0] == 200
+
+    def ids() -> list[str]:
+        return [e["request_id"] for e in _access_lines(gw) if "request_id" in e]
+
+    wait_until(lambda: len(ids()) == 2, what="two access log lines")
+    assert ids() == ["client-42", "x" * 128]
 
 
 class _Collector(otlp_grpc.TraceServiceServicer):
