@@ -182,7 +182,7 @@ def checkpoints_of(
     ends = np.arange(1, len(fps) + 1, dtype=np.int64) * PROBE_CHARS
     last = np.searchsorted(offsets[:, 0], ends, side="left") - 1  # the last token starting before e
     kept = np.where(last >= 0, np.searchsorted(w, w[np.maximum(last, 0)] - 1, side="left"), 0)
-    ns = np.maximum.accumulate(kept) if len(kept) else kept
+    ns = np.maximum.accumulate(kept)
     firsts = np.searchsorted(w, w[np.maximum(ns - 1, 0)], side="left")  # the context word's start
     out: list[tuple[int, Checkpoint]] = []
     prev = 0

@@ -225,6 +225,13 @@ def test_kv_demand_counts_a_shared_prefix_once() -> None:
     assert kv_excess_tokens(alone, 100, 1800, 1000) == 900
 
 
+def _two_speeds() -> tuple[TtftParams, TtftParams]:
+    """Two replicas 2.84x apart at 2,048 tokens: the default prior x 0.25 and x 0.75, each with a
+    2 ms hop the prior lacks."""
+    fast = dataclasses.replace(scaled(DEFAULT_PRIOR, 0.25), overhead_ms=2.0)
+    return fast, dataclasses.replace(scaled(DEFAULT_PRIOR, 0.75), overhead_ms=2.0)
+
+
 def _speed_at_2048(truth: TtftParams, first_tokens: int, seed: int, config: FitConfig) -> float:
     """A fit from the default prior on lone prompts of 700-760 tokens (10 % noise), read at 2,048."""
     rng = np.random.default_rng(seed)
@@ -241,8 +248,7 @@ def test_the_fit_reads_a_replicas_speed_at_another_size_from_traffic_of_one_size
     prior lacks) seen on prompts of one size: read at 2,048 tokens they stay apart by about that
     factor (estimator.py, the prior's speed first). With the isotropic prior of before
     (``speed_variance=0``) the ratio wandered from 2.07 to 5.58 over these seeds."""
-    fast = dataclasses.replace(scaled(DEFAULT_PRIOR, 0.25), overhead_ms=2.0)
-    slow = dataclasses.replace(scaled(DEFAULT_PRIOR, 0.75), overhead_ms=2.0)
+    fast, slow = _two_speeds()
     true_ratio = (
         predict(slow, TtftInputs(0, 0, 0, 2048, 0)).total_ms
         / predict(fast, TtftInputs(0, 0, 0, 2048, 0)).total_ms
@@ -258,8 +264,7 @@ def test_the_fit_reads_a_replicas_speed_at_another_size_from_traffic_of_one_size
 def test_the_fit_without_the_speed_prior_misreads_the_speeds() -> None:
     """The check above can fail: the isotropic prior of before, on the same traffic."""
     iso = FitConfig(prior_strength=0.01, speed_variance=0.0)
-    fast = dataclasses.replace(scaled(DEFAULT_PRIOR, 0.25), overhead_ms=2.0)
-    slow = dataclasses.replace(scaled(DEFAULT_PRIOR, 0.75), overhead_ms=2.0)
+    fast, slow = _two_speeds()
     ratios = [
         _speed_at_2048(slow, n, seed, iso) / _speed_at_2048(fast, n, seed, iso)
         for n in (6, 12, 24, 50)
