@@ -249,7 +249,6 @@ class Fleet:
             match.scores,
             self._index,
             request.block_keys,
-            request.prompt_tokens,
             request.block_size,
         )
         return placement.snapshot(
@@ -259,7 +258,7 @@ class Fleet:
                     rec.health.healthy,
                     rec.load(),
                     *combined_queue(rec.flights, rec.remote, now),
-                    rec.flights.held_keys(),
+                    rec.flights.prompt_keys(),
                 )
                 for rec in candidates
             ),

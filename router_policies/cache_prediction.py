@@ -35,30 +35,42 @@ def evicted_before_prefill(
     matched_blocks: int, pinned_blocks: int, tokens: tuple[int, int, int], block_size: int
 ) -> int:
     """Of a request's ``matched_blocks`` leading blocks on a replica, how many its engine is
-    expected to evict before the request's prefill starts; ``tokens``: (the prompt's tokens, the
-    uncached prefill queued ahead on the replica, its KV cache's capacity; 0: unknown).
+    expected to evict before the request's prefill starts; ``tokens``: (the uncached prefill
+    queued ahead on the replica, the KV its requests in flight hold: their prompts, each cached
+    block once and at least the queue ahead; its KV cache's capacity, 0: unknown).
 
     Why: an engine looks a request's prefix up when it schedules the request, not when it
-    arrives (vLLM's scheduler, SGLang's alike), and until then the prefix's blocks are free
-    blocks in its LRU. The queue ahead allocates its uncached prefill first, then the request
-    needs room for its own prompt: what goes beyond the capacity comes out of the least
-    recently used free blocks, and a prefix waiting for a replica whose queue fills its cache is
-    among them, tail first (a request's blocks are freed tail first). So
+    arrives (vLLM's scheduler, SGLang's alike), and until then the prefix's blocks not in use are
+    free blocks in its LRU. Only allocations evict them, and before the request is scheduled the
+    queue ahead is what allocates (its uncached prefill). Once scheduled, the engine pins the
+    cached prefix before it allocates the rest of the prompt (vLLM's ``allocate_slots`` touches
+    the computed blocks first), so the request's own prompt never evicts its own prefix.
+    Allocations take the least recently used free blocks first, and a prefix waiting for a
+    replica is among the most recent: it goes, tail first (a request's blocks are freed tail
+    first), once the room beside the KV in use is taken. So
 
-        evicted = min(matched - pinned, ceil(max(0, queued + prompt - capacity) / block_size))
+        free    = (matched - pinned) x block_size
+        evicted = min(matched - pinned,
+                      ceil(max(0, min(queued, in_use + free - capacity)) / block_size))
 
     where ``pinned_blocks`` lead the prefix and are in use by requests in flight there (their
-    predicted cached blocks): an engine never evicts a block in use. Measured on the held-out
-    mixed trace (bench/live.py, 4 sim-engines of 400 blocks, two windows, 600 requests): the
-    cached-token predictions' total absolute error fell from 27,552 / 33,040 tokens to 18,144 /
-    18,864 with the rule, 5-7 requests predicted below what the engine then reported; without it
-    the 16-18 requests predicted above it (6 %) had a median TTFT of 134-139 ms against 29-33 ms for
-    the exact ones and were 7-10 of the 15 slowest (docs/performance.md, "A prefix evicted while
-    it waits")."""
-    prompt_tokens, queued_tokens, capacity_tokens = tokens
+    predicted cached blocks): an engine never evicts a block in use.
+
+    Measured (docs/performance.md, "A prefix evicted while it waits" and "The room a waiting
+    prefix has"): the first form, ``queued + prompt - capacity``, took the cached-token
+    predictions' total absolute error on the held-out mixed trace from 27,552 / 33,040 tokens to
+    18,144 / 18,864 (two windows). This one (the KV in use, the prompt's own part out, no more
+    than the queue allocates), kvgate alone on five windows of each held-out trace, against the
+    first: agents 75,200 -> 57,776 tokens, mixed 45,424 -> 44,208, RAG 4,800 -> 3,424; the
+    bench's kv_pressure 7,344 -> 7,328 and decode_heavy 19,344 -> 20,432 (seeds 5-7). What it
+    still misses is mostly free blocks newer than the prefix in the LRU (freed after its last
+    use: they outlast it, where the formula takes every other free block as going first), a
+    decode's growth and preemptions."""
+    queued_tokens, in_use_tokens, capacity_tokens = tokens
     if capacity_tokens <= 0 or matched_blocks <= pinned_blocks or block_size <= 0:
         return 0
-    over = queued_tokens + prompt_tokens - capacity_tokens
+    free_prefix = (matched_blocks - pinned_blocks) * block_size
+    over = min(queued_tokens, in_use_tokens + free_prefix - capacity_tokens)
     if over <= 0:
         return 0
     return min(matched_blocks - pinned_blocks, -(-over // block_size))

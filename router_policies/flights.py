@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, KeysView, Sequence
+from collections.abc import Callable, Iterable, KeysView, Sequence, ValuesView
 from dataclasses import dataclass, field
 
 from router_policies.cache_prediction import uncached_prompt_tokens
@@ -43,6 +43,7 @@ class FlightCounters:
     __slots__ = (
         "_cached_refs",
         "_pending_starts",
+        "_prompts",
         "pending_prefill_pairs",
         "pending_prefill_tokens",
         "requests",
@@ -68,6 +69,9 @@ class FlightCounters:
         # the flight's id: insertion order is start order (one clock, flights start as it reads),
         # so the first entry is the oldest; bounded by the flights in progress
         self._pending_starts: dict[int, float] = {}
+        # each flight's prompt block keys (a reference, not a copy), keyed by the flight's id:
+        # what the flights in progress hold in use or will (cache_prediction's pinned blocks)
+        self._prompts: dict[int, Sequence[int]] = {}
 
     def pending_age_ms(self, now: float) -> float:
         """How long the oldest request still awaiting its first byte here has waited (0: none)."""
@@ -77,6 +81,10 @@ class FlightCounters:
     def oldest_pending_start(self) -> float | None:
         """When the oldest request still awaiting its first byte here started (None: none)."""
         return next(iter(self._pending_starts.values()), None)
+
+    def prompt_keys(self) -> ValuesView[Sequence[int]]:
+        """The prompt block keys of each flight in progress here (those started with keys)."""
+        return self._prompts.values()
 
     def held_keys(self) -> KeysView[int]:
         """The block keys predicted cached for at least one flight in progress (each once)."""
@@ -116,6 +124,7 @@ class Flight:
     block_size: int = 0
     start: float | None = None  # when it was dispatched (counts in ``pending_age_ms`` until its first byte)
     at_dispatch: IndexAtDispatch | None = None  # for the prediction audit (gateway)
+    prompt_keys: Sequence[int] = ()  # its prompt's block keys (FlightCounters.prompt_keys)
     _open: bool = field(default=True, init=False)
     _prefill_open: bool = field(default=True, init=False)
 
@@ -123,6 +132,8 @@ class Flight:
         c = self.counters
         c.requests += 1
         c.tokens += self.tokens
+        if len(self.prompt_keys):
+            c._prompts[id(self)] = self.prompt_keys
         if self.cached_keys:
             c._hold(self.cached_keys, self.block_size)
         c.pending_prefill_tokens += self.prefill
@@ -160,6 +171,7 @@ class Flight:
             self._open = False
             self.counters.requests -= 1
             self.counters.tokens -= self.tokens
+            self.counters._prompts.pop(id(self), None)
             if self.cached_keys:
                 self.counters._release(self.cached_keys, self.block_size)
 
@@ -337,7 +349,17 @@ class TtftFeed:
         tokens = d.prompt_tokens + d.output_tokens
         pairs = attention_pairs(prefill, cached)
         keys = _int_keys(d.keys[: cached // d.block_size] if d.block_size else ())
-        return Flight(counters, tokens, prefill, pairs, probe, keys, d.block_size, start=when)
+        return Flight(
+            counters,
+            tokens,
+            prefill,
+            pairs,
+            probe,
+            keys,
+            d.block_size,
+            start=when,
+            prompt_keys=d.keys,
+        )
 
     def observe(self, probe: TtftProbe, now: float) -> TtftSample | None:
         """Fit the first byte of ``probe``'s attempt at ``now``; the sample, or None when the

@@ -24,9 +24,11 @@ Invariants
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
+
+import numpy as np
 
 from router_policies.cache_prediction import chosen_prediction as chosen_prediction
 from router_policies.cache_prediction import evicted_before_prefill as evicted_before_prefill
@@ -76,33 +78,62 @@ class Candidate(NamedTuple):
     pending_prefill_pairs: float = 0.0  # of this router's pending prefill (FlightCounters)
     in_flight_shared_tokens: int = 0  # FlightCounters.shared_tokens
     pending_age_ms: float = 0.0  # FlightCounters.pending_age_ms at the decision's time
-    # the block keys this router's flights there hold in use (FlightCounters.held_keys)
-    held_keys: Container[int] = frozenset()
+    flight_prompts: Iterable[Sequence[int]] = ()  # FlightCounters.prompt_keys (this router's)
 
 
 @dataclass(frozen=True, slots=True)
 class IndexView:
     """The index's answer for one request: each replica's matched leading blocks and their
     medium-weighted score, and the index (for how full it believes each replica is); the
-    request's keys and prompt tokens (for ``evicted_before_prefill``; none: nothing evicted)."""
+    request's keys and block size (for ``evicted_before_prefill``; none: nothing evicted)."""
 
     blocks: Mapping[str, int]
     scores: Mapping[str, float]
     index: PrefixIndex
     keys: Sequence[int] = ()
-    prompt_tokens: int = 0
     block_size: int = 0
 
     def evicted(self, c: Candidate, capacity_tokens: int) -> int:
         """Of ``c``'s matched blocks, those expected evicted before the request's prefill."""
         matched = self.blocks.get(c.id, 0)
         queued = c.load.pending_prefill_tokens
-        if not matched or capacity_tokens <= 0 or queued + self.prompt_tokens <= capacity_tokens:
-            return 0  # the usual answer, without the walk below
-        keys, held = self.keys, c.held_keys
-        pinned = next((i for i in range(min(matched, len(keys))) if keys[i] not in held), matched)
-        tokens = (self.prompt_tokens, queued, capacity_tokens)
-        return evicted_before_prefill(matched, pinned, tokens, self.block_size)
+        if not matched or not queued or capacity_tokens <= 0:
+            return 0  # nothing allocates before the prefill, or no capacity known
+        bs = self.block_size
+        # the KV the flights there hold: at most their tokens with each cached block once (a
+        # bound that settles the usual case without the arrays below), at least the queue ahead
+        # (which counts other routers' flights too)
+        bound = max(queued, c.load.in_flight_tokens - c.in_flight_shared_tokens)
+        if bound + matched * bs <= capacity_tokens:
+            return 0
+        prompts = [p for p in c.flight_prompts if len(p)]
+        in_use = max(queued, _distinct_blocks(prompts) * bs)
+        # a flight there whose prompt leads with the prefix holds it, or will once it runs
+        # (ahead of this request): computed, or still to be computed by it (a speculative match)
+        pinned = max((_shared_run(self.keys, p, matched) for p in prompts), default=0)
+        return evicted_before_prefill(matched, pinned, (queued, in_use, capacity_tokens), bs)
+
+
+def _distinct_blocks(prompts: Sequence[Sequence[int]]) -> int:
+    """How many distinct block keys the prompts have: the blocks an engine holds for them (a
+    block two requests share, computed once, is held once). Arrays (the gateway's keys) are
+    sorted together; lists (the simulator's) go through a set: each the faster for its kind."""
+    if not prompts:
+        return 0
+    if all(isinstance(p, np.ndarray) for p in prompts):
+        a = np.sort(np.concatenate(prompts))
+        return int(np.count_nonzero(a[1:] != a[:-1])) + 1 if a.size else 0
+    return len(set().union(*(p.tolist() if isinstance(p, np.ndarray) else p for p in prompts)))
+
+
+def _shared_run(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """How many leading block keys ``a`` and ``b`` share, at most ``limit``. Keys are chained
+    (a key names its whole prefix), so the run ends at the first difference."""
+    n = min(limit, len(a), len(b))
+    if n <= 0 or a[0] != b[0]:  # the usual answer: another prompt
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n], dtype=np.uint64) != np.asarray(b[:n], dtype=np.uint64))
+    return int(diff[0]) if diff.size else n
 
 
 def snapshot(

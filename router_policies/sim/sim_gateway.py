@@ -97,7 +97,15 @@ class SimGateway:
             load = ReplicaLoad(f.requests, f.tokens, f.pending_prefill_tokens, running, waiting, kv_usage)
             age = f.pending_age_ms(now)
             out.append(
-                Candidate(name, True, load, f.pending_prefill_pairs, f.shared_tokens, age, f.held_keys())
+                Candidate(
+                    name,
+                    True,
+                    load,
+                    f.pending_prefill_pairs,
+                    f.shared_tokens,
+                    age,
+                    f.prompt_keys(),
+                )
             )
         return out
 
@@ -112,7 +120,7 @@ class SimGateway:
         if keys is None:
             keys = features.block_keys
         m = index.match(keys)
-        view = IndexView(m.blocks, m.scores, index, keys, features.prompt_tokens, features.block_size)
+        view = IndexView(m.blocks, m.scores, index, keys, features.block_size)
         snap = placement.snapshot(self._candidates(now), view, ttft=self.ttft.params)
         decision = self._policy.choose(features, snap)
         self._policy.commit(decision)
