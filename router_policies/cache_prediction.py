@@ -36,8 +36,10 @@ def evicted_before_prefill(
 ) -> int:
     """Of a request's ``matched_blocks`` leading blocks on a replica, how many its engine is
     expected to evict before the request's prefill starts; ``tokens``: (the uncached prefill
-    queued ahead on the replica, the KV its requests in flight hold: their prompts, each cached
-    block once and at least the queue ahead; its KV cache's capacity, 0: unknown).
+    queued ahead on the replica; the KV its requests in flight hold, at least that queue; its KV
+    cache's capacity, 0: unknown). ``placement.IndexView.evicted`` gives the KV in flight as the
+    distinct blocks of the flights' prompts, and ``pinned_blocks`` as the prefix's leading
+    blocks that a flight's prompt there also leads with.
 
     Why: an engine looks a request's prefix up when it schedules the request, not when it
     arrives (vLLM's scheduler, SGLang's alike), and until then the prefix's blocks not in use are
@@ -47,25 +49,25 @@ def evicted_before_prefill(
     the computed blocks first), so the request's own prompt never evicts its own prefix.
     Allocations take the least recently used free blocks first, and a prefix waiting for a
     replica is among the most recent: it goes, tail first (a request's blocks are freed tail
-    first), once the room beside the KV in use is taken. So
+    first), once the room beside the KV in use is taken. A block in use is never evicted: the
+    prefix's blocks a flight there holds (its cached prefix) or will hold when it runs ahead of
+    this request (a prefix it computes itself, which the index already lists as a speculative
+    entry) are pinned. So
 
         free    = (matched - pinned) x block_size
         evicted = min(matched - pinned,
                       ceil(max(0, min(queued, in_use + free - capacity)) / block_size))
 
-    where ``pinned_blocks`` lead the prefix and are in use by requests in flight there (their
-    predicted cached blocks): an engine never evicts a block in use.
-
     Measured (docs/performance.md, "A prefix evicted while it waits" and "The room a waiting
-    prefix has"): the first form, ``queued + prompt - capacity``, took the cached-token
-    predictions' total absolute error on the held-out mixed trace from 27,552 / 33,040 tokens to
-    18,144 / 18,864 (two windows). This one (the KV in use, the prompt's own part out, no more
-    than the queue allocates), kvgate alone on five windows of each held-out trace, against the
-    first: agents 75,200 -> 57,776 tokens, mixed 45,424 -> 44,208, RAG 4,800 -> 3,424; the
-    bench's kv_pressure 7,344 -> 7,328 and decode_heavy 19,344 -> 20,432 (seeds 5-7). What it
-    still misses is mostly free blocks newer than the prefix in the LRU (freed after its last
-    use: they outlast it, where the formula takes every other free block as going first), a
-    decode's growth and preemptions."""
+    prefix has"): the first form, ``queued + prompt - capacity`` with pinned the flights'
+    predicted cached blocks, took the cached-token predictions' total absolute error on the
+    held-out mixed trace from 27,552 / 33,040 tokens to 18,144 / 18,864 (two windows). This one,
+    kvgate alone on five windows of each held-out trace against the first form: agents 75,200 ->
+    66,080 tokens, mixed 45,424 -> 37,152, RAG 4,800 -> 2,672; the bench's kv_pressure 7,344 ->
+    7,328 and decode_heavy 19,344 -> 22,080 (seeds 5-7). What it still misses is mostly free
+    blocks newer than the prefix in the LRU (freed after its last use: they outlast it, where
+    the formula takes every other free block as going first), a decode's growth and
+    preemptions."""
     queued_tokens, in_use_tokens, capacity_tokens = tokens
     if capacity_tokens <= 0 or matched_blocks <= pinned_blocks or block_size <= 0:
         return 0
