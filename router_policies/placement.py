@@ -116,14 +116,8 @@ class IndexView:
 
 def _distinct_blocks(prompts: Sequence[Sequence[int]]) -> int:
     """How many distinct block keys the prompts have: the blocks an engine holds for them (a
-    block two requests share, computed once, is held once). Arrays (the gateway's keys) are
-    sorted together; lists (the simulator's) go through a set: each the faster for its kind."""
-    if not prompts:
-        return 0
-    if all(isinstance(p, np.ndarray) for p in prompts):
-        a = np.sort(np.concatenate(prompts))
-        return int(np.count_nonzero(a[1:] != a[:-1])) + 1 if a.size else 0
-    return len(set().union(*(p.tolist() if isinstance(p, np.ndarray) else p for p in prompts)))
+    block two requests share, computed once, is held once)."""
+    return len(set().union(*prompts))
 
 
 def _shared_run(a: Sequence[int], b: Sequence[int], limit: int) -> int:
