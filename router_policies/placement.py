@@ -28,8 +28,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import numpy as np
-
 from router_policies.cache_prediction import chosen_prediction as chosen_prediction
 from router_policies.cache_prediction import evicted_before_prefill as evicted_before_prefill
 from router_policies.cache_prediction import predicted_cached_tokens as predicted_cached_tokens
@@ -124,10 +122,7 @@ def _shared_run(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     """How many leading block keys ``a`` and ``b`` share, at most ``limit``. Keys are chained
     (a key names its whole prefix), so the run ends at the first difference."""
     n = min(limit, len(a), len(b))
-    if n <= 0 or a[0] != b[0]:  # the usual answer: another prompt
-        return 0
-    diff = np.flatnonzero(np.asarray(a[:n], dtype=np.uint64) != np.asarray(b[:n], dtype=np.uint64))
-    return int(diff[0]) if diff.size else n
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def snapshot(
