@@ -1,7 +1,8 @@
 """The replica model's paged KV cache: vLLM v1 ``BlockPool`` semantics (the contract is in
 router_policies/sim/replica_model.py, "KV cache"): one free queue of unreferenced blocks, front
 evicted first; a prefix hit pins a free cached block; a released request's blocks go back in
-reverse order; a full prompt block becomes cached when its last token is computed."""
+reverse order; a full prompt block becomes cached when the step computing its last token is
+scheduled (``store_scheduled``)."""
 
 from __future__ import annotations
 
@@ -110,8 +111,11 @@ class BlockPool:
             r.cached_tokens = r.computed
         return n_hits
 
-    def store_computed(self, r: ReqState, events: list[KvEvent]) -> None:
-        full = min(r.computed // self.block_size, r.n_ids)
+    def store_scheduled(self, r: ReqState, tokens: int, events: list[KvEvent]) -> None:
+        """Cache ``r``'s full prompt blocks within its first ``tokens`` tokens: those computed and
+        those scheduled in this step (vLLM v1's ``allocate_slots`` caches the blocks of the tokens
+        it schedules, so a request scheduled after them in the same step hits them)."""
+        full = min(tokens // self.block_size, r.n_ids)
         if full <= r.stored:
             return
         ids = r.ids

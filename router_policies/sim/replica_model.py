@@ -37,8 +37,10 @@ KV cache (vLLM v1 ``BlockPool`` semantics)
     to the back of the queue in *reverse* order, so its tail is evicted before its head. A prefix
     hit on a free cached block takes it out of the queue (reference count 1 -> pinned). Hence
     eviction is least-recently-freed first, and blocks of running requests are never evicted.
-    A full prompt block becomes cached (``BlockStored`` with its parent id) in the step that
-    computes its last token. If the same id is already cached (two requests computed one prefix
+    A full prompt block becomes cached (``BlockStored`` with its parent id) when the step that
+    computes its last token is scheduled, so a request admitted later in that step hits it (vLLM
+    v1's ``KVCacheManager.allocate_slots`` caches the blocks of the tokens it schedules, running
+    requests before waiting ones). If the same id is already cached (two requests computed one prefix
     concurrently) the second copy stays uncached, so that the cached set is exactly a set of ids and
     replaying the events reproduces it (vLLM keeps both copies and reports the store twice).
 
@@ -250,6 +252,7 @@ class ReplicaModel:
                 n = min(r.target - r.computed, budget)
                 prefills.append((r, n))
                 budget -= n
+                self._pool.store_scheduled(r, r.computed + n, events)
                 i += 1
                 continue
             # decoding: this step writes the KV of the last emitted token
@@ -295,6 +298,7 @@ class ReplicaModel:
                 n = min(r.target - r.computed, budget)
                 prefills.append((r, n))
                 budget -= n
+                self._pool.store_scheduled(r, r.computed + n, events)
         prefill_lin = 0
         prefill_pairs = 0.0
         for r, n in prefills:
@@ -302,8 +306,6 @@ class ReplicaModel:
             prefill_lin += n
             prefill_pairs += n * c + n * (n + 1) / 2
             r.computed = c + n
-            if r.stored < r.n_ids:
-                self._pool.store_computed(r, events)
             if r.computed == r.target:
                 r.outputs += 1
                 if r.outputs == 1:

@@ -297,3 +297,19 @@ def test_decode_heavy_workload_is_mostly_decode() -> None:
         c.prefill_s_per_token * p + c.prefill_s_per_token_ctx * p * (p + 1) / 2 for p in prep.prompt
     )
     assert prefill / len(prep.prompt) < 0.4 * no_cache_service_s(prep, engine)
+
+
+def test_a_request_admitted_in_the_step_of_a_prefix_last_chunk_hits_the_whole_prefix() -> None:
+    """vLLM v1 caches the blocks of the tokens it schedules (``KVCacheManager.allocate_slots``
+    calls ``cache_blocks`` up to the computed plus the newly scheduled tokens), and schedules
+    running requests before waiting ones: a request admitted in the step that computes the last
+    chunk of a shared prefix finds the whole prefix cached, that chunk included."""
+    m = ReplicaModel(cfg(num_blocks=32, block_size=4, max_num_batched_tokens=12))
+    m.submit(req("a", [1, 2, 3, 4, 5], 20, 1), 0.0)
+    first = m.step(0.0)  # "a" computes 12 of its 20 tokens: blocks 1-3
+    assert first.events == [BlockStored((1, 2, 3), None)]
+    m.submit(req("b", [1, 2, 3, 4, 5], 21, 1), first.end)
+    second = m.step(first.end)  # "a"'s last 8 tokens, then "b" in the 4 tokens left
+    assert second.events == [BlockStored((4, 5), 3)]
+    # blocks 4 and 5 were scheduled in the step "b" joined: it computes its 21st token only
+    assert {ft.request_id: ft.cached_tokens for ft in second.first_tokens} == {"a": 0, "b": 20}
