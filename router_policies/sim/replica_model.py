@@ -40,9 +40,10 @@ KV cache (vLLM v1 ``BlockPool`` semantics)
     A full prompt block becomes cached (``BlockStored`` with its parent id) when the step that
     computes its last token is scheduled, so a request admitted later in that step hits it (vLLM
     v1's ``KVCacheManager.allocate_slots`` caches the blocks of the tokens it schedules, running
-    requests before waiting ones). If the same id is already cached (two requests computed one prefix
-    concurrently) the second copy stays uncached, so that the cached set is exactly a set of ids and
-    replaying the events reproduces it (vLLM keeps both copies and reports the store twice).
+    requests before waiting ones). If the same id is already cached (two requests computed one
+    prefix concurrently) the second copy stays uncached, so that the cached set is exactly a set of
+    ids and replaying the events reproduces it (vLLM keeps both copies and reports the store
+    twice).
 
 Scheduling (vLLM v1 scheduler, FCFS)
     Each step has a token budget ``max_num_batched_tokens``. Running requests are scheduled first,
