@@ -57,6 +57,7 @@ class _Burst:
     plan: EncodePlan
     anchor: int
     shared_chars: int  # the text's first characters the two share (whole blocks seen before)
+    fingerprints: list[int]  # of the plan's new text, not yet recorded as seen (see _step)
 
 
 class EncodePlanner:
@@ -74,12 +75,14 @@ class EncodePlanner:
         """The step for ``prompt``. ``explain``: record nothing and take no encode over."""
         ast = prompt.add_special_tokens
         plan = enc.plan(prompt.text, add_special_tokens=ast, peek=explain)
+        burst: _Burst | None = None
         for _ in range(MAX_TAKEOVERS):
             step = self._step(enc, prompt, plan, truncated, explain)
             if not isinstance(step, _Burst):
                 return step
             if explain:
-                break
+                return EncodeNow(plan)
+            burst = step
             # the earlier request's encode records its replica's entries first; then what is
             # still new in this one is planned as in any request: nothing left (a burst on the
             # same text: encoded now, matched exactly), or a new tail after a shared head (a
@@ -88,6 +91,8 @@ class EncodePlanner:
             # unloaded tail of issue 15)
             await self._deferred.expedite(step.anchor, step.shared_chars)
             plan = enc.plan(prompt.text, add_special_tokens=ast)
+        if burst is not None:  # its text is encoded now: from here on it has been seen
+            self.seen.record(burst.fingerprints)
         return EncodeNow(plan)
 
     def _step(
@@ -99,10 +104,15 @@ class EncodePlanner:
             return EncodeNow(plan)
         start = 0 if plan.whole is not None else plan.start_of(plan.missing[0])
         fingerprints = SeenTexts.fingerprints(enc.seed, prompt.text, start)
-        seen = self.seen.seen_run(fingerprints, record=not explain)
+        # recorded only once the step is final: a burst plans the text again after the takeover,
+        # and its own fingerprints recorded now would make it all "seen before" then, so encoded
+        # whole on the request path instead of deferred after its shared head
+        seen = self.seen.seen_run(fingerprints, record=False)
         a = min(len(fingerprints), self._anchor_blocks) - 1
         if seen > a and self._deferred.pending(fingerprints[a]):
-            return _Burst(plan, fingerprints[a], start + seen * PROBE_CHARS)
+            return _Burst(plan, fingerprints[a], start + seen * PROBE_CHARS, fingerprints)
+        if not explain:
+            self.seen.record(fingerprints)
         if seen < len(fingerprints):
             # the text stops matching what came before somewhere in the first block not seen:
             # encoding through it (and a margin for the words dropped at the cut) keys every

@@ -56,12 +56,20 @@ class SeenTexts:
         run = 0
         while run < len(fingerprints) and fingerprints[run] in seen:
             run += 1
-        if self.capacity and record:
-            for fp in fingerprints:
-                seen.pop(fp, None)  # re-inserted as the most recent
-                seen[fp] = None
-            excess = len(seen) - self.capacity
-            if excess > 0:  # one pass over the oldest, not one iterator per key
-                for fp in list(itertools.islice(seen, excess)):
-                    del seen[fp]
+        if record:
+            self.record(fingerprints)
         return run
+
+    def record(self, fingerprints: list[int]) -> None:
+        """Remember ``fingerprints`` as the most recently seen, forgetting the oldest beyond
+        ``capacity``."""
+        if not self.capacity:
+            return
+        seen = self._seen
+        for fp in fingerprints:
+            seen.pop(fp, None)  # re-inserted as the most recent
+            seen[fp] = None
+        excess = len(seen) - self.capacity
+        if excess > 0:  # one pass over the oldest, not one iterator per key
+            for fp in list(itertools.islice(seen, excess)):
+                del seen[fp]
