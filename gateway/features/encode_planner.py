@@ -76,10 +76,11 @@ class EncodePlanner:
         ast = prompt.add_special_tokens
         plan = enc.plan(prompt.text, add_special_tokens=ast, peek=explain)
         burst: _Burst | None = None
+        step: EncodeStep | _Burst = EncodeNow(plan)
         for _ in range(MAX_TAKEOVERS):
             step = self._step(enc, prompt, plan, truncated, explain)
             if not isinstance(step, _Burst):
-                return step
+                break
             if explain:
                 return EncodeNow(plan)
             burst = step
@@ -91,9 +92,9 @@ class EncodePlanner:
             # unloaded tail of issue 15)
             await self._deferred.expedite(step.anchor, step.shared_chars)
             plan = enc.plan(prompt.text, add_special_tokens=ast)
-        if burst is not None:  # its text is encoded now: from here on it has been seen
+        if burst is not None:  # planned again (or not, after MAX_TAKEOVERS): now it has been seen
             self.seen.record(burst.fingerprints)
-        return EncodeNow(plan)
+        return EncodeNow(plan) if isinstance(step, _Burst) else step
 
     def _step(
         self, enc: SegmentEncoder, prompt: Text, plan: EncodePlan, truncated: bool, explain: bool
