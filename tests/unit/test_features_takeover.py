@@ -207,8 +207,8 @@ async def test_a_burst_on_a_document_with_another_question_defers_the_new_questi
     in checkpoints and keyed on the first request's replica), and its own question is new text
     like any other, routed on the document's exact tokens and encoded after routing. Its first
     planning pass must not count its own text as seen before: that made it encode the whole
-    prompt again on the request path (measured on the held-out RAG trace: 4,466-8,705 characters
-    on the event loop, 6-12 ms of dispatch; docs/performance.md)."""
+    prompt again on the request path (measured on the held-out RAG trace: 2,243-8,705 characters
+    on the event loop, 6-28 ms of dispatch; docs/performance.md)."""
     async with closing(make(threads=1), make(defer_chars=0)) as (fz, exact):
         doc = text(70, 700)
         first_body = {"model": "tiny", "prompt": doc + " " + text(71, 30)}
