@@ -76,7 +76,6 @@ class EncodePlanner:
         ast = prompt.add_special_tokens
         plan = enc.plan(prompt.text, add_special_tokens=ast, peek=explain)
         burst: _Burst | None = None
-        step: EncodeStep | _Burst = EncodeNow(plan)
         for _ in range(MAX_TAKEOVERS):
             step = self._step(enc, prompt, plan, truncated, explain)
             if not isinstance(step, _Burst):
@@ -92,9 +91,11 @@ class EncodePlanner:
             # unloaded tail of issue 15)
             await self._deferred.expedite(step.anchor, step.shared_chars)
             plan = enc.plan(prompt.text, add_special_tokens=ast)
-        if burst is not None:  # planned again (or not, after MAX_TAKEOVERS): now it has been seen
+        else:  # MAX_TAKEOVERS taken over: what is still new is encoded now
+            step = EncodeNow(plan)
+        if burst is not None:  # recorded after its text was planned again (see _step)
             self.seen.record(burst.fingerprints)
-        return EncodeNow(plan) if isinstance(step, _Burst) else step
+        return step
 
     def _step(
         self, enc: SegmentEncoder, prompt: Text, plan: EncodePlan, truncated: bool, explain: bool
@@ -108,7 +109,7 @@ class EncodePlanner:
         # recorded only once the step is final: a burst plans the text again after the takeover,
         # and its own fingerprints recorded now would make it all "seen before" then, so encoded
         # whole on the request path instead of deferred after its shared head
-        seen = self.seen.seen_run(fingerprints, record=False)
+        seen = self.seen.seen_run(fingerprints)
         a = min(len(fingerprints), self._anchor_blocks) - 1
         if seen > a and self._deferred.pending(fingerprints[a]):
             return _Burst(plan, fingerprints[a], start + seen * PROBE_CHARS, fingerprints)

@@ -49,15 +49,14 @@ class SeenTexts:
             out.append(h)
         return out
 
-    def seen_run(self, fingerprints: list[int], *, record: bool = True) -> int:
-        """How many leading ``fingerprints`` were seen before; records them all unless not
-        ``record`` (``/admin/explain`` changes nothing)."""
+    def seen_run(self, fingerprints: list[int]) -> int:
+        """How many leading ``fingerprints`` were seen before (a pure read: ``record`` is
+        separate, so that a caller may plan the same text twice and ``/admin/explain`` changes
+        nothing)."""
         seen = self._seen
         run = 0
         while run < len(fingerprints) and fingerprints[run] in seen:
             run += 1
-        if record:
-            self.record(fingerprints)
         return run
 
     def record(self, fingerprints: list[int]) -> None:

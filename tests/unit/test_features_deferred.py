@@ -205,15 +205,23 @@ def test_head_tokens_keep_nothing_without_a_pre_tokenizer() -> None:
 
 def test_seen_texts_are_bounded_and_refreshed() -> None:
     seen = SeenTexts(3)
-    assert seen.seen_run([1, 2]) == 0
-    assert seen.seen_run([1, 2, 3]) == 2  # leading run; 3 recorded too
-    assert seen.seen_run([1]) == 1  # refreshed: 2 is now the oldest
-    assert seen.seen_run([4]) == 0
+
+    def run_then_record(fps: list[int]) -> int:
+        run = seen.seen_run(fps)
+        seen.record(fps)
+        return run
+
+    assert seen.seen_run([1, 2]) == 0 and len(seen) == 0  # reading records nothing
+    assert run_then_record([1, 2]) == 0
+    assert run_then_record([1, 2, 3]) == 2  # leading run; 3 recorded too
+    assert run_then_record([1]) == 1  # refreshed: 2 is now the oldest
+    assert run_then_record([4]) == 0
     assert len(seen) == 3
     assert seen.seen_run([2]) == 0  # forgotten
     assert seen.seen_run([5, 1]) == 0  # a run must start at the first block
     never = SeenTexts(0)
-    assert never.seen_run([7]) == 0 and never.seen_run([7]) == 0 and len(never) == 0
+    never.record([7])
+    assert never.seen_run([7]) == 0 and len(never) == 0
     with pytest.raises(ValueError):
         SeenTexts(-1)
     a = SeenTexts.fingerprints(1, "abc" + "x" * 300, 3)
