@@ -38,7 +38,7 @@ from gateway.openai_errors import RequestError
 from gateway.request import Endpoint, parse_request
 from gateway.request_context import DROP_REQUEST, Attempt, RequestContext, filter_headers
 from gateway.request_outcome import OutcomeSink
-from gateway.routing import Router, RoutingState
+from gateway.routing import Choice, Router, RoutingState
 from gateway.tracing import Tracing
 from gateway.upstream import Retry, Upstream
 from gateway.upstream_client import UpstreamClient
@@ -249,13 +249,32 @@ class Proxy:
                 self._metrics.decision_time.observe(ctx.elapsed() - td)
                 self._metrics.predicted_by(ctx.state.policy.name).observe(choice.predicted_tokens)
             ctx.annotate(features, choice)
+            tried.append(choice.record.id)
+            try:
+                return await self._attempt(ctx, features, info, choice, attempt < pcfg.retries)
+            except Retry as r:
+                last_error = str(r)
+                self._metrics.retries_by(r.reason).inc()
+                ctx.log["retries"] = attempt + 1
+        raise RequestError(f"upstream failed: {last_error}", status=502, code="upstream_error")
+
+    async def _attempt(
+        self,
+        ctx: RequestContext,
+        features: RequestFeatures,
+        info: FeatureInfo,
+        choice: Choice,
+        may_retry: bool,
+    ) -> web.StreamResponse:
+        """Send the request to ``choice``'s replica and answer the client; a ``Retry`` undoes the
+        attempt's speculative entries. The request is written first (``Upstream.start``: on an idle
+        pooled connection, with no await), then the decision committed: the replica starts on it
+        while the commit and the dispatch's accounting run, and, as nothing awaits in between, no
+        other request decides before the commit (decide, then commit, still holds)."""
+        out = self._upstream.start(ctx, choice.record)
+        try:
             a = Attempt(
-                ctx,
-                features,
-                info,
-                choice,
-                self._router.commit(ctx.state, features, choice),
-                may_retry=attempt < pcfg.retries,
+                ctx, features, info, choice, self._router.commit(ctx.state, features, choice), may_retry
             )
             if info.deferred is not None and not info.deferred.finished.is_set():
                 # the prompt's full keys become this attempt's speculative entries once encoded,
@@ -265,15 +284,13 @@ class Proxy:
                 info.deferred.on_keys = info.deferred.on_prefix = record
                 if self._upstream.outcomes is not None:
                     self._upstream.outcomes.deferred(a)
-            tried.append(choice.record.id)
             try:
-                return await self._upstream.send(a)
-            except Retry as r:
+                return await self._upstream.send(a, out)
+            except Retry:
                 self._router.undo(a.speculation)
-                last_error = str(r)
-                self._metrics.retries_by(r.reason).inc()
-                ctx.log["retries"] = attempt + 1
-        raise RequestError(f"upstream failed: {last_error}", status=502, code="upstream_error")
+                raise
+        finally:
+            out.abandon()  # nothing once send finished it; else its connection closes
 
     async def _features(self, ctx: RequestContext) -> tuple[RequestFeatures, FeatureInfo]:
         assert ctx.parsed is not None

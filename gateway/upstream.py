@@ -30,14 +30,14 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from gateway.asyncio_tasks import TaskSet
-from gateway.fleet import Fleet
+from gateway.fleet import Fleet, ReplicaRecord
 from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import RequestError, sse_error_event
 from gateway.prediction_audit import AttemptAudit, SseTail, held_prefix_hint, inexact_cause, record_audit
-from gateway.request_context import DROP_REQUEST, DROP_RESPONSE, Attempt, filter_headers
+from gateway.request_context import DROP_REQUEST, DROP_RESPONSE, Attempt, RequestContext, filter_headers
 from gateway.request_outcome import OutcomeSink, Usage, usage_in
 from gateway.stream_relay import IdleWatch
-from gateway.upstream_client import ConnectError, ConnectTimeout, UpstreamClient, UpstreamResponse
+from gateway.upstream_client import ConnectError, ConnectTimeout, Outgoing, UpstreamClient, UpstreamResponse
 from gateway.upstream_watch import EjectionWatch, FirstByteWait
 from router_policies.placement import Dispatch
 
@@ -94,17 +94,21 @@ class Upstream:
         closed: no request adds one; before the featurizer closes: they wait on its encodes)."""
         await self._late_audits.stop()
 
-    async def _post(self, a: Attempt) -> UpstreamResponse:
+    def start(self, ctx: RequestContext, rec: ReplicaRecord) -> Outgoing:
+        """Begin sending the request to ``rec`` without awaiting (``UpstreamClient.start``): on an
+        idle pooled connection the replica has it before the decision is committed, which takes
+        no await either, so no other request decides in between (``send`` finishes it)."""
+        assert ctx.parsed is not None
+        headers = filter_headers(ctx.request.headers, DROP_REQUEST)
+        out = self._client.start(rec.url + ctx.request.path_qs, ctx.parsed.raw, headers)
+        ctx.log["dispatch_ms"] = round(ctx.elapsed() * 1000, 3)  # the gateway's own share of ttft_ms
+        return out
+
+    async def _post(self, a: Attempt, out: Outgoing) -> UpstreamResponse:
         """The replica's response headers; a failure to get them raises ``Retry``."""
         ctx, rec = a.ctx, a.record
-        assert ctx.parsed is not None
         try:
-            return await self._client.post(
-                rec.url + ctx.request.path_qs,
-                ctx.parsed.raw,
-                filter_headers(ctx.request.headers, DROP_REQUEST),
-                ctx.state.config.proxy.connect_timeout_s,
-            )
+            return await self._client.finish(out, ctx.state.config.proxy.connect_timeout_s)
         except (ConnectTimeout, ConnectError) as exc:
             self._fleet.proxy_failure(rec, str(exc), connect=True)
             raise Retry("connect", f"{rec.id}: {exc}") from None
@@ -184,16 +188,15 @@ class Upstream:
         record_audit(self._metrics, a.record, predicted, reported, cause)
         return cause
 
-    async def send(self, a: Attempt) -> web.StreamResponse:
-        """Forward the request to the attempt's replica and answer the client (raises ``Retry``,
-        or ``RequestError`` for a replica too slow to answer)."""
+    async def send(self, a: Attempt, out: Outgoing) -> web.StreamResponse:
+        """Finish sending the request to the attempt's replica (``out``: ``start``) and answer the
+        client (raises ``Retry``, or ``RequestError`` for a replica too slow to answer)."""
         ctx, rec, features = a.ctx, a.record, a.features
         assert ctx.parsed is not None
         out_tokens = ctx.parsed.max_output_tokens
         predicted = a.choice.predicted_tokens
         flight = self._fleet.dispatch(rec, Dispatch.of(a.choice.state, features, predicted, out_tokens))
         assert flight.at_dispatch is not None  # Fleet.dispatch records it
-        ctx.log["dispatch_ms"] = round(ctx.elapsed() * 1000, 3)  # the gateway's own share of ttft_ms
         audit = AttemptAudit(a.info, flight.at_dispatch)  # before any await (its docstring)
         up: UpstreamResponse | None = None
         done = False
@@ -202,7 +205,7 @@ class Upstream:
             try:
                 others = functools.partial(self._others, a)
                 async with self._watch.first_byte(rec, _first_byte_limit(a), others) as wait:
-                    up = await self._post(a)
+                    up = await self._post(a, out)
                     if up.status == 503 and a.may_retry:
                         raise Retry("503", f"{rec.id}: 503 Service Unavailable")
                     if up.status == 404 and features.lora is not None and self._others(a):

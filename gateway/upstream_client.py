@@ -19,16 +19,20 @@ trusts, on a keep-alive connection, the answer passed through as it arrives. Wha
   ``Disconnected`` (closed before the response ended), ``BadResponse``.
 
 Invariants: a connection belongs to at most one response at a time; a response not read to its
-end closes its connection (``release`` and ``close`` both do); a cancelled ``post`` closes the
-connection it was using. Event loop thread only.
+end closes its connection (``release`` and ``close`` both do); a cancelled ``finish`` (or ``post``)
+closes the connection it was using, and so does an ``Outgoing`` abandoned before ``finish``. A
+POST is written by ``start`` (no await) on an idle pooled connection when there is one, so that
+the replica has it before the caller's bookkeeping. Event loop thread only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import cast
 from urllib.parse import SplitResult, urlsplit
 
@@ -42,6 +46,7 @@ __all__ = [
     "ConnectError",
     "ConnectTimeout",
     "Disconnected",
+    "Outgoing",
     "UpstreamClient",
     "UpstreamError",
     "UpstreamResponse",
@@ -53,6 +58,23 @@ SPLIT_CACHE_URLS = 1024
 
 
 Origin = tuple[str, int, bool]  # host, port, TLS
+
+
+@dataclass(slots=True)
+class Outgoing:
+    """A POST ``UpstreamClient.start`` began: its bytes, and the response on the pooled
+    connection they were written to (None: none was idle, or ``finish`` took it over)."""
+
+    origin: Origin
+    data: bytes  # the request's head and body
+    sent: tuple[_Conn, UpstreamResponse] | None = None
+
+    def abandon(self) -> None:
+        """Never finished (its caller failed first): the connection closes, as a cancelled
+        ``finish`` closes it."""
+        sent, self.sent = self.sent, None
+        if sent is not None:
+            sent[1].close()
 
 
 def origin_of(parts: SplitResult) -> Origin:
@@ -155,12 +177,13 @@ class UpstreamClient:
         self.opened += 1
         return conn
 
-    async def post(
-        self, url: str, body: bytes, headers: CIMultiDict[str], connect_timeout_s: float | None
-    ) -> UpstreamResponse:
-        """POST ``body`` to ``url`` (``http(s)://host:port/path?query``); returns once the
-        response's status and headers arrived. ``headers`` must not hold Host, Content-Length,
-        Transfer-Encoding or Connection (``filter_headers`` with ``DROP_REQUEST`` drops them)."""
+    def start(self, url: str, body: bytes, headers: CIMultiDict[str]) -> Outgoing:
+        """Begin a POST of ``body`` to ``url`` (``http(s)://host:port/path?query``) without
+        awaiting: its bytes are handed to an idle pooled connection now when there is one, so the
+        replica can start on the request while the caller does its own bookkeeping; ``finish``
+        connects otherwise. Never raises for the connection (a write refused here is retried by
+        ``finish`` on a new one). ``headers`` must not hold Host, Content-Length, Transfer-Encoding
+        or Connection (``filter_headers`` with ``DROP_REQUEST`` drops them)."""
         split = self._split.get(url)
         if split is None:
             if len(self._split) >= SPLIT_CACHE_URLS:
@@ -172,26 +195,51 @@ class UpstreamClient:
         lines = [f"POST {target} HTTP/1.1\r\nHost: {netloc}\r\nContent-Length: {len(body)}\r\n"]
         lines.extend(f"{k}: {v}\r\n" for k, v in headers.items())
         lines.append("\r\n")
-        head = "".join(lines).encode("latin-1")
+        out = Outgoing(origin, "".join(lines).encode("latin-1") + body)
         conn = self._take(origin)
         if conn is not None:
+            with contextlib.suppress(OSError, RuntimeError):  # a transport closing: finish() connects
+                out.sent = conn, self._send(conn, out.data)  # (_send closed it)
+        return out
+
+    async def finish(self, out: Outgoing, connect_timeout_s: float | None) -> UpstreamResponse:
+        """The status and headers of the response to the POST ``out`` (``start``); a cancelled
+        ``finish`` closes the connection it was using. A pooled connection the replica closed
+        (idle timeout, restart) as the request went out, before any byte of an answer, is replaced
+        once by a new one: the pool's others are suspect too."""
+        sent, out.sent = out.sent, None
+        if sent is not None:
             try:
-                return await self._exchange(conn, head, body)
+                return await self._answer(*sent)
             except Disconnected as exc:
                 if exc.answered:
                     raise
-                # a pooled connection the replica closed (idle timeout, restart) as the request
-                # went out, before any byte of an answer: the pool's others are suspect too
-                for stale in self._idle.pop(origin, ()):
+                for stale in self._idle.pop(out.origin, ()):
                     stale.close()
-        return await self._exchange(await self._connect(origin, connect_timeout_s), head, body)
+        conn = await self._connect(out.origin, connect_timeout_s)
+        return await self._answer(conn, self._send(conn, out.data))
 
-    async def _exchange(self, conn: _Conn, head: bytes, body: bytes) -> UpstreamResponse:
+    async def post(
+        self, url: str, body: bytes, headers: CIMultiDict[str], connect_timeout_s: float | None
+    ) -> UpstreamResponse:
+        """``start`` and ``finish`` in one call: returns once the response's status and headers
+        arrived."""
+        return await self.finish(self.start(url, body, headers), connect_timeout_s)
+
+    def _send(self, conn: _Conn, data: bytes) -> UpstreamResponse:
         resp = UpstreamResponse(conn, self)
         conn.response = resp
+        assert conn.transport is not None
         try:
-            assert conn.transport is not None
-            conn.transport.write(head + body)  # one send: writelines costs two on uvloop
+            conn.transport.write(data)  # one send: writelines costs two on uvloop
+        except BaseException:
+            resp.close()
+            raise
+        return resp
+
+    @staticmethod
+    async def _answer(conn: _Conn, resp: UpstreamResponse) -> UpstreamResponse:
+        try:
             await conn.drain()
             await resp.wait_head()
         except BaseException:

@@ -148,3 +148,48 @@ async def test_failures_are_connection_errors(serving) -> None:  # type: ignore[
         await up.read()
     up.close()
     client.close()
+
+
+async def test_start_writes_on_an_idle_connection_before_any_await(serving) -> None:  # type: ignore[no-untyped-def]
+    server = Server(LENGTH, 1000)
+    client, url = await _first_request(server, serving, read_all=True)
+    out = client.start(url + "/v1/y", b'{"b":2}', CIMultiDict())
+    # written synchronously on the pooled connection: the server sees the request before
+    # finish() runs
+    assert out.sent is not None and not client._idle.get(out.origin)
+    await asyncio.sleep(0.05)
+    assert len(server.requests) == 2 and server.requests[1].endswith(b'{"b":2}')
+    up = await client.finish(out, 5.0)
+    assert out.sent is None  # finish took it over: abandon() is then a no-op
+    out.abandon()
+    assert await up.read() == BODY
+    up.release()
+    assert client.opened == 1  # the same connection
+    client.close()
+
+
+async def test_start_with_no_idle_connection_writes_nothing_until_finish(serving) -> None:  # type: ignore[no-untyped-def]
+    server = Server(LENGTH, 1000)
+    url = await serving(server)
+    client = UpstreamClient()
+    out = client.start(url, b"{}", CIMultiDict())
+    assert out.sent is None and client.opened == 0
+    up = await client.finish(out, 5.0)
+    assert await up.read() == BODY and client.opened == 1
+    up.release()
+    client.close()
+
+
+async def test_an_abandoned_start_closes_its_connection(serving) -> None:  # type: ignore[no-untyped-def]
+    server = Server(LENGTH, 1000)
+    client, url = await _first_request(server, serving, read_all=True)
+    out = client.start(url, b"{}", CIMultiDict())
+    assert out.sent is not None
+    conn = out.sent[0]
+    out.abandon()  # the caller failed before finish(): its answer is never read
+    assert conn.closed and out.sent is None
+    # the next request opens a new connection and is answered
+    up = await client.post(url, b"{}", CIMultiDict(), 5.0)
+    assert await up.read() == BODY and client.opened == 2
+    up.release()
+    client.close()
