@@ -135,10 +135,11 @@ class Upstream:
     @staticmethod
     def _fit(ctx: RequestContext, flight: Flight, at: float | None) -> None:
         """The first byte arrived at ``at`` (the TTFT model's clock): the flight's prefill is done
-        and the replica's model fitted. Run once the first bytes are on their way to the client:
-        the fit is the costliest part of a first byte (~0.3 ms at idle), and nothing awaits between
-        the arrival and the first write (aiohttp buffers headers and a small chunk), so no other
-        request's decision sees the prefill pending longer."""
+        and the replica's model fitted. Run once the first bytes are on their way to the client
+        (the fit and the headers took ~0.3 ms at idle before they were). Until it runs the
+        flight's prefill still counts as pending: a decision made meanwhile (only possible when
+        the first write waits for the client to drain, aiohttp buffering headers and a chunk
+        below 64 KiB) sees one prefill more than the replica has."""
         sample = flight.first_byte(at)
         if sample is not None:  # the TTFT model's prediction at dispatch, and what came
             ctx.log["predicted_first_byte_ms"] = round(sample.predicted_ms, 3)

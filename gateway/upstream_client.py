@@ -19,8 +19,8 @@ trusts, on a keep-alive connection, the answer passed through as it arrives. Wha
   ``Disconnected`` (closed before the response ended), ``BadResponse``.
 
 Invariants: a connection belongs to at most one response at a time; a response not read to its
-end closes its connection (``release`` and ``close`` both do); a cancelled ``finish`` (or ``post``)
-closes the connection it was using, and so does an ``Outgoing`` abandoned before ``finish``. A
+end closes its connection (``release`` and ``close`` both do); a cancelled ``finish`` closes the
+connection it was using, and so does an ``Outgoing`` abandoned before ``finish``. A
 POST is written by ``start`` (no await) on an idle pooled connection when there is one, so that
 the replica has it before the caller's bookkeeping. Event loop thread only.
 """
@@ -218,13 +218,6 @@ class UpstreamClient:
                     stale.close()
         conn = await self._connect(out.origin, connect_timeout_s)
         return await self._answer(conn, self._send(conn, out.data))
-
-    async def post(
-        self, url: str, body: bytes, headers: CIMultiDict[str], connect_timeout_s: float | None
-    ) -> UpstreamResponse:
-        """``start`` and ``finish`` in one call: returns once the response's status and headers
-        arrived."""
-        return await self.finish(self.start(url, body, headers), connect_timeout_s)
 
     def _send(self, conn: _Conn, data: bytes) -> UpstreamResponse:
         resp = UpstreamResponse(conn, self)

@@ -1,5 +1,5 @@
-"""The TTFT model's fit of a streamed answer's first byte runs after those bytes went out to the
-client, and observes the time they arrived (gateway/upstream.py, ``Upstream._fit``)."""
+"""The TTFT model's fit of a streamed answer's first byte (gateway/upstream.py, ``Upstream._fit``)
+runs once, after those bytes went out to the client, or when the relay ends without them."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from multidict import CIMultiDict
 
-from gateway.upstream_client import BadResponse, ConnectError, Disconnected, UpstreamClient
+from gateway.upstream_client import BadResponse, ConnectError, Disconnected, UpstreamClient, UpstreamResponse
 
 BODY = b'{"ok": true, "text": "' + b"x" * 300 + b'"}'
 LENGTH = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
@@ -22,6 +22,13 @@ CHUNKED = (
 )
 UNTIL_CLOSE = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\n" + BODY
 INTERIM = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n" + LENGTH
+
+
+async def _post(
+    client: UpstreamClient, url: str, body: bytes, headers: CIMultiDict[str], timeout_s: float
+) -> UpstreamResponse:
+    """A POST as the gateway makes it: ``start`` (written now on an idle connection), ``finish``."""
+    return await client.finish(client.start(url, body, headers), timeout_s)
 
 
 class Server:
@@ -81,7 +88,7 @@ async def test_every_framing_in_pieces_of_every_size(serving, answer: bytes, pie
     url = await serving(server)
     client = UpstreamClient()
     for _ in range(3):
-        up = await client.post(url + "/v1/x?q=1", b'{"a":1}', CIMultiDict({"x-test": "1"}), 5.0)
+        up = await _post(client, url + "/v1/x?q=1", b'{"a":1}', CIMultiDict({"x-test": "1"}), 5.0)
         assert up.status == 200
         body = await up.read()
         assert body == (b"data:" + BODY if answer is CHUNKED else BODY)
@@ -101,7 +108,7 @@ async def _first_request(server: Server, serving, read_all: bool) -> tuple[Upstr
     """A client that made one request to ``server`` and released it (read whole or not)."""
     url = await serving(server)
     client = UpstreamClient()
-    up = await client.post(url, b"{}", CIMultiDict(), 5.0)
+    up = await _post(client, url, b"{}", CIMultiDict(), 5.0)
     await (up.read() if read_all else up.readany())
     up.release()
     return client, url
@@ -109,7 +116,7 @@ async def _first_request(server: Server, serving, read_all: bool) -> tuple[Upstr
 
 async def test_a_response_not_read_to_its_end_is_not_reused(serving) -> None:  # type: ignore[no-untyped-def]
     client, url = await _first_request(Server(CHUNKED, 10), serving, read_all=False)
-    up = await client.post(url, b"{}", CIMultiDict(), 5.0)
+    up = await _post(client, url, b"{}", CIMultiDict(), 5.0)
     assert await up.read() == b"data:" + BODY
     up.release()
     assert client.opened == 2
@@ -122,7 +129,7 @@ async def test_a_pooled_connection_closed_by_the_replica_is_replaced(serving) ->
     for w in server.writers:  # the replica's idle timeout
         w.close()
     await asyncio.sleep(0.05)
-    up = await client.post(url, b"{}", CIMultiDict(), 5.0)
+    up = await _post(client, url, b"{}", CIMultiDict(), 5.0)
     assert await up.read() == BODY
     assert client.opened == 2
     client.close()
@@ -131,19 +138,19 @@ async def test_a_pooled_connection_closed_by_the_replica_is_replaced(serving) ->
 async def test_failures_are_connection_errors(serving) -> None:  # type: ignore[no-untyped-def]
     client = UpstreamClient()
     with pytest.raises(ConnectError):
-        await client.post("http://127.0.0.1:9/", b"{}", CIMultiDict(), 2.0)
+        await _post(client, "http://127.0.0.1:9/", b"{}", CIMultiDict(), 2.0)
     url = await serving(Server(b"garbage\r\n\r\n", 100))
     with pytest.raises(BadResponse):
-        await client.post(url, b"{}", CIMultiDict(), 2.0)
+        await _post(client, url, b"{}", CIMultiDict(), 2.0)
     cut = LENGTH[: len(LENGTH) - 10]  # the replica dies before the body's end
     url = await serving(Server(cut, 1000, close_after=True))
-    up = await client.post(url, b"{}", CIMultiDict(), 2.0)
+    up = await _post(client, url, b"{}", CIMultiDict(), 2.0)
     with pytest.raises(Disconnected):
         await up.read()
     up.close()
     bad_chunk = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n"
     url = await serving(Server(bad_chunk, 100))
-    up = await client.post(url, b"{}", CIMultiDict(), 2.0)
+    up = await _post(client, url, b"{}", CIMultiDict(), 2.0)
     with pytest.raises(BadResponse):
         await up.read()
     up.close()
@@ -189,7 +196,7 @@ async def test_an_abandoned_start_closes_its_connection(serving) -> None:  # typ
     out.abandon()  # the caller failed before finish(): its answer is never read
     assert conn.closed and out.sent is None
     # the next request opens a new connection and is answered
-    up = await client.post(url, b"{}", CIMultiDict(), 5.0)
+    up = await _post(client, url, b"{}", CIMultiDict(), 5.0)
     assert await up.read() == BODY and client.opened == 2
     up.release()
     client.close()
