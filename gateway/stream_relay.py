@@ -54,3 +54,181 @@ class IdleWatch:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
+
+
+class Tail(Protocol):
+    """Where a relay keeps the stream's last bytes for the audit (gateway/prediction_audit.py)."""
+
+    def feed(self, chunk: bytes) -> None: ...
+
+
+class Body(Protocol):
+    """The replica's response body as the relays read it (gateway/upstream_response.py)."""
+
+    async def readany(self) -> bytes: ...
+
+    def relay(self, sink: DirectRelay) -> None: ...
+
+    def pause_reading(self) -> None: ...
+
+    def resume_reading(self) -> None: ...
+
+
+class Writer(Protocol):
+    """aiohttp's payload writer, as the relays use it."""
+
+    async def write(self, chunk: bytes) -> None: ...
+
+    async def drain(self) -> None: ...
+
+
+class ClientGone(Exception):
+    """The client's connection closed under the relay (not the replica's fault)."""
+
+
+CLIENT_HIGH_WATER = 64 * 1024  # client bytes buffered beyond which the replica's reading pauses
+
+
+class ChunkRelay:
+    """The rest of a streamed body passed on chunk by chunk by the relay task: each read from the
+    replica, then written through aiohttp's writer (a client whose response is not chunked as it
+    comes: HTTP/1.0, or compressed)."""
+
+    __slots__ = ("_tail", "_up", "_watch", "_writer", "sent")
+
+    def __init__(self, up: Body, writer: Writer, watch: IdleWatch, tail: Tail | None) -> None:
+        self._up, self._writer, self._watch, self._tail = up, writer, watch, tail
+        self.sent = 0  # body bytes written to the client
+
+    async def run(self) -> None:
+        """Until the body has ended; raises why it ended early (the replica's error, ``TimeoutError``
+        from the idle watch, ``ClientGone``)."""
+        read, write, watch = self._up.readany, self._writer.write, self._watch
+        now = asyncio.get_running_loop().time
+        while True:
+            watch.since = now()
+            chunk = await read()
+            watch.since = math.inf
+            if not chunk:
+                return
+            if self._tail is not None:
+                self._tail.feed(chunk)
+            try:
+                await write(chunk)
+            except ConnectionResetError:  # aiohttp's ClientConnectionResetError too
+                raise ClientGone("client disconnected") from None
+            self.sent += len(chunk)
+
+    def close(self) -> None:
+        pass
+
+
+class DirectRelay:
+    """The rest of a streamed body written to the client from the replica connection's callback.
+
+    ``ChunkRelay``'s task wakes once per chunk: the de-framed piece queued, a future resolved, the
+    task resumed to read it and hand it to aiohttp's writer. Here ``UpstreamResponse`` calls
+    ``piece`` for each de-framed piece as it arrives, which re-frames it as one HTTP/1.1 chunk on
+    the client's transport, keeps the SSE tail for the audit and notes the time for the idle
+    watch; the task (``run``) sleeps until the body ends, and wakes only to drain a slow client.
+
+    Used after the first bytes went out through aiohttp's writer (which sent the headers with
+    them), and only when that writer frames chunks as they come (``over``), so the bytes on the
+    wire are those aiohttp would write.
+
+    Invariants: ``end`` takes effect once; after it ``piece`` writes nothing; while the client's
+    transport holds more than ``CLIENT_HIGH_WATER`` bytes the replica's reading is paused (the
+    pieces of at most one more read are buffered), and ``run`` resumes it once the client drained.
+    """
+
+    __slots__ = (
+        "_client",
+        "_drain",
+        "_now",
+        "_signal",
+        "_tail",
+        "_up",
+        "_watch",
+        "ended",
+        "exc",
+        "paused",
+        "sent",
+    )
+
+    def __init__(
+        self, client: asyncio.Transport, up: Body, writer: Writer, watch: IdleWatch, tail: Tail | None
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        self._client, self._up, self._drain, self._watch, self._tail = client, up, writer.drain, watch, tail
+        self._now = loop.time
+        self._signal: asyncio.Future[None] = loop.create_future()
+        self.sent = 0  # body bytes written to the client
+        self.paused = False
+        self.ended = False
+        self.exc: BaseException | None = None  # why the body ended early (None: it was complete)
+
+    @classmethod
+    def over(cls, writer: Writer, up: Body, watch: IdleWatch, tail: Tail | None) -> DirectRelay | None:
+        """A direct relay when ``writer`` (aiohttp's payload writer, headers sent) frames HTTP/1.1
+        chunks as they come (chunked, not compressed, no declared length), else None."""
+        client = getattr(writer, "transport", None)
+        if (
+            client is None
+            or getattr(writer, "chunked", False) is not True
+            or getattr(writer, "_compress", True) is not None
+            or getattr(writer, "length", 0) is not None
+        ):
+            return None
+        return cls(client, up, writer, watch, tail)
+
+    def piece(self, data: bytes) -> None:
+        if self.ended:
+            return
+        client = self._client
+        if client.is_closing():
+            self.end(ClientGone("client disconnected"))
+            return
+        client.write(b"%x\r\n%b\r\n" % (len(data), data))
+        self.sent += len(data)
+        if self._tail is not None:
+            self._tail.feed(data)
+        self._watch.since = self._now()  # the wait for the replica's next byte starts now
+        if not self.paused and client.get_write_buffer_size() > CLIENT_HIGH_WATER:
+            self.paused = True
+            self._up.pause_reading()
+            self._wake()
+
+    def end(self, exc: BaseException | None) -> None:
+        if not self.ended:
+            self.ended, self.exc = True, exc
+            self._wake()
+
+    def close(self) -> None:
+        """The relay is over (also when its task was cancelled): nothing more is written."""
+        self.end(None)
+
+    def _wake(self) -> None:
+        if not self._signal.done():
+            self._signal.set_result(None)
+
+    async def run(self) -> None:
+        """Until the body has ended; raises why it ended early (the replica's error, ``TimeoutError``
+        from the idle watch, ``ClientGone``)."""
+        self._watch.since = self._now()
+        self._up.relay(self)
+        while True:
+            await self._signal
+            self._signal = asyncio.get_running_loop().create_future()
+            if self.ended:
+                if self.exc is not None:
+                    raise self.exc
+                return
+            if self.paused:  # the client is slow: wait for it, not for the replica
+                self._watch.since = math.inf
+                try:
+                    await self._drain()
+                except ConnectionResetError:  # aiohttp's ClientConnectionResetError too
+                    raise ClientGone("client disconnected") from None
+                self._watch.since = self._now()
+                self.paused = False
+                self._up.resume_reading()

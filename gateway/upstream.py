@@ -20,9 +20,7 @@ released (read to its end) or closed in a ``finally``.
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import math
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -37,7 +35,7 @@ from gateway.openai_errors import RequestError, sse_error_event
 from gateway.prediction_audit import AttemptAudit, SseTail, held_prefix_hint, inexact_cause, record_audit
 from gateway.request_context import DROP_REQUEST, DROP_RESPONSE, Attempt, RequestContext, filter_headers
 from gateway.request_outcome import OutcomeSink, Usage, usage_in
-from gateway.stream_relay import IdleWatch
+from gateway.stream_relay import ChunkRelay, ClientGone, DirectRelay, IdleWatch
 from gateway.upstream_client import ConnectError, ConnectTimeout, Outgoing, UpstreamClient, UpstreamResponse
 from gateway.upstream_watch import EjectionWatch, FirstByteWait
 from router_policies.flights import Flight
@@ -292,39 +290,35 @@ class Upstream:
         assert writer is not None
         # the tail of an SSE answer is kept for the audit (and the outcome sink)
         tail = SseTail(first) if sse and up.status == 200 else None
-        chunk = first
         sent = 0
         complete = False
         # one idle timer per stream (gateway/stream_relay.py), not a timeout context per chunk
         watch = IdleWatch(up.content, idle_s)
-        # the payload writer's own write (``resp.write`` only adds a layer of checks to it)
-        read, write, now = up.content.readany, writer.write, asyncio.get_running_loop().time
+        relay: DirectRelay | ChunkRelay | None = None
+        fitted = False
         try:
-            while chunk:
-                await write(chunk)
-                if not sent:  # the first bytes are out: now the fit (its time is their arrival)
-                    fit()
-                sent += len(chunk)
-                try:
-                    watch.since = now()
-                    chunk = await read()
-                    watch.since = math.inf
-                except (TimeoutError, *UPSTREAM_READ_ERRORS) as exc:
-                    timed_out = isinstance(exc, TimeoutError)
-                    what = "timed out" if timed_out else f"failed ({type(exc).__name__})"
-                    ctx.log["error"] = f"upstream {what} mid-stream"
-                    self._fleet.proxy_failure(rec, f"{what} mid-stream: {exc}")
-                    if not sse:
-                        # the client must not take a cut body for a whole one
-                        if request.transport is not None:
-                            request.transport.close()
-                        break
+            await writer.write(first)  # the headers go out with the first bytes
+            fit()  # the first bytes are out: now the fit (its time is their arrival)
+            fitted, sent = True, len(first)
+            try:
+                # the rest: from the replica connection's callback when the client's response is
+                # chunked as it comes (no task switch per chunk), else through aiohttp's writer
+                body = up.content
+                relay = DirectRelay.over(writer, body, watch, tail) or ChunkRelay(body, writer, watch, tail)
+                await relay.run()
+            except (TimeoutError, *UPSTREAM_READ_ERRORS) as exc:
+                timed_out = isinstance(exc, TimeoutError)
+                what = "timed out" if timed_out else f"failed ({type(exc).__name__})"
+                ctx.log["error"] = f"upstream {what} mid-stream"
+                self._fleet.proxy_failure(rec, f"{what} mid-stream: {exc}")
+                if not sse:
+                    # the client must not take a cut body for a whole one
+                    if request.transport is not None:
+                        request.transport.close()
+                else:
                     status, code = (504, "upstream_timeout") if timed_out else (502, "upstream_error")
                     await resp.write(sse_error_event(status, f"replica {rec.id} {what} mid-stream", code))
                     await resp.write_eof()
-                    break
-                if tail is not None:
-                    tail.feed(chunk)
             else:
                 complete = True
                 self._fleet.proxy_success(rec)
@@ -335,12 +329,15 @@ class Upstream:
                 if self.outcomes is not None and up.status == 200:
                     self.outcomes.answered(a, use)
                 await resp.write_eof()
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError, ClientGone):
             ctx.log["error"] = "client disconnected"
         finally:
             watch.close()
-            if not sent:
+            if not fitted:
                 fit()  # the first write failed: its arrival is still an observation
+            if relay is not None:
+                relay.close()  # nothing more reaches the client from the callback
+                sent += relay.sent
         ctx.log["bytes_out"] = sent
         self._metrics.e2e_by(rec.id).observe(ctx.elapsed())
         return resp, complete

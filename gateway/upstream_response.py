@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from multidict import CIMultiDict
 
@@ -19,6 +19,16 @@ if TYPE_CHECKING:
 MAX_HEAD = 64 * 1024
 MAX_CHUNK_LINE = 4096
 HIGH_WATER = 1024 * 1024  # body bytes waiting to be read beyond which reading pauses
+
+
+class Sink(Protocol):
+    """Where ``UpstreamResponse.relay`` sends the body (gateway/stream_relay.py: DirectRelay)."""
+
+    ended: bool
+
+    def piece(self, data: bytes) -> None: ...
+
+    def end(self, exc: BaseException | None) -> None: ...
 
 
 class UpstreamResponse:
@@ -43,6 +53,7 @@ class UpstreamResponse:
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._keep = True
+        self._sink: Sink | None = None  # set by ``relay``: pieces go there, not to the queue
 
     @property
     def content(self) -> UpstreamResponse:
@@ -66,6 +77,9 @@ class UpstreamResponse:
         except BadResponse as exc:
             self._fail(exc)
             self._conn.close()
+            return
+        if self._sink is not None:
+            self._to_sink(self._sink)
 
     def lost(self, exc: Exception | None) -> None:
         self._keep = False
@@ -91,6 +105,9 @@ class UpstreamResponse:
         self._wake()
 
     def _wake(self) -> None:
+        if self._sink is not None:
+            self._to_sink(self._sink)
+            return
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
@@ -201,6 +218,8 @@ class UpstreamResponse:
         if data:
             self._body.append(data)
             self._queued += len(data)
+            if self._sink is not None:
+                return  # passed on as one piece when the read is done (``feed``)
             if self._queued > HIGH_WATER and not self._paused and self._conn.transport is not None:
                 self._paused = True
                 self._conn.transport.pause_reading()
@@ -233,6 +252,36 @@ class UpstreamResponse:
             self._paused = False
             self._conn.transport.resume_reading()
         return out
+
+    def relay(self, sink: Sink) -> None:
+        """From now on each body piece goes to ``sink.piece`` as it arrives, from the connection's
+        callback, not to the queue ``readany`` reads (what is queued goes first); ``sink.end`` is
+        called when the body ends (None) or fails (the error ``readany`` would raise)."""
+        assert self._sink is None and self._waiter is None
+        self._sink = sink
+        self._to_sink(sink)  # ends the sink at once when the body already ended
+        if self._paused and not sink.ended:
+            self._paused = False
+            self.resume_reading()
+
+    def _to_sink(self, sink: Sink) -> None:
+        """What has arrived, as one piece (one write to the client for one read from the replica),
+        then the end of the body when it has come."""
+        if self._body:
+            data = self._body.popleft() if len(self._body) == 1 else b"".join(self._body)
+            self._body.clear()
+            self._queued = 0
+            sink.piece(data)
+        if self._exc is not None or self.done:
+            sink.end(self._exc)
+
+    def pause_reading(self) -> None:
+        if self._conn.transport is not None:
+            self._conn.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self._conn.transport is not None:
+            self._conn.transport.resume_reading()
 
     async def read(self) -> bytes:
         parts = []
