@@ -1,11 +1,18 @@
-"""The stream relay's idle watchdog (docs/architecture.md, "Request path": a stream with no byte
-from its replica for ``proxy.stream_idle_timeout_s`` is cut).
+"""How a streamed answer's body goes from its replica to the client after its first bytes
+(docs/architecture.md, "Request path", step 8): the relays, and their idle watchdog (a stream with
+no byte from its replica for ``proxy.stream_idle_timeout_s`` is cut).
+
+``DirectRelay`` (a client taking HTTP/1.1 chunks as they come, i.e. almost every client) writes
+each read of the replica's body to the client from the replica connection's callback; the relay
+task sleeps until the body ends. ``ChunkRelay`` (any other client: HTTP/1.0, a compressed
+response) reads and writes chunk by chunk in the task.
 
 A relayed SSE stream used to enter an ``asyncio.timeout`` around every upstream read: a timer
 created, pushed on the loop's heap and cancelled per chunk, a few microseconds each, for a limit
 that is almost never reached. ``IdleWatch`` is one timer per stream, re-armed lazily: the relay
 only stores in ``since`` the loop time at which it starts waiting for the replica, and sets it
-back to ``inf`` when the read returns; when the timer fires it re-arms itself for the deadline of
+back to ``inf`` when it stops (a read returned; the direct relay waits from each piece written
+until a slow client is drained); when the timer fires it re-arms itself for the deadline of
 the wait in progress (or a full period when the relay is not waiting, e.g. writing to a slow
 client), and only when a wait has lasted the whole limit does it fail the upstream reader with
 ``TimeoutError``: the read in progress raises it, as aiohttp's own read timeouts do.
