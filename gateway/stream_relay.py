@@ -126,9 +126,6 @@ class ChunkRelay:
                 raise ClientGone("client disconnected") from None
             self.sent += len(chunk)
 
-    def close(self) -> None:
-        pass
-
 
 class DirectRelay:
     """The rest of a streamed body written to the client from the replica connection's callback.
@@ -145,7 +142,8 @@ class DirectRelay:
 
     Invariants: ``end`` takes effect once; after it ``piece`` writes nothing; while the client's
     transport holds more than ``CLIENT_HIGH_WATER`` bytes the replica's reading is paused (the
-    pieces of at most one more read are buffered), and ``run`` resumes it once the client drained.
+    pieces of at most one more read are buffered), and ``run`` resumes it once the client drained;
+    when ``run`` returns or raises, the relay has ended and the replica's reading is not paused.
     """
 
     __slots__ = (
@@ -210,10 +208,6 @@ class DirectRelay:
             self.ended, self.exc = True, exc
             self._wake()
 
-    def close(self) -> None:
-        """The relay is over (also when its task was cancelled): nothing more is written."""
-        self.end(None)
-
     def _wake(self) -> None:
         if not self._signal.done():
             self._signal.set_result(None)
@@ -223,19 +217,30 @@ class DirectRelay:
         from the idle watch, ``ClientGone``)."""
         self._watch.since = self._now()
         self._up.relay(self)
-        while True:
-            await self._signal
-            self._signal = asyncio.get_running_loop().create_future()
-            if self.ended:
-                if self.exc is not None:
-                    raise self.exc
-                return
-            if self.paused:  # the client is slow: wait for it, not for the replica
-                self._watch.since = math.inf
-                try:
-                    await self._drain()
-                except ConnectionResetError:  # aiohttp's ClientConnectionResetError too
-                    raise ClientGone("client disconnected") from None
-                self._watch.since = self._now()
-                self.paused = False
-                self._up.resume_reading()
+        try:
+            while True:
+                await self._signal
+                self._signal = asyncio.get_running_loop().create_future()
+                if self.ended:
+                    if self.exc is not None:
+                        raise self.exc
+                    return
+                if self.paused:  # the client is slow: wait for it, not for the replica
+                    self._watch.since = math.inf
+                    try:
+                        await self._drain()
+                    except ConnectionResetError:  # aiohttp's ClientConnectionResetError too
+                        raise ClientGone("client disconnected") from None
+                    self._watch.since = self._now()
+                    self._resume()
+        finally:
+            # however the relay ends (the body's end, an error, the task cancelled): nothing more
+            # is written, and the replica's connection reads again (a body read to its end while
+            # paused goes back to the pool, where a paused connection would never answer)
+            self.end(None)
+            self._resume()
+
+    def _resume(self) -> None:
+        if self.paused:
+            self.paused = False
+            self._up.resume_reading()

@@ -335,8 +335,7 @@ class Upstream:
             watch.close()
             if not fitted:
                 fit()  # the first write failed: its arrival is still an observation
-            if relay is not None:
-                relay.close()  # nothing more reaches the client from the callback
+            if relay is not None:  # ended (``run`` ends a direct relay however it returns)
                 sent += relay.sent
         ctx.log["bytes_out"] = sent
         self._metrics.e2e_by(rec.id).observe(ctx.elapsed())

@@ -24,8 +24,6 @@ HIGH_WATER = 1024 * 1024  # body bytes waiting to be read beyond which reading p
 class Sink(Protocol):
     """Where ``UpstreamResponse.relay`` sends the body (gateway/stream_relay.py: DirectRelay)."""
 
-    ended: bool
-
     def piece(self, data: bytes) -> None: ...
 
     def end(self, exc: BaseException | None) -> None: ...
@@ -260,7 +258,7 @@ class UpstreamResponse:
         assert self._sink is None and self._waiter is None
         self._sink = sink
         self._to_sink(sink)  # ends the sink at once when the body already ended
-        if self._paused and not sink.ended:
+        if self._paused:  # the queue's pause is over (also for a body already read to its end)
             self._paused = False
             self.resume_reading()
 

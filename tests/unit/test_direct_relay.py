@@ -120,8 +120,6 @@ class Gateway:
             up.close()
         finally:
             watch.close()
-            if o.relay is not None:
-                o.relay.close()
             o.tail = tail.value()
             o.done.set()
         return resp
@@ -239,10 +237,16 @@ async def test_a_client_that_does_not_read_pauses_the_replica_and_gets_every_byt
             raw += data
         sock.close()
         await asyncio.wait_for(gw.outcome.done.wait(), 5)
+        assert not relay.paused
+        # the replica's connection went back to the pool reading: the next answer comes on it
+        replica.events, replica.size = 3, 8
+        gw.outcome = Outcome()
+        again = await _body_bytes(port)
+        assert _deframe(again) == _deframe(replica.body() + b"0\r\n\r\n")
+        assert gw.client.opened == 1
     head, _, body = bytes(raw).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200")
-    assert gw.outcome.error is None
-    assert _deframe(body) == _deframe(replica.body() + b"0\r\n\r\n")  # every byte, in order
+    assert _deframe(body) == _deframe(Replica(events=1000, size=16 * 1024).body() + b"0\r\n\r\n")
 
 
 async def test_a_client_gone_mid_stream_ends_the_relay_with_client_gone() -> None:
@@ -291,3 +295,63 @@ async def test_a_response_not_chunked_as_it_comes_is_relayed_through_aiohttps_wr
         await asyncio.wait_for(gw.outcome.done.wait(), 5)
     assert isinstance(gw.outcome.relay, ChunkRelay) and gw.outcome.error is None
     assert raw.partition(b"\r\n\r\n")[2] == _deframe(replica.body() + b"0\r\n\r\n")
+
+
+class _SlowClient:
+    """A client transport whose buffer is always over the bound (it never drains by itself)."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+
+    def is_closing(self) -> bool:
+        return False
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def get_write_buffer_size(self) -> int:
+        return CLIENT_HIGH_WATER + 1
+
+
+class _Body:
+    """A body whose last piece arrives (with its end) while the client is slow."""
+
+    def __init__(self) -> None:
+        self.reading = True
+        self.sink: DirectRelay | None = None
+
+    async def readany(self) -> bytes:
+        raise AssertionError("not read through readany")
+
+    def relay(self, sink: DirectRelay) -> None:
+        self.sink = sink
+        sink.piece(b"data: last\n\n")  # pauses: the client holds more than the bound
+        sink.end(None)  # and the body has ended in the same read
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+
+async def test_a_body_that_ends_while_the_client_is_slow_leaves_the_replica_reading() -> None:
+    """Its connection goes back to the pool: paused there, it would never read an answer again."""
+
+    class _Writer:
+        async def write(self, chunk: bytes) -> None:
+            raise AssertionError(f"the direct relay writes to the transport, not {chunk!r}")
+
+        async def drain(self) -> None:
+            await asyncio.sleep(3600)  # the client never drains: the relay must not wait for it
+
+    writer = _Writer()
+    body, client = _Body(), _SlowClient()
+    watch = IdleWatch(body, 5.0)  # type: ignore[arg-type]
+    try:
+        relay = DirectRelay(client, body, writer, watch, None)  # type: ignore[arg-type]
+        await asyncio.wait_for(relay.run(), 1.0)
+    finally:
+        watch.close()
+    assert client.written == [b"c\r\ndata: last\n\n\r\n"] and relay.sent == 12
+    assert relay.ended and not relay.paused and body.reading
