@@ -280,11 +280,12 @@ class Fleet:
         ``placement.uncached_prompt_tokens``) pending until ``first_byte``."""
         return Flight(record.flights, tokens, prefill)
 
-    def dispatch(self, record: ReplicaRecord, dispatch: Dispatch) -> Flight:
+    def dispatch(self, record: ReplicaRecord, dispatch: Dispatch, start: float | None = None) -> Flight:
         """The flight of an attempt routed to ``record`` (``Dispatch``: the replica as the
-        decision saw it, the prompt, the predicted cached tokens): load as ``begin`` counts it,
-        and the TTFT model fitted by its first byte (``Flight.first_byte()``, at the clock's now)."""
-        flight = self.ttft.flight(record.flights, dispatch)
+        decision saw it, the prompt, the predicted cached tokens), started at ``start`` on the
+        clock (default: now; the proxy gives the time its request was written): load as
+        ``begin`` counts it, and the TTFT model fitted by its first byte (``Flight.first_byte()``)."""
+        flight = self.ttft.flight(record.flights, dispatch, start)
         blocks = dispatch.cached_tokens // dispatch.block_size if dispatch.block_size else 0
         evicted = dispatch.state.evicted_blocks
         flight.at_dispatch = IndexAtDispatch.of(self._index, record.id, dispatch.keys, (blocks, evicted))

@@ -271,7 +271,7 @@ class Proxy:
         pooled connection, with no await), then the decision committed: the replica starts on it
         while the commit and the dispatch's accounting run, and, as nothing awaits in between, no
         other request decides before the commit (decide, then commit, still holds)."""
-        out = self._upstream.start(ctx, choice.record)
+        sending = self._upstream.start(ctx, choice.record)
         try:
             a = Attempt(
                 ctx, features, info, choice, self._router.commit(ctx.state, features, choice), may_retry
@@ -285,12 +285,12 @@ class Proxy:
                 if self._upstream.outcomes is not None:
                     self._upstream.outcomes.deferred(a)
             try:
-                return await self._upstream.send(a, out)
+                return await self._upstream.send(a, sending)
             except Retry:
                 self._router.undo(a.speculation)
                 raise
         finally:
-            out.abandon()  # nothing once send finished it; else its connection closes
+            sending.abandon()  # nothing once send finished it; else its connection closes
 
     async def _features(self, ctx: RequestContext) -> tuple[RequestFeatures, FeatureInfo]:
         assert ctx.parsed is not None

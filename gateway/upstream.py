@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NoReturn
 
 import aiohttp
@@ -43,6 +44,21 @@ from router_policies.placement import Dispatch
 
 UPSTREAM_READ_ERRORS = (aiohttp.ClientError, OSError)
 LATE_AUDIT_S = 30.0  # longest an audit waits for a deferred encode's keys (then audited without)
+
+
+@dataclass(slots=True)
+class Sending:
+    """A request ``Upstream.start`` wrote to a pooled connection (or that ``send`` writes on a new
+    one), and the TTFT model's clock just before: the attempt's flight starts there, so its
+    first-byte time counts neither the commit after the write nor the core the woken replica
+    may take from the gateway during it."""
+
+    out: Outgoing
+    at: float | None
+
+    def abandon(self) -> None:
+        """``Outgoing.abandon``: an attempt that fails before ``send`` closes its connection."""
+        self.out.abandon()
 
 
 class Retry(Exception):
@@ -94,15 +110,17 @@ class Upstream:
         closed: no request adds one; before the featurizer closes: they wait on its encodes)."""
         await self._late_audits.stop()
 
-    def start(self, ctx: RequestContext, rec: ReplicaRecord) -> Outgoing:
+    def start(self, ctx: RequestContext, rec: ReplicaRecord) -> Sending:
         """Begin sending the request to ``rec`` without awaiting (``UpstreamClient.start``): on an
         idle pooled connection the replica has it before the decision is committed, which takes
         no await either, so no other request decides in between (``send`` finishes it)."""
         assert ctx.parsed is not None
         headers = filter_headers(ctx.request.headers, DROP_REQUEST)
-        out = self._client.start(rec.url + ctx.request.path_qs, ctx.parsed.raw, headers)
+        # both clocks read before the write: the replica woken by it may take this core before
+        # the write returns, and that time is the replica's, spent on this request
+        at = self._fleet.ttft.now()
         ctx.log["dispatch_ms"] = round(ctx.elapsed() * 1000, 3)  # the gateway's own share of ttft_ms
-        return out
+        return Sending(self._client.start(rec.url + ctx.request.path_qs, ctx.parsed.raw, headers), at)
 
     async def _post(self, a: Attempt, out: Outgoing) -> UpstreamResponse:
         """The replica's response headers; a failure to get them raises ``Retry``."""
@@ -201,14 +219,16 @@ class Upstream:
         record_audit(self._metrics, a.record, predicted, reported, cause)
         return cause
 
-    async def send(self, a: Attempt, out: Outgoing) -> web.StreamResponse:
-        """Finish sending the request to the attempt's replica (``out``: ``start``) and answer the
-        client (raises ``Retry``, or ``RequestError`` for a replica too slow to answer)."""
+    async def send(self, a: Attempt, sending: Sending) -> web.StreamResponse:
+        """Finish sending the request to the attempt's replica (``sending``: ``start``) and answer
+        the client (raises ``Retry``, or ``RequestError`` for a replica too slow to answer)."""
         ctx, rec, features = a.ctx, a.record, a.features
         assert ctx.parsed is not None
         out_tokens = ctx.parsed.max_output_tokens
         predicted = a.choice.predicted_tokens
-        flight = self._fleet.dispatch(rec, Dispatch.of(a.choice.state, features, predicted, out_tokens))
+        dispatch = Dispatch.of(a.choice.state, features, predicted, out_tokens)
+        flight = self._fleet.dispatch(rec, dispatch, sending.at)
+        out = sending.out
         assert flight.at_dispatch is not None  # Fleet.dispatch records it
         audit = AttemptAudit(a.info, flight.at_dispatch)  # before any await (its docstring)
         up: UpstreamResponse | None = None

@@ -1,0 +1,95 @@
+"""The TTFT model's flight starts when the request is written to the replica (``Upstream.start``),
+not when ``send`` runs after the commit that follows the write (gateway/upstream.py, ``Sending``):
+the first-byte time it observes and fits is the replica's, whatever the gateway does between the
+write and ``send`` (the commit, or the core the woken replica takes from it)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+from aiohttp.test_utils import make_mocked_request
+from prometheus_client import CollectorRegistry
+
+from gateway.config import parse_config
+from gateway.fleet import Fleet
+from gateway.metrics import GatewayMetrics
+from gateway.request import request_of
+from gateway.request_context import Attempt, RequestContext
+from gateway.routing import Router, RoutingState
+from gateway.upstream import Upstream
+from gateway.upstream_client import UpstreamClient
+from router_policies.policy import RequestFeatures
+from router_policies.prefix_index import PrefixIndex
+from router_policies.registry import build_policy
+
+ANSWER = json.dumps({"choices": [], "usage": {"prompt_tokens": 64, "completion_tokens": 1}}).encode()
+COMMIT_S = 5.0  # the TTFT clock's advance between the write and ``send``
+
+
+class _Replica(asyncio.Protocol):
+    """Answers each request head at once (its body is small enough to come with it)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if b"\r\n\r\n" in data:
+            head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+            self.transport.write(head % len(ANSWER) + ANSWER)
+
+
+async def _first_byte_ms(pooled: bool) -> float:
+    """The access log's observed first byte of one attempt whose ``send`` runs ``COMMIT_S`` of
+    the TTFT clock after its write; ``pooled``: the request is written on an idle pooled
+    connection (else ``send`` connects first)."""
+    server = await asyncio.get_running_loop().create_server(_Replica, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    config = parse_config(
+        {
+            "models": [{"name": "m", "block_size": 16}],
+            "replicas": [{"id": "r0", "url": f"http://127.0.0.1:{port}"}],
+            "policy": {"name": "round_robin"},
+        }
+    )
+    now = [100.0]
+    index = PrefixIndex()
+    fleet = Fleet(config, index, clock=lambda: now[0])
+    fleet.check_result("r0", True)
+    client = UpstreamClient()
+    upstream = Upstream(client, fleet, GatewayMetrics(CollectorRegistry(), index, fleet, dict))
+    router = Router(index, fleet)
+    state = RoutingState(config, build_policy("round_robin", {}, seed=0), None)  # type: ignore[arg-type]
+    body = {"model": "m", "prompt": "hello", "max_tokens": 1}
+    try:
+        if pooled:  # a first request leaves its connection idle in the pool
+            warm = client.start(f"http://127.0.0.1:{port}/v1/completions", b"{}", {})
+            (await client.finish(warm, 1.0)).release()
+        raw = json.dumps(body).encode()
+        ctx = RequestContext(make_mocked_request("POST", "/v1/completions"), state, None)
+        ctx.parsed = request_of("completions", body, raw=raw)
+        features = RequestFeatures("m", [], 64, 16)
+        choice = router.decide(state, features, router.match(features))
+        sending = upstream.start(ctx, choice.record)
+        now[0] += COMMIT_S
+        info = SimpleNamespace(approximate=False, deferred_chars=0, deferred=None)
+        a = Attempt(ctx, features, info, choice, router.commit(state, features, choice), True)  # type: ignore[arg-type]
+        resp = await upstream.send(a, sending)
+        assert resp.status == 200
+        return float(ctx.log["first_byte_ms"])
+    finally:
+        client.close()
+        server.close()
+
+
+async def test_the_flight_starts_when_the_request_is_written() -> None:
+    # the clock moved by COMMIT_S between the write and send, and not after: the first byte came
+    # COMMIT_S after the flight's start (0 ms had the flight started in send)
+    assert await _first_byte_ms(pooled=True) == COMMIT_S * 1000
+
+
+async def test_the_flight_starts_before_a_new_connection_is_made() -> None:
+    # no idle connection: send connects and writes, still within the flight
+    assert await _first_byte_ms(pooled=False) == COMMIT_S * 1000
