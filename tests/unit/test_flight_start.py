@@ -10,6 +10,7 @@ import json
 from types import SimpleNamespace
 
 from aiohttp.test_utils import make_mocked_request
+from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry
 
 from gateway.config import parse_config
@@ -65,7 +66,7 @@ async def _first_byte_ms(pooled: bool) -> float:
     body = {"model": "m", "prompt": "hello", "max_tokens": 1}
     try:
         if pooled:  # a first request leaves its connection idle in the pool
-            warm = client.start(f"http://127.0.0.1:{port}/v1/completions", b"{}", {})
+            warm = client.start(f"http://127.0.0.1:{port}/v1/completions", b"{}", CIMultiDict())
             (await client.finish(warm, 1.0)).release()
         raw = json.dumps(body).encode()
         ctx = RequestContext(make_mocked_request("POST", "/v1/completions"), state, None)
