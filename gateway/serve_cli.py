@@ -22,12 +22,13 @@ from typing import Any
 
 import uvloop
 
-from gateway.app import GatewayApp, freeze_startup_heap
+from gateway.app import GatewayApp
 from gateway.config import GatewayConfig, load_config
 from gateway.local_hub_client import HubClient
 from gateway.workers import serve_workers, worker_count
 from gateway.workers_ttft import warm_up
 from router_policies.errors import UserInputError
+from router_policies.gc_settings import freeze_startup_heap
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -42,7 +42,7 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import Counter, Gauge, generate_latest
 
-from gateway.app import GatewayApp, freeze_startup_heap
+from gateway.app import GatewayApp
 from gateway.asyncio_tasks import cancel_and_wait
 from gateway.config import GatewayConfig
 from gateway.fleet import Fleet
@@ -50,6 +50,7 @@ from gateway.local_hub import Hub, HubHooks, OwnerFleet
 from gateway.local_hub_codec import frame
 from gateway.operator_view import with_observer
 from router_policies.errors import UserInputError
+from router_policies.gc_settings import freeze_startup_heap
 from router_policies.prefix_index import PrefixIndex
 
 log = logging.getLogger("kvgate.workers")

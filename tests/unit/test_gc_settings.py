@@ -1,10 +1,10 @@
-"""The gateway's collector settings (gateway/app.py, GC_GEN0_THRESHOLD and freeze_startup_heap)."""
+"""The collector settings of the gateway and the agent (router_policies/gc_settings.py)."""
 
 from __future__ import annotations
 
 import gc
 
-from gateway.app import GC_GEN0_THRESHOLD, freeze_startup_heap
+from router_policies.gc_settings import GC_GEN0_THRESHOLD, freeze_startup_heap
 
 
 def test_the_startup_heap_is_frozen_and_young_collections_are_rarer() -> None:
