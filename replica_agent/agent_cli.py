@@ -157,8 +157,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = _check(args)
     lower_priority(args.nice)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # uvloop, as the gateway: on the RAG trace's replay the agents' CPU per request fell 12-16 %
-    # against asyncio's own loop (docs/performance.md, "The agent on uvloop")
-    freeze_startup_heap()  # as the gateway's: ~15 % of an agent's CPU was the collector's
+    # the gateway's collector settings and uvloop: on the RAG trace's replay the collector was
+    # ~15 % of an agent's perf samples, and uvloop took 12-16 % off its CPU per request against
+    # asyncio's own loop (docs/performance.md, "The agent on uvloop, and its collector")
+    freeze_startup_heap()
     uvloop.run(_main(cfg))
     return 0
