@@ -67,18 +67,22 @@ async def _first_byte_ms(pooled: bool) -> float:
     try:
         if pooled:  # a first request leaves its connection idle in the pool
             warm = client.start(f"http://127.0.0.1:{port}/v1/completions", b"{}", CIMultiDict())
-            (await client.finish(warm, 1.0)).release()
+            answer = await client.finish(warm, 1.0)
+            assert await answer.read() == ANSWER
+            answer.release()  # read to its end: the connection is pooled
         raw = json.dumps(body).encode()
         ctx = RequestContext(make_mocked_request("POST", "/v1/completions"), state, None)
         ctx.parsed = request_of("completions", body, raw=raw)
         features = RequestFeatures("m", [], 64, 16)
         choice = router.decide(state, features, router.match(features))
         sending = upstream.start(ctx, choice.record)
+        # written at once on the pooled connection; else not until send connects
+        assert (sending.out.sent is not None) is pooled
         now[0] += COMMIT_S
         info = SimpleNamespace(approximate=False, deferred_chars=0, deferred=None)
         a = Attempt(ctx, features, info, choice, router.commit(state, features, choice), True)  # type: ignore[arg-type]
         resp = await upstream.send(a, sending)
-        assert resp.status == 200
+        assert resp.status == 200 and client.opened == 1
         return float(ctx.log["first_byte_ms"])
     finally:
         client.close()
