@@ -27,6 +27,17 @@ import asyncio
 import math
 from typing import Protocol
 
+from aiohttp import web
+
+
+class RelayResponse(web.StreamResponse):
+    """A streamed answer whose headers go out with its first bytes, in one write. aiohttp's
+    ``StreamResponse`` writes them at ``prepare``, on their own: a second write, and a client
+    woken for headers before the bytes it waits for (its ``Response`` buffers them like this).
+    The relays rely on it: the headers are on the wire once the first bytes are written."""
+
+    _send_headers_immediately = False
+
 
 class Reader(Protocol):
     """What the watch fails: the upstream response's body reader (gateway/upstream_response.py)."""

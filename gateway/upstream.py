@@ -36,7 +36,7 @@ from gateway.openai_errors import RequestError, sse_error_event
 from gateway.prediction_audit import AttemptAudit, SseTail, held_prefix_hint, inexact_cause, record_audit
 from gateway.request_context import DROP_REQUEST, DROP_RESPONSE, Attempt, RequestContext, filter_headers
 from gateway.request_outcome import OutcomeSink, Usage, usage_in
-from gateway.stream_relay import ChunkRelay, ClientGone, DirectRelay, IdleWatch
+from gateway.stream_relay import ChunkRelay, ClientGone, DirectRelay, IdleWatch, RelayResponse
 from gateway.upstream_client import ConnectError, ConnectTimeout, Outgoing, UpstreamClient, UpstreamResponse
 from gateway.upstream_watch import EjectionWatch, FirstByteWait
 from router_policies.flights import Flight
@@ -301,7 +301,7 @@ class Upstream:
         ctx, rec, request = a.ctx, a.record, a.ctx.request
         first, sse, fit = start
         idle_s = ctx.state.config.proxy.stream_idle_timeout_s
-        resp = web.StreamResponse(status=up.status, headers=headers)
+        resp = RelayResponse(status=up.status, headers=headers)
         try:
             writer = await resp.prepare(request)
         except BaseException:

@@ -63,7 +63,9 @@ def _same_first(planned: EncodePlan, now: EncodePlan) -> bool:
     return planned.whole is not None or (bool(now.missing) and now.missing[0] == planned.missing[0])
 
 
-@dataclass(slots=True, eq=False, weakref_slot=True)  # eq=False: a job is itself, hashed by identity
+# eq=False: a job is itself, hashed by identity; repr=False: its own short ``__repr__`` (the
+# generated one printed the whole text and its token arrays)
+@dataclass(slots=True, eq=False, repr=False, weakref_slot=True)
 class DeferredJob:
     """One request's text to encode after routing. The proxy sets ``on_keys`` (``Router.record``
     of the attempt it committed, replaced on a retry) while the job is not finished; it is called
@@ -98,6 +100,9 @@ class DeferredJob:
         self.chars = sum(len(k[2]) for k in plan.keys) if plan.whole is None else len(plan.whole)
         texts = [k[2] for k in plan.keys] if plan.whole is None else [plan.whole]
         self.bytes = sum(text_bytes(t) for t in texts)
+
+    def __repr__(self) -> str:
+        return f"DeferredJob(fingerprint={self.fingerprint:#x}, chars={self.chars})"
 
     def end(self) -> None:
         """The job is over (encoded, or dropped unencoded): its callbacks are let go and its
@@ -199,11 +204,11 @@ class DeferredEncodes:
             self.expedited_heads += 1
             await self._run_head(job, head, self._urgent_executor)
             return
-        try:
-            self._jobs.remove(job)
-        except ValueError:  # being encoded by the worker
+        if job not in self._jobs:  # being encoded by the worker
+            # (tested before ``remove``: its ValueError formats the job's repr)
             await job.finished.wait()
             return
+        self._jobs.remove(job)
         self._unhead(job)
         self.queued_chars -= job.chars
         self.queued_bytes -= job.bytes

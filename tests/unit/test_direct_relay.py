@@ -1,6 +1,6 @@
 """The direct stream relay (gateway/stream_relay.py: ``DirectRelay``) between real sockets on
 loopback: a raw replica answering a chunked SSE stream, the gateway's upstream client, an aiohttp
-server relaying it, a raw client reading the bytes.
+server relaying it (``RelayResponse``), a raw client reading the bytes.
 
 What it must show: the client gets the replica's body in valid chunked framing, as through
 ``ChunkRelay`` (which a client not taking chunks, HTTP/1.0, still gets); the relay task never reads the body chunk by chunk; a client that does
@@ -21,7 +21,14 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from gateway.prediction_audit import SseTail
-from gateway.stream_relay import CLIENT_HIGH_WATER, ChunkRelay, ClientGone, DirectRelay, IdleWatch
+from gateway.stream_relay import (
+    CLIENT_HIGH_WATER,
+    ChunkRelay,
+    ClientGone,
+    DirectRelay,
+    IdleWatch,
+    RelayResponse,
+)
 from gateway.upstream_client import UpstreamClient, UpstreamResponse
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -102,7 +109,7 @@ class Gateway:
         up: UpstreamResponse = await self.client.finish(out, 5.0)
         first = await up.readany()
         self.outcome.first = len(first)
-        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        resp = RelayResponse(headers={"content-type": "text/event-stream"})
         writer = await resp.prepare(request)
         assert writer is not None
         tail = SseTail(first)
@@ -177,6 +184,35 @@ async def _body_bytes(port: int) -> bytes:
     body = await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), 10)
     writer.close()
     return body
+
+
+async def test_a_relayed_answers_headers_go_out_with_its_first_bytes() -> None:
+    """``RelayResponse`` writes nothing at ``prepare``: the client gets the headers with the first
+    bytes, in one read (aiohttp's ``StreamResponse`` sends them at once, on their own)."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        resp = RelayResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.sleep(0.5)
+        await resp.write(b"data: 1\n\n")
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        reader, writer = await _get(runner.addresses[0][1])
+        with pytest.raises(TimeoutError):  # nothing while the first bytes are awaited
+            await asyncio.wait_for(reader.read(1), 0.25)
+        first = await asyncio.wait_for(reader.read(1 << 16), 5)
+        assert first.startswith(b"HTTP/1.1 200") and b"data: 1" in first
+        writer.close()
+    finally:
+        await runner.cleanup()
 
 
 async def test_the_client_gets_the_bytes_aiohttps_writer_would_send() -> None:

@@ -257,6 +257,17 @@ async def test_backlog_is_bounded_in_characters_and_drops_the_oldest() -> None:
         await deferred.close()
 
 
+def test_a_jobs_repr_names_it_without_its_text() -> None:
+    """A job's repr is short whatever its text: the generated one printed the whole text and its
+    arrays, and ``deque.remove`` of a job no longer queued formats it into its ValueError (on
+    the request path: a takeover of a job the worker was encoding)."""
+    tok = load_tokenizer_files(Path(TINY), where="t").tokenizer
+    enc = SegmentEncoder(tok, BoundedLRU(100), "t")
+    job = DeferredJob(enc, enc.plan(text(3, 5000), add_special_tokens=False), False, 0xAB, lambda t: [len(t)])
+    assert job.chars > 20_000
+    assert repr(job) == f"DeferredJob(fingerprint=0xab, chars={job.chars})"
+
+
 async def test_close_cancels_the_worker_and_discards_the_backlog() -> None:
     fz = make(defer_chars=1)
     await fz.features("chat", chat(SYSTEM, text(30, 400)))
