@@ -95,6 +95,7 @@ def build_inventory_server(
         settings=InventorySettings(
             block_bound_factor=config.inventory.block_bound_factor,
             ack_every=config.inventory.ack_every,
+            ack_interval_s=config.inventory.ack_interval_s,
             tls_cert=config.inventory.tls_cert,
             tls_key=config.inventory.tls_key,
         ),

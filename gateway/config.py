@@ -221,6 +221,11 @@ class InventoryConfig(_Strict):
     ack_every: PositiveInt = Field(
         1, description="Acknowledge an agent stream every N messages (acks still pending coalesce)."
     )
+    ack_interval_s: NonNegativeFloat = Field(
+        0.1,
+        description="Least time between an ack and the stream's write before it; acks owed meanwhile "
+        "coalesce (the agent only reports the position). 0: each ack at once.",
+    )
     tls_cert: str | None = Field(None, description="PEM certificate to serve the stream over TLS.")
     tls_key: str | None = Field(None, description="PEM private key of tls_cert.")
     _tls_pair = _together("tls_cert", "tls_key")

@@ -5,7 +5,7 @@ One stream per agent. The server checks the bearer token (which replica it may s
 gateway/agent_credentials.py) and hands each message, as it arrives, to
 ``gateway.inventory_stream.Streams`` (synchronous: the Hello goes to the fleet, snapshots and
 deltas to the prefix index). Its only other coroutine per stream is the writer, which sends
-Ack/Resync and never touches the index.
+Ack/Resync/HeldPrefix and never touches the index.
 
 Invariants
 * Index mutations never await: a message is applied by synchronous code between two
@@ -20,12 +20,18 @@ Invariants
   were: identity and URL are checked before the fleet hears of the Hello.
 * A stream that closes leaves the replica's entries in the index: the engine still holds those
   blocks, and the next stream's snapshot replaces them. The fleet is told the stream is gone.
+* The writer sends an ack no sooner than ``ack_interval_s`` after its previous write (the first
+  at once): acks owed meanwhile coalesce into the newest. A resync, a hint or the stream's end
+  does not wait. Why: an ack is a gRPC write on the event loop (~0.1 ms, and a wake-up of gRPC's
+  poller thread), one per agent message before: 5-15 % of the loop's time on a RAG replay at 17
+  requests a second (docs/performance.md, "Acks paced"); the agent only reports the position.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -67,10 +73,13 @@ class InventorySettings:
 
     ``block_bound_factor``, ``ack_every``: see ``StreamRules``; acks not yet written coalesce into
     the newest, so acking every message costs little under load.
+    ``ack_interval_s``: the least time between an ack and the write before it (module docstring;
+    0: acks go as soon as they are owed).
     ``tls_cert``/``tls_key``: PEM file paths to serve TLS instead of plaintext."""
 
     block_bound_factor: float = 4.0
     ack_every: int = 1
+    ack_interval_s: float = 0.1
     tls_cert: str | None = None
     tls_key: str | None = None
     max_message_bytes: int = 16 * 1024 * 1024
@@ -81,6 +90,8 @@ class InventorySettings:
             raise ValueError("block_bound_factor must be >= 0")
         if self.ack_every <= 0:
             raise ValueError("ack_every must be positive")
+        if not self.ack_interval_s >= 0:
+            raise ValueError("ack_interval_s must be >= 0")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together")
 
@@ -259,12 +270,16 @@ class InventoryServer:
 
     # ------------------------------------------------------------------ the writer
     async def _write_loop(self, stream: StreamState, context: _Context) -> None:
+        loop = asyncio.get_running_loop()
+        last = -math.inf  # loop time of the last write
         while True:
             await stream.wake.wait()
             stream.wake.clear()
+            await _ack_pause(stream, last + self.settings.ack_interval_s)
             msg = _next_message(stream)
             while msg is not None and not stream.closing:
                 await context.write(msg)
+                last = loop.time()
                 msg = _next_message(stream)
             if stream.closing:
                 return
@@ -288,6 +303,22 @@ class InventoryServer:
             log.debug("inventory stream from %s: last write failed: %s", stream.peer, exc)
         if not writer.done():
             await cancel_and_wait(writer)
+
+
+async def _ack_pause(stream: StreamState, until: float) -> None:
+    """Wait for loop time ``until`` while an ack is all the writer owes (module docstring): acks
+    owed meanwhile replace it; a resync, a hint or the stream's end ends the wait."""
+    loop = asyncio.get_running_loop()
+    while stream.ack_seq is not None and stream.resync_reason is None and not stream.held:
+        delay = until - loop.time()
+        if delay <= 0 or stream.closing:
+            return
+        try:
+            async with asyncio.timeout(delay):
+                await stream.wake.wait()
+        except TimeoutError:
+            return
+        stream.wake.clear()
 
 
 def _next_message(stream: StreamState) -> pb.GatewayMessage | None:

@@ -232,6 +232,53 @@ async def test_stream_seq_gap_asks_for_a_resync(rig: Rig) -> None:
     assert rig.registry.get_sample_value("kvgate_inventory_gaps_total", {"kind": "stream"}) == 1
 
 
+async def test_acks_are_paced_and_coalesce_but_a_resync_is_not_held(rig: Rig) -> None:
+    """``ack_interval_s`` (here 2 s): the hello's ack goes at once; the acks owed for the deltas
+    sent within the interval become one, the newest, no sooner than the interval after it; a
+    resync owed while an ack waits goes at once, before that ack."""
+    interval = 2.0
+    server = InventoryServer(
+        rig.index,
+        rig.fleet,
+        token=TOKEN,
+        registry=CollectorRegistry(),
+        settings=InventorySettings(ack_interval_s=interval),
+    )
+    port = await server.start("127.0.0.1:0")
+    loop = asyncio.get_running_loop()
+    try:
+        await _paced(grpc.aio.insecure_channel(f"127.0.0.1:{port}"), rig, loop, interval)
+    finally:
+        await server.stop(0)
+
+
+async def _paced(
+    channel: grpc.aio.Channel, rig: Rig, loop: asyncio.AbstractEventLoop, interval: float
+) -> None:
+    async with channel:
+        call = sync_call(channel, AUTH)
+        await call.write(hello("r0"))
+        first = await call.read()
+        acked_at = loop.time()
+        assert first.WhichOneof("body") == "ack" and first.ack.seq == 1
+        await call.write(snap(2, [1, 2]))
+        for seq in range(3, 7):
+            await call.write(events(seq, stored(10 + seq)))
+        msg = await call.read()
+        assert msg.WhichOneof("body") == "ack" and msg.ack.seq == 6  # one ack for five messages
+        assert loop.time() - acked_at >= interval * 0.99
+        assert sorted(rig.index.precise_keys("r0")) == [1, 2, 13, 14, 15, 16]
+        acked_at = loop.time()
+        await call.write(events(7, stored(30)))  # an ack owed, waiting for the interval
+        await call.write(events(9, stored(31)))  # seq 8 never came
+        msg = await call.read()
+        assert msg.WhichOneof("body") == "resync"
+        assert loop.time() - acked_at < interval * 0.75  # not held for the ack's interval
+        msg = await call.read()
+        assert msg.WhichOneof("body") == "ack" and msg.ack.seq == 9  # the newest owed
+        call.cancel()
+
+
 async def test_deltas_during_a_chunked_snapshot_apply_to_it(rig: Rig) -> None:
     call = await establish(rig)
     await call.write(snap(3, [10, 11], sid=2, last=False))
