@@ -22,8 +22,8 @@ Invariants
   blocks, and the next stream's snapshot replaces them. The fleet is told the stream is gone.
 * The writer sends an ack no sooner than ``ack_interval_s`` after its previous write (the first
   at once): acks owed meanwhile coalesce into the newest. A resync, a hint or the stream's end
-  does not wait. Why: an ack is a gRPC write on the event loop (~0.1 ms, and a wake-up of gRPC's
-  poller thread), one per agent message before: 5-15 % of the loop's time on a RAG replay at 17
+  does not wait. Why: an ack is a gRPC write on the event loop (and a wake-up of gRPC's poller
+  thread), one per agent message before: ~8 % of the loop's busy time on a RAG replay at 17
   requests a second (docs/performance.md, "Acks paced"); the agent only reports the position.
 """
 
@@ -322,7 +322,8 @@ async def _ack_pause(stream: StreamState, until: float) -> None:
 
 
 def _next_message(stream: StreamState) -> pb.GatewayMessage | None:
-    """The next message the writer owes the agent: a resync first, then the newest ack."""
+    """The next message the writer owes the agent: a resync first, then the newest ack, then a
+    recovery hint."""
     if stream.resync_reason is not None:
         reason, stream.resync_reason = stream.resync_reason, None
         return pb.GatewayMessage(resync=pb.Resync(reason=reason))
