@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -133,23 +133,31 @@ class Gateway:
 
 
 @contextlib.asynccontextmanager
+async def _serving(handle: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> AsyncIterator[int]:
+    """An aiohttp server on loopback answering GET / with ``handle``; yields its port."""
+    app = web.Application()
+    app.router.add_get("/", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield runner.addresses[0][1]
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
 async def _fleet(
     replica: Replica, direct: bool = True, idle_s: float = 5.0
 ) -> AsyncIterator[tuple[Gateway, int]]:
     loop = asyncio.get_running_loop()
     srv = await loop.create_server(lambda: _ReplicaProtocol(replica), "127.0.0.1", 0)
     gw = Gateway(f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}/", direct, idle_s)
-    app = web.Application()
-    app.router.add_get("/", gw.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
     try:
-        yield gw, port
+        async with _serving(gw.handle) as port:
+            yield gw, port
     finally:
-        await runner.cleanup()
         gw.client.close()
         srv.close()
 
@@ -198,21 +206,13 @@ async def test_a_relayed_answers_headers_go_out_with_its_first_bytes() -> None:
         await resp.write_eof()
         return resp
 
-    app = web.Application()
-    app.router.add_get("/", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        reader, writer = await _get(runner.addresses[0][1])
+    async with _serving(handle) as port:
+        reader, writer = await _get(port)
         with pytest.raises(TimeoutError):  # nothing while the first bytes are awaited
             await asyncio.wait_for(reader.read(1), 0.25)
         first = await asyncio.wait_for(reader.read(1 << 16), 5)
         assert first.startswith(b"HTTP/1.1 200") and b"data: 1" in first
         writer.close()
-    finally:
-        await runner.cleanup()
 
 
 async def test_the_client_gets_the_bytes_aiohttps_writer_would_send() -> None:
