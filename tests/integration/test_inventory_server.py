@@ -266,7 +266,9 @@ async def _paced(
             await call.write(events(seq, stored(10 + seq)))
         msg = await call.read()
         assert msg.WhichOneof("body") == "ack" and msg.ack.seq == 6  # one ack for five messages
-        assert loop.time() - acked_at >= interval * 0.99
+        # held for the interval (the client's own read delays can only shorten what it sees by
+        # milliseconds; without pacing this ack comes in a few)
+        assert loop.time() - acked_at >= interval * 0.5
         assert sorted(rig.index.precise_keys("r0")) == [1, 2, 13, 14, 15, 16]
         acked_at = loop.time()
         await call.write(events(7, stored(30)))  # an ack owed, waiting for the interval
