@@ -16,6 +16,8 @@ import asyncio
 import contextlib
 import ctypes
 import os
+import platform
+import struct
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,13 +28,43 @@ from gateway.features.budgets import ByteBudget, MemoryReleaser
 T = TypeVar("T")
 
 BACKGROUND_THREAD_NAME = b"kvgate-deferred"  # the OS thread name (``/proc/PID/task/*/comm``)
+BACKGROUND_NICE = 19
+# Linux's EEVDF scheduler lets the task on a CPU keep it until it has run its slice (1.4 ms on a
+# 2-CPU host by default) before a task that wakes up there takes it, whatever their niceness.
+# The deferred encoder is always runnable under new text, so without a slice of its own the event
+# loop, the replicas' answers and co-located engines waited behind it for up to that long: the
+# unloaded p99 of new chats (docs/performance.md, "The deferred encoder's slice"). The smallest
+# custom slice Linux takes (``sched_attr.sched_runtime`` for SCHED_OTHER, Linux >= 6.12; older
+# kernels ignore it) bounds that wait to 0.1 ms.
+BACKGROUND_SLICE_NS = 100_000
+_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}  # syscall numbers (glibc has no wrapper)
+
+
+def _sched_attr(nice: int, slice_ns: int) -> bytes:
+    """``struct sched_attr`` (its first version, 48 bytes): SCHED_OTHER at ``nice``, with
+    ``slice_ns`` as its slice."""
+    return struct.pack("=IIQiIQQQ", 48, 0, 0, nice, 0, slice_ns, 0, 0)
+
+
+def lower_thread_priority(nice: int = BACKGROUND_NICE, slice_ns: int = BACKGROUND_SLICE_NS) -> bool:
+    """Give the calling thread niceness ``nice`` and a ``slice_ns`` slice (Linux ``sched_setattr``;
+    where that call is missing or refused, only the niceness). True when the slice was set."""
+    number = _SCHED_SETATTR.get(platform.machine())
+    if number is not None:
+        with contextlib.suppress(AttributeError, OSError):  # not Linux
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.syscall(number, 0, ctypes.create_string_buffer(_sched_attr(nice, slice_ns)), 0) == 0:
+                return True
+    with contextlib.suppress(AttributeError, OSError):  # not Linux, or not permitted
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    return False
 
 
 def mark_background_thread() -> None:
-    """Give the calling thread the lowest scheduling priority (Linux: per-thread nice 19) and an
-    OS-visible name, so that tools (``top -H``, the overhead benchmark) can tell its CPU apart."""
-    with contextlib.suppress(AttributeError, OSError):  # not Linux, or not permitted
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    """Give the calling thread the lowest scheduling priority (Linux: per-thread nice 19, a 0.1 ms
+    slice) and an OS-visible name, so that tools (``top -H``, the overhead benchmark) can tell its
+    CPU apart."""
+    lower_thread_priority()
     with contextlib.suppress(AttributeError, OSError):
         ctypes.CDLL(None, use_errno=True).prctl(15, BACKGROUND_THREAD_NAME, 0, 0, 0)  # PR_SET_NAME
 
