@@ -35,6 +35,12 @@ def depth_label(depth: int) -> str:
     return "unknown"
 
 
+# depth_label of every depth below the last bucket's start, looked up instead of searched: a
+# removal is labelled once per block, hundreds of blocks per evicted prompt
+_LABELS = tuple(depth_label(d) for d in range(DEPTH_BUCKETS[-1][0]))
+_DEEPEST = depth_label(DEPTH_BUCKETS[-1][0])
+
+
 class CacheLifetime:
     def __init__(self, max_tracked_blocks: int, clock: Callable[[], float] = time.monotonic) -> None:
         self._bound = max_tracked_blocks
@@ -70,32 +76,49 @@ class CacheLifetime:
                         blocks[k] = now
                         self._held += 1
             elif op.kind == "r":
-                for k in op.keys:
-                    self._removed(replica, blocks, k, now)
+                self._removed(replica, blocks, op.keys, now)
             else:  # cleared: every block goes at once (a reset, not eviction pressure)
                 self._held -= len(blocks)
                 blocks.clear()
         self._enforce(replica)
 
-    def _removed(self, replica: str, blocks: OrderedDict[int, float | None], key: int, now: float) -> None:
-        if key not in blocks:
+    def _removed(
+        self, replica: str, blocks: OrderedDict[int, float | None], keys: Sequence[int], now: float
+    ) -> None:
+        """One remove event's keys, all at ``now``: each held one leaves ``blocks``; those with a
+        store time add their residency to the replica's histogram and to their depth's, one
+        ``observe_many`` per histogram (an evicted prompt removes hundreds of blocks at once)."""
+        lived: list[float] = []
+        by_label: dict[str, list[float]] = {}
+        depths, labels, deepest = self._depths, _LABELS, _DEEPEST
+        for key in keys:
+            if key not in blocks:
+                continue
+            stored = blocks.pop(key)
+            self._held -= 1
+            if stored is None:
+                continue
+            span = now - stored
+            lived.append(span)
+            depth = depths.get(key)
+            label = "unknown" if depth is None else labels[depth] if depth < len(labels) else deepest
+            group = by_label.get(label)
+            if group is None:
+                by_label[label] = [span]
+            else:
+                group.append(span)
+        if not lived:
             return
-        stored = blocks.pop(key)
-        self._held -= 1
-        if stored is None:
-            return
-        lived = now - stored
-        self.removals += 1
+        self.removals += len(lived)
         hist = self.residency.get(replica)
         if hist is None:
             hist = self.residency[replica] = LogHistogram()
-        hist.observe(lived)
-        depth = self._depths.get(key)
-        label = depth_label(depth) if depth is not None else "unknown"
-        dh = self.by_depth.get(label)
-        if dh is None:
-            dh = self.by_depth[label] = LogHistogram()
-        dh.observe(lived)
+        hist.observe_many(lived)
+        for label, spans in by_label.items():
+            dh = self.by_depth.get(label)
+            if dh is None:
+                dh = self.by_depth[label] = LogHistogram()
+            dh.observe_many(spans)
 
     def _enforce(self, replica: str) -> None:
         blocks = self._stored[replica]

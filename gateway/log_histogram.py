@@ -30,6 +30,16 @@ class LogHistogram:
         self.count += 1
         self.total += value
 
+    def observe_many(self, values: Sequence[float]) -> None:
+        """``observe`` of each of ``values``, in that order (the same counts and total)."""
+        counts, bounds = self.counts, self.bounds
+        total = self.total
+        for value in values:
+            counts[bisect.bisect_left(bounds, value)] += 1
+            total += value
+        self.total = total
+        self.count += len(values)
+
     def quantile(self, q: float) -> float | None:
         """The upper bound of the bucket holding quantile ``q`` (inf above the last bound)."""
         if not self.count:

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import random
 import weakref
 from pathlib import Path
 
 import pytest
 
-from gateway.cache_lifetime import CacheLifetime, depth_label
+from gateway.cache_lifetime import DEPTH_BUCKETS, CacheLifetime, depth_label
 from gateway.features.deferred import DeferredJob
 from gateway.features.segment_encoder import BoundedLRU, SegmentEncoder
 from gateway.features.tokenizer_files import load_tokenizer_files
@@ -299,3 +300,40 @@ def test_a_deferred_answer_whose_job_is_over_is_recorded_at_once_and_the_job_not
     del over
     gc.collect()
     assert ref() is None  # the view holds no finished job
+
+
+def test_a_remove_events_residencies_are_those_of_its_blocks_one_by_one() -> None:
+    """Removals are counted per event (``observe_many``, labels looked up): the histograms are
+    those of observing each removed block alone, in order, at every depth bucket."""
+    rng = random.Random(5)
+    clock = Clock()
+    lt = CacheLifetime(10_000, clock=clock)
+    want: dict[str, LogHistogram] = {}
+    want_depth: dict[str, LogHistogram] = {}
+    stored: dict[int, float] = {}
+    prompt = rng.sample(range(700), 500)  # depths 0-499 (every bucket); 500 keys of none
+    lt.note_depths(prompt)
+    depth = {k: i for i, k in enumerate(prompt)}
+    for _ in range(200):
+        clock.t += rng.choice([0.05, 0.3, 2.0, 40.0, 700.0])
+        keys = rng.sample(range(700), rng.randint(1, 40))
+        if rng.random() < 0.5:
+            lt.inventory_ops("r0", [Op("s", keys)])
+            for k in keys:
+                stored.setdefault(k, clock.t)
+        else:
+            lt.inventory_ops("r0", [Op("r", keys)])
+            for k in keys:
+                if k in stored:
+                    lived = clock.t - stored.pop(k)
+                    want.setdefault("r0", LogHistogram()).observe(lived)
+                    label = depth_label(depth[k]) if k in depth else "unknown"
+                    want_depth.setdefault(label, LogHistogram()).observe(lived)
+    assert {r: (h.counts, h.count, h.total) for r, h in lt.residency.items()} == {
+        r: (h.counts, h.count, h.total) for r, h in want.items()
+    }
+    assert {d: (h.counts, h.total) for d, h in lt.by_depth.items()} == {
+        d: (h.counts, h.total) for d, h in want_depth.items()
+    }
+    assert set(lt.by_depth) == {*(depth_label(lo) for lo, _ in DEPTH_BUCKETS), "unknown"}
+    assert lt.removals == sum(h.count for h in want.values())
