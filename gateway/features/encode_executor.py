@@ -48,7 +48,8 @@ def _sched_attr(nice: int, slice_ns: int) -> bytes:
 
 def lower_thread_priority(nice: int = BACKGROUND_NICE, slice_ns: int = BACKGROUND_SLICE_NS) -> bool:
     """Give the calling thread niceness ``nice`` and a ``slice_ns`` slice (Linux ``sched_setattr``;
-    where that call is missing or refused, only the niceness). True when the slice was set."""
+    where that call is missing or refused, only the niceness). True when the call was taken
+    (kernels before 6.12 take it and ignore the slice)."""
     number = _SCHED_SETATTR.get(platform.machine())
     if number is not None:
         with contextlib.suppress(AttributeError, OSError):  # not Linux
