@@ -26,9 +26,7 @@ class LogHistogram:
         self.total = 0.0
 
     def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.count += 1
-        self.total += value
+        self.observe_many((value,))
 
     def observe_many(self, values: Sequence[float]) -> None:
         """``observe`` of each of ``values``, in that order (the same counts and total)."""

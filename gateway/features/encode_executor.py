@@ -46,26 +46,24 @@ def _sched_attr(nice: int, slice_ns: int) -> bytes:
     return struct.pack("=IIQiIQQQ", 48, 0, 0, nice, 0, slice_ns, 0, 0)
 
 
-def lower_thread_priority(nice: int = BACKGROUND_NICE, slice_ns: int = BACKGROUND_SLICE_NS) -> bool:
-    """Give the calling thread niceness ``nice`` and a ``slice_ns`` slice (Linux ``sched_setattr``;
-    where that call is missing or refused, only the niceness). True when the call was taken
-    (kernels before 6.12 take it and ignore the slice)."""
+def _lower_thread_priority() -> None:
+    """Nice 19 and a 0.1 ms slice for the calling thread (``sched_setattr``); where that call is
+    missing or refused, nice 19 only."""
     number = _SCHED_SETATTR.get(platform.machine())
     if number is not None:
         with contextlib.suppress(AttributeError, OSError):  # not Linux
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.syscall(number, 0, ctypes.create_string_buffer(_sched_attr(nice, slice_ns)), 0) == 0:
-                return True
+            attr = ctypes.create_string_buffer(_sched_attr(BACKGROUND_NICE, BACKGROUND_SLICE_NS))
+            if ctypes.CDLL(None, use_errno=True).syscall(number, 0, attr, 0) == 0:
+                return
     with contextlib.suppress(AttributeError, OSError):  # not Linux, or not permitted
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-    return False
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
 
 
 def mark_background_thread() -> None:
     """Give the calling thread the lowest scheduling priority (Linux: per-thread nice 19, a 0.1 ms
     slice) and an OS-visible name, so that tools (``top -H``, the overhead benchmark) can tell its
     CPU apart."""
-    lower_thread_priority()
+    _lower_thread_priority()
     with contextlib.suppress(AttributeError, OSError):
         ctypes.CDLL(None, use_errno=True).prctl(15, BACKGROUND_THREAD_NAME, 0, 0, 0)  # PR_SET_NAME
 
