@@ -28,17 +28,24 @@ from gateway.log_histogram import LogHistogram
 DEPTH_BUCKETS = ((0, 3), (4, 15), (16, 63), (64, 255), (256, 1 << 30))  # block positions, inclusive
 
 
-def depth_label(depth: int) -> str:
+def _bucket_label(depth: int) -> str:
     for lo, hi in DEPTH_BUCKETS:
         if lo <= depth <= hi:
             return f"{lo}-{hi}" if hi < 1 << 30 else f"{lo}+"
     return "unknown"
 
 
-# depth_label of every depth below the last bucket's start, looked up instead of searched: a
-# removal is labelled once per block, hundreds of blocks per evicted prompt
-_LABELS = tuple(depth_label(d) for d in range(DEPTH_BUCKETS[-1][0]))
-_DEEPEST = depth_label(DEPTH_BUCKETS[-1][0])
+# every depth below the last bucket's start, labelled once: a removal is labelled per block,
+# hundreds of blocks per evicted prompt, so a lookup rather than a search over the buckets
+_LABELS = tuple(_bucket_label(d) for d in range(DEPTH_BUCKETS[-1][0]))
+_DEEPEST = _bucket_label(DEPTH_BUCKETS[-1][0])
+
+
+def depth_label(depth: int | None) -> str:
+    """The depth bucket of a block position ("unknown" for None: no request noted its depth)."""
+    if depth is None or depth < 0:
+        return "unknown"
+    return _LABELS[depth] if depth < len(_LABELS) else _DEEPEST
 
 
 class CacheLifetime:
@@ -90,7 +97,7 @@ class CacheLifetime:
         ``observe_many`` per histogram (an evicted prompt removes hundreds of blocks at once)."""
         lived: list[float] = []
         by_label: dict[str, list[float]] = {}
-        depths, labels, deepest = self._depths, _LABELS, _DEEPEST
+        depths = self._depths
         for key in keys:
             if key not in blocks:
                 continue
@@ -100,13 +107,7 @@ class CacheLifetime:
                 continue
             span = now - stored
             lived.append(span)
-            depth = depths.get(key)
-            label = "unknown" if depth is None else labels[depth] if depth < len(labels) else deepest
-            group = by_label.get(label)
-            if group is None:
-                by_label[label] = [span]
-            else:
-                group.append(span)
+            by_label.setdefault(depth_label(depths.get(key)), []).append(span)
         if not lived:
             return
         self.removals += len(lived)

@@ -327,13 +327,26 @@ def test_a_remove_events_residencies_are_those_of_its_blocks_one_by_one() -> Non
                 if k in stored:
                     lived = clock.t - stored.pop(k)
                     want.setdefault("r0", LogHistogram()).observe(lived)
-                    label = depth_label(depth[k]) if k in depth else "unknown"
+                    # the bucket searched here, not looked up as the record does
+                    label = (
+                        next((f"{lo}" for lo, hi in DEPTH_BUCKETS if lo <= depth[k] <= hi), "")
+                        if k in depth
+                        else "unknown"
+                    )
                     want_depth.setdefault(label, LogHistogram()).observe(lived)
     assert {r: (h.counts, h.count, h.total) for r, h in lt.residency.items()} == {
         r: (h.counts, h.count, h.total) for r, h in want.items()
     }
-    assert {d: (h.counts, h.total) for d, h in lt.by_depth.items()} == {
+    lows = {depth_label(lo): f"{lo}" for lo, _ in DEPTH_BUCKETS} | {"unknown": "unknown"}
+    assert {lows[d]: (h.counts, h.total) for d, h in lt.by_depth.items()} == {
         d: (h.counts, h.total) for d, h in want_depth.items()
     }
-    assert set(lt.by_depth) == {*(depth_label(lo) for lo, _ in DEPTH_BUCKETS), "unknown"}
+    assert set(want_depth) == {*(f"{lo}" for lo, _ in DEPTH_BUCKETS), "unknown"}
     assert lt.removals == sum(h.count for h in want.values())
+
+
+def test_depth_labels_name_their_bucket() -> None:
+    cases = {0: "0-3", 3: "0-3", 4: "4-15", 15: "4-15", 16: "16-63", 255: "64-255", 256: "256+"}
+    assert {d: depth_label(d) for d in cases} == cases
+    assert depth_label(10**6) == "256+"
+    assert depth_label(None) == depth_label(-1) == "unknown"
