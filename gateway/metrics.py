@@ -165,6 +165,10 @@ class _StateCollector(Collector):
             ),
             ("deferred_dropped", "Deferred encodes dropped from a full backlog."),
             (
+                "deferred_resumed",
+                "Deferred encodes of a text whose head came from prefix checkpoints that encoded only the text after them.",
+            ),
+            (
                 "checkpoint_heads",
                 "Heads of text seen before taken from prefix checkpoints instead of encoded from the start.",
             ),

@@ -31,7 +31,7 @@ from prometheus_client.registry import Collector
 
 from gateway.asyncio_tasks import cancel_and_wait
 from gateway.cache_lifetime import CacheLifetime
-from gateway.features.deferred import DeferredJob
+from gateway.features.deferred_job import DeferredJob
 from gateway.inventory_ops import Op
 from gateway.inventory_sink import AgentHello
 from gateway.inventory_stream import InventoryObserver

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import orjson
 
-from gateway.features.deferred import DeferredJob
+from gateway.features.deferred_job import DeferredJob
 from gateway.features.feature_info import FeatureInfo
 from gateway.features.segment_encoder import TokenArray
 from gateway.metrics import GatewayMetrics

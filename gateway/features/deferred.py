@@ -45,70 +45,37 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from typing import TypeVar
 
 from tokenizers import Encoding
 
-from gateway.features.budgets import non_negative, text_bytes
+from gateway.features.budgets import non_negative
+from gateway.features.deferred_job import DeferredJob
 from gateway.features.novelty import PROBE_CHARS
-from gateway.features.prefix_checkpoints import Checkpoint, PrefixCheckpoints, checkpoints_of
-from gateway.features.segment_encoder import EncodePlan, FirstPiece, SegmentEncoder, TokenArray
+from gateway.features.prefix_checkpoints import (
+    Checkpoint,
+    Known,
+    PrefixCheckpoints,
+    ResumedPiece,
+    checkpoints_of,
+    resume_missing,
+)
+from gateway.features.segment_encoder import EncodePlan, FirstPiece, TokenArray
 
 log = logging.getLogger(__name__)
+
+# One job in this many whose head was composed from prefix checkpoints encodes its text whole and
+# checks that head (``PrefixCheckpoints.check``: a difference turns checkpoints off for good); the
+# others resume after the checkpoints (exact by the context word's check, prefix_checkpoints.py).
+# The first is checked, so a tokenizer breaking the premise is caught at once, and later within this many.
+CHECK_EVERY = 16
+_T = TypeVar("_T")
 
 
 def _same_first(planned: EncodePlan, now: EncodePlan) -> bool:
     """Whether ``now`` (``planned`` less what was cached meanwhile) still encodes ``planned``'s
     first text to encode first (the text whose blocks the job's fingerprints are of)."""
     return planned.whole is not None or (bool(now.missing) and now.missing[0] == planned.missing[0])
-
-
-# eq=False: a job is itself, hashed by identity; repr=False: its own short ``__repr__`` (the
-# generated one printed the whole text and its token arrays)
-@dataclass(slots=True, eq=False, repr=False, weakref_slot=True)
-class DeferredJob:
-    """One request's text to encode after routing. The proxy sets ``on_keys`` (``Router.record``
-    of the attempt it committed, replaced on a retry) while the job is not finished; it is called
-    (on the event loop) with the prompt's block keys when encoded.
-
-    Invariant: a finished job holds no ``on_keys`` nor ``on_prefix`` (``end``). The callbacks
-    close over the job (the operator view and the prediction audit wrap it, keyed by it), so a
-    finished job that kept them would be a reference cycle, freed only by the cycle collector:
-    measured ~30 objects per deferred request, and full collections of 40-70 ms of stalled event
-    loop under load (docs/performance.md, "Full collections"); tested with the collector off."""
-
-    encoder: SegmentEncoder
-    plan: EncodePlan
-    add_special_tokens: bool
-    fingerprint: int
-    keys_of: Callable[[TokenArray], list[int]]
-    on_keys: Callable[[list[int]], None] | None = field(default=None, init=False)
-    # the attempt's entries for the prompt's leading keys, once a takeover encoded the shared head
-    # (``Router.record``; the audit and the operator view wait for the whole keys, ``on_keys``)
-    on_prefix: Callable[[list[int]], None] | None = field(default=None, init=False)
-    head_busy: asyncio.Event | None = field(default=None, init=False)  # set while a head is encoded
-    # a whole text's block fingerprints: its encode records their checkpoints (prefix_checkpoints.py)
-    fingerprints: tuple[int, ...] = field(default=(), init=False)
-    # the head routed on, when composed from checkpoints: checked against the whole text's tokens
-    head_check: TokenArray | None = field(default=None, init=False)
-    chars: int = field(init=False)
-    bytes: int = field(init=False)
-    finished: asyncio.Event = field(default_factory=asyncio.Event, init=False)
-
-    def __post_init__(self) -> None:
-        plan = self.plan
-        self.chars = sum(len(k[2]) for k in plan.keys) if plan.whole is None else len(plan.whole)
-        texts = [k[2] for k in plan.keys] if plan.whole is None else [plan.whole]
-        self.bytes = sum(text_bytes(t) for t in texts)
-
-    def __repr__(self) -> str:
-        return f"DeferredJob(fingerprint={self.fingerprint:#x}, chars={self.chars})"
-
-    def end(self) -> None:
-        """The job is over (encoded, or dropped unencoded): its callbacks are let go and its
-        waiters wake."""
-        self.on_keys = self.on_prefix = None
-        self.finished.set()
 
 
 class DeferredEncodes:
@@ -151,6 +118,8 @@ class DeferredEncodes:
         self.heads_first = 0  # heads the worker encoded ahead of the queue (module docstring)
         self.dropped = 0  # jobs dropped from a full backlog
         self.failed = 0  # jobs whose encode raised (a bug; logged)
+        self.resumed = 0  # jobs encoded only after their head's checkpoints (``_resume_next``)
+        self._from_checkpoints = 0  # jobs routed on a head from checkpoints, for ``_resume_next``
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -288,35 +257,69 @@ class DeferredEncodes:
         if plan.whole is None and not plan.missing:
             return []
         encode = functools.partial(
-            self._encode, job.encoder, plan, job.add_special_tokens, plan.missing_chars, on_first
+            job.encoder.encode_missing, plan, add_special_tokens=job.add_special_tokens, on_first=on_first
         )
+        return await self._off_loop(encode, plan.missing_chars, executor)
+
+    async def _resumed(
+        self,
+        job: DeferredJob,
+        plan: EncodePlan,
+        known: Known,
+        executor: Callable[[], Executor | None],
+        on_first: ResumedPiece | None,
+    ) -> list[TokenArray] | None:
+        """``_encoded``, its first text encoded only after ``known`` (``resume_missing``); None:
+        refused (encode it whole)."""
+        resumed = functools.partial(
+            resume_missing, job.encoder, plan, known, job.add_special_tokens, on_first
+        )
+        return await self._off_loop(resumed, plan.missing_chars - known.ctx_start, executor)
+
+    async def _off_loop(
+        self, encode: Callable[[], _T], chars: int, executor: Callable[[], Executor | None]
+    ) -> _T:
+        """``encode()`` (of ``chars`` characters) on ``executor``'s pool (None: here), then the
+        memory release (``after_encode``) on the same thread."""
+
+        def run() -> _T:
+            try:
+                return encode()
+            finally:
+                if self._after_encode is not None:
+                    self._after_encode(chars)
+
         pool = executor()
-        return encode() if pool is None else await asyncio.get_running_loop().run_in_executor(pool, encode)
+        return run() if pool is None else await asyncio.get_running_loop().run_in_executor(pool, run)
 
     async def _run_job(self, job: DeferredJob, executor: Callable[[], Executor | None]) -> None:
         try:
             enc = job.encoder
             plan = enc.still_missing(job.plan)
             found: list[tuple[list[tuple[int, Checkpoint]], TokenArray]] = []
-            record: FirstPiece | None = None
-            if (
-                self.checkpoints is not None
-                and self.checkpoints.enabled
-                and job.fingerprints
-                and _same_first(job.plan, plan)
-            ):
+            record: ResumedPiece | None = None
+            cps = self.checkpoints
+            on = cps is not None and cps.enabled and _same_first(job.plan, plan)
+            if on and job.fingerprints:
                 fps = job.fingerprints
 
-                def record(e: Encoding, span: tuple[int, int], shift: int) -> None:  # worker thread
-                    found.append(checkpoints_of(e, span, shift, fps))
+                def record(
+                    e: Encoding, span: tuple[int, int], shift: int, after: Known | None = None
+                ) -> None:
+                    found.append(checkpoints_of(e, span, shift, fps, after))  # (worker thread)
 
-            done = await self._encoded(job, plan, executor, record)
-            if found and self.checkpoints is not None:
+            resumed = None
+            if on and job.known is not None and self._resume_next():
+                resumed = await self._resumed(job, plan, job.known, executor, record)
+                if resumed is not None:
+                    self.resumed += 1
+            done = resumed if resumed is not None else await self._encoded(job, plan, executor, record)
+            if found and cps is not None:
                 checkpoints, own = found[0]
-                # a head composed from checkpoints is checked against this encode before more
-                # are learned from it
-                if job.head_check is None or self.checkpoints.check(job.head_check, own):
-                    self.checkpoints.learn(checkpoints)
+                # a head composed from checkpoints is checked against a whole encode before more
+                # are learned from it (a resumed encode's own check is its context word's)
+                if resumed is not None or job.head_check is None or cps.check(job.head_check, own):
+                    cps.learn(checkpoints)
             if job.on_keys is None:  # not routed (explain, or no replica): only cache the segments
                 enc.remember(plan, done)
             else:
@@ -330,19 +333,11 @@ class DeferredEncodes:
                 del self._pending[job.fingerprint]
             job.end()
 
-    def _encode(
-        self,
-        enc: SegmentEncoder,
-        plan: EncodePlan,
-        add_special_tokens: bool,
-        chars: int,
-        on_first: FirstPiece | None,
-    ) -> list[TokenArray]:
-        try:
-            return enc.encode_missing(plan, add_special_tokens=add_special_tokens, on_first=on_first)
-        finally:
-            if self._after_encode is not None:
-                self._after_encode(chars)
+    def _resume_next(self) -> bool:
+        """Whether the next job whose head came from checkpoints resumes after them: every one but
+        the first and each ``CHECK_EVERY``-th after it, which encode whole to check the head."""
+        self._from_checkpoints += 1
+        return (self._from_checkpoints - 1) % CHECK_EVERY != 0
 
     async def drain(self) -> None:
         """Until every queued job is done."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gateway.features.char_blocks import CHARS_PER_TOKEN, char_block_keys, estimated_tokens
-from gateway.features.deferred import DeferredJob
+from gateway.features.deferred_job import DeferredJob
 from gateway.features.prompt import Chars, PromptSpec
 from gateway.features.segment_encoder import TokenArray
 from router_policies.block_keys import block_keys

@@ -36,7 +36,8 @@ import numpy as np
 from gateway.config import GatewayConfig, ModelConfig
 from gateway.config_http import ProxyConfig
 from gateway.features.budgets import SEEN_ENTRY_BYTES, Budgets, EncodeSettings, text_bytes
-from gateway.features.deferred import DeferredEncodes, DeferredJob
+from gateway.features.deferred import DeferredEncodes
+from gateway.features.deferred_job import DeferredJob
 from gateway.features.encode_executor import BACKGROUND_THREAD_NAME, EncodeExecutor, mark_background_thread
 from gateway.features.encode_planner import HEAD_MARGIN_CHARS, Defer, EncodePlanner
 from gateway.features.feature_info import (
@@ -51,7 +52,7 @@ from gateway.features.feature_info import (
 )
 from gateway.features.memo_cache import MemoCache, TextTokens
 from gateway.features.model_registry import ModelRegistry
-from gateway.features.prefix_checkpoints import MAX_TEXT_CHARS, PrefixCheckpoints, continue_head
+from gateway.features.prefix_checkpoints import MAX_TEXT_CHARS, Known, PrefixCheckpoints, continue_head
 from gateway.features.prompt import Chars, Prompt, PromptSpec, Remote, Text, TokenIds, chars_of, read_prompt
 from gateway.features.remote_tokenizer import RemoteTokenizeError, RemoteTokenizer, UrlChooser
 from gateway.features.segment_encoder import BoundedLRU, EncodePlan, SegmentEncoder, TokenArray
@@ -161,6 +162,7 @@ class Featurizer:
             "deferred_expedited_heads": d.expedited_heads,
             "deferred_heads_first": d.heads_first,
             "deferred_dropped": d.dropped,
+            "deferred_resumed": d.resumed,
             "deferred_backlog_chars": d.queued_chars,
             "seen_entries": len(self.planner.seen),
             "checkpoint_heads": self.checkpoints.composed,
@@ -308,11 +310,12 @@ class Featurizer:
 
     async def _composed_head(
         self, enc: SegmentEncoder, plan: EncodePlan, step: Defer, explain: bool
-    ) -> tuple[TokenArray, int, int] | None:
+    ) -> tuple[TokenArray, int, int, Known] | None:
         """The head of a text to encode (the whole prompt, or its first new segment) from the
         checkpoints of its blocks seen before, encoding only what follows them
-        (prefix_checkpoints.py): its tokens, the characters they cover and those encoded; None:
-        encode it from the start. ``explain``: no checkpoint refreshed, nothing counted."""
+        (prefix_checkpoints.py): its tokens, the characters they cover and those encoded, and the
+        checkpoints' part; None: encode it from the start. ``explain``: no checkpoint refreshed,
+        nothing counted."""
         known = self.checkpoints.known(step.fingerprints[: step.seen], peek=explain)
         if known is None:
             return None
@@ -327,7 +330,7 @@ class Featurizer:
                 self.checkpoints.refused += 1
             else:
                 self.checkpoints.composed += 1
-        return None if out is None else (out[0], out[1], chars)
+        return None if out is None else (out[0], out[1], chars, known)
 
     async def _defer(
         self, req: ParsedRequest, spec: PromptSpec, prompt: Text, step: Defer, explain: bool
@@ -348,14 +351,15 @@ class Featurizer:
                 )
                 encoded = covered
             else:
-                head, covered, encoded = composed
+                head, covered, encoded, _ = composed
             tokens = np.concatenate([tokens, head])
         rest = len(prompt.text) - step.start - covered
         job = None if explain else DeferredJob(enc, plan, ast, step.anchor, keys_of(spec))
         if job is not None:
             if len(plan.first_text()) <= MAX_TEXT_CHARS:
                 job.fingerprints = step.fingerprints  # its encode records checkpoints
-            job.head_check = None if composed is None else composed[0]
+            if composed is not None:  # its encode resumes after the checkpoints (deferred.py)
+                job.head_check, job.known = composed[0], composed[3]
             self.deferred.submit(job)
         how = Encoded(
             "local",

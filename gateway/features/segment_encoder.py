@@ -100,6 +100,10 @@ class EncodePlan:
         """The text encoded first: the whole text, or the first missing segment."""
         return self.whole if self.whole is not None else self.keys[self.missing[0]][2]
 
+    def first_after(self) -> str:
+        """The added token after the text encoded first ("" for a whole text or none)."""
+        return "" if self.whole is not None else self.keys[self.missing[0]][3]
+
     def start_of(self, i: int) -> int:
         """Character offset of segment ``i`` in the planned text."""
         return sum(len(k[2]) for k in self.keys[:i]) + sum(len(sep) for sep in self.separators[:i])
@@ -295,11 +299,28 @@ class SegmentEncoder:
     # -- encoding (any thread) -----------------------------------------------------------------
 
     def encode_missing(
-        self, plan: EncodePlan, *, add_special_tokens: bool, on_first: FirstPiece | None = None
+        self,
+        plan: EncodePlan,
+        *,
+        add_special_tokens: bool,
+        on_first: FirstPiece | None = None,
+        first: TokenArray | None = None,
     ) -> list[TokenArray]:
         """The missing segments' ids (the whole text's for a whole plan). ``on_first(encoding,
         (lo, hi), shift)``: called with the first one's encoding, where its own tokens are
-        (the rest are context or the post-processor's) and where its characters start."""
+        (the rest are context or the post-processor's) and where its characters start.
+        ``first``: the first one's own ids, known already (a resumed encode): not encoded."""
+        if first is not None:
+            if plan.whole is not None:
+                assert self._affixes is not None or not add_special_tokens  # (can_cut_whole)
+                pre, post = self._affixes if add_special_tokens and self._affixes else ([], [])
+                return [
+                    np.concatenate(
+                        [np.asarray(pre, dtype=np.uint32), first, np.asarray(post, dtype=np.uint32)]
+                    )
+                ]
+            rest = EncodePlan(plan.keys, plan.found, plan.separators, plan.missing[1:], plan.empty)
+            return [first, *self.encode_missing(rest, add_special_tokens=add_special_tokens)]
         if plan.whole is not None:
             # encode_batch, not encode: tokenizers releases the GIL only in encode_batch (an
             # 8 KB encode holds it ~3 ms, stalling the event loop; docs/performance.md)

@@ -10,7 +10,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gateway.config import parse_config
-from gateway.features.deferred import DeferredEncodes, DeferredJob
+from gateway.features.deferred import DeferredEncodes
+from gateway.features.deferred_job import DeferredJob
 from gateway.features.feature_info import FeatureInfo
 from gateway.features.segment_encoder import BoundedLRU, SegmentEncoder
 from gateway.features.tokenizer_files import load_tokenizer_files

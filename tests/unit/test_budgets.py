@@ -21,7 +21,8 @@ from gateway.features.budgets import (
     non_negative,
     text_bytes,
 )
-from gateway.features.deferred import DeferredEncodes, DeferredJob
+from gateway.features.deferred import DeferredEncodes
+from gateway.features.deferred_job import DeferredJob
 from gateway.features.segment_encoder import BoundedLRU, SegmentEncoder
 from gateway.features.tokenizer_files import load_tokenizer_files
 from gateway.openai_errors import RequestError

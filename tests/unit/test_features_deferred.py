@@ -21,7 +21,8 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 
 from gateway.config import ModelConfig
 from gateway.features import EncodeSettings, Featurizer
-from gateway.features.deferred import DeferredEncodes, DeferredJob
+from gateway.features.deferred import DeferredEncodes
+from gateway.features.deferred_job import DeferredJob
 from gateway.features.novelty import SeenTexts
 from gateway.features.segment_encoder import BoundedLRU, SegmentEncoder
 from gateway.features.tokenizer_files import load_tokenizer_files

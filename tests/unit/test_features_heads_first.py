@@ -11,7 +11,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from gateway.features.deferred import DeferredEncodes, DeferredJob
+from gateway.features.deferred import DeferredEncodes
+from gateway.features.deferred_job import DeferredJob
 from gateway.features.segment_encoder import BoundedLRU, SegmentEncoder
 from gateway.features.tokenizer_files import load_tokenizer_files
 from tests.unit.test_features_deferred import TINY, text

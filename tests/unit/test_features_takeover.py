@@ -12,7 +12,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from gateway.features.deferred import DeferredEncodes, DeferredJob
+from gateway.features.deferred import DeferredEncodes
+from gateway.features.deferred_job import DeferredJob
 from gateway.features.segment_encoder import BoundedLRU, EncodePlan, SegmentEncoder
 from gateway.features.tokenizer_files import load_tokenizer_files
 from tests.unit.test_features_deferred import SYSTEM, TINY, chat, closing, make, text

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gateway.cache_lifetime import DEPTH_BUCKETS, CacheLifetime, depth_label
-from gateway.features.deferred import DeferredJob
+from gateway.features.deferred_job import DeferredJob
 from gateway.features.segment_encoder import BoundedLRU, SegmentEncoder
 from gateway.features.tokenizer_files import load_tokenizer_files
 from gateway.inventory_ops import Op

@@ -122,6 +122,27 @@ def test_a_head_its_full_encode_contradicts_turns_checkpoints_off() -> None:
     assert store.known(fps[:3]) is None and len(store) == 0
 
 
+def test_checkpoints_of_texts_that_part_after_a_block_do_not_mix() -> None:
+    """Two texts sharing their first two blocks may keep different words of the second (what
+    follows decides): the second text's later checkpoints follow its own cut of that block, so
+    after the first text's checkpoints replace the shared ones, the chain stops there."""
+    tok = TOKENIZERS["tiny"]()
+    rng = random.Random(77)  # a pair whose cuts of the shared second block differ (asserted)
+    first = _text(rng, 300)
+    second = first[: 2 * PROBE_CHARS] + _text(rng, 300)
+    fps = SeenTexts.fingerprints(SEED, second, 0)
+    _, of_first = encode_recording(tok, first, SeenTexts.fingerprints(SEED, first, 0))
+    ids, of_second = encode_recording(tok, second, fps)
+    assert of_first[1][1].cut != of_second[1][1].cut
+    store = PrefixCheckpoints(1 << 20)
+    store.learn(of_second)
+    assert store.known(fps) is not None and store.known(fps).blocks == len(of_second)  # type: ignore[union-attr]
+    store.learn(of_first[:2])  # the first text's checkpoints of the shared blocks, learned later
+    known = store.known(fps)
+    assert known is not None and known.blocks == 2
+    assert known.tokens.tolist() == ids[: len(known.tokens)]
+
+
 def test_checkpoints_are_bounded_in_bytes() -> None:
     bound = 40 * 1024
     store = PrefixCheckpoints(bound)

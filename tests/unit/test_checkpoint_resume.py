@@ -1,0 +1,127 @@
+"""A deferred encode resumed after prefix checkpoints: a text whose head was composed from the
+checkpoints of blocks seen before is encoded only from their context word on, and gets exactly
+the tokens, and records exactly the checkpoints of its later blocks, that an encode from the
+first character gives; one such job in ``CHECK_EVERY`` still encodes whole and checks the head."""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Literal
+
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from gateway.features.deferred import CHECK_EVERY
+from gateway.features.featurizer import Featurizer
+from gateway.features.novelty import PROBE_CHARS, SeenTexts
+from gateway.features.prefix_checkpoints import Checkpoint, PrefixCheckpoints, checkpoints_of, resume
+from tests.unit.test_features_deferred import SYSTEM, chat, closing, make
+from tests.unit.test_prefix_checkpoints import SEED, TOKENIZERS, _text, encode_recording
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(min_value=0, max_value=10**6),
+    shared=st.integers(min_value=2 * PROBE_CHARS, max_value=2500),
+    which=st.sampled_from(sorted(TOKENIZERS)),
+)
+@example(seed=737, shared=2 * PROBE_CHARS, which="whitespace")
+def test_a_resumed_encode_is_the_whole_encode(seed: int, shared: int, which: str) -> None:
+    tok = TOKENIZERS[which]()
+    rng = random.Random(seed)
+    first = _text(rng, 400)
+    second = first[:shared] + _text(rng, 200)
+    store = PrefixCheckpoints(1 << 20)
+    store.learn(encode_recording(tok, first, SeenTexts.fingerprints(SEED, first, 0))[1])
+    fps = SeenTexts.fingerprints(SEED, second, 0)
+    known = store.known(fps[: shared // PROBE_CHARS])
+    if known is None:  # not even one whole word kept in the shared blocks
+        return
+    out = resume(tok, second, "", known)
+    assert out is not None, "the context word came back changed"
+    tokens, enc, hi = out
+    want, want_found = encode_recording(tok, second, fps)
+    assert tokens.tolist() == want
+    # the blocks after the checkpoints' get checkpoints that continue their chain exactly...
+    found, _ = checkpoints_of(enc, (0, hi), -known.ctx_start, fps, known)
+    assert len(found) == len(want_found) - known.blocks > 0
+    store.learn(found)
+    through = store.known(fps)
+    assert through is not None and through.blocks == len(want_found)
+    assert through.tokens.tolist() == want[: len(through.tokens)]
+    # ...those a whole encode records, where the first text cut the shared blocks as it does
+    if want_found[known.blocks - 1][1].cut == known.cut:
+        assert _plain(found) == _plain(want_found[known.blocks :])
+
+
+def _plain(found: list[tuple[int, Checkpoint]]) -> list[tuple[int, int, int, int, list[int], int]]:
+    return [(fp, c.cut, c.ctx_start, c.ctx_tokens, c.delta.tolist(), c.after) for fp, c in found]
+
+
+def test_a_changed_context_word_or_a_missing_closing_token_is_refused() -> None:
+    tok = TOKENIZERS["tiny"]()
+    text = _text(random.Random(4), 300)
+    fps = SeenTexts.fingerprints(SEED, text, 0)
+    store = PrefixCheckpoints(1 << 20)
+    store.learn(encode_recording(tok, text, fps)[1])
+    known = store.known(fps[:4])
+    assert known is not None and resume(tok, text, "", known) is not None
+    # the context word's first character changed: its tokens (or their end) differ
+    changed = text[: known.ctx_start] + "Q" + text[known.ctx_start + 1 :]
+    assert resume(tok, changed, "", known) is None
+    # a segment's closing added token must come back as itself
+    assert resume(tok, text, "<|im_start|>", known) is not None
+    assert resume(tok, text, "not an added token", known) is None
+
+
+Endpoint = Literal["completions", "chat"]
+
+
+def _completion(doc: str, question: str) -> tuple[Endpoint, dict[str, Any]]:
+    return "completions", {"model": "tiny", "prompt": doc + " " + question}
+
+
+def _chat(doc: str, question: str) -> tuple[Endpoint, dict[str, Any]]:
+    return "chat", chat(SYSTEM, doc + " " + question)
+
+
+async def _keys_of_deferred(fz: Featurizer, endpoint: Endpoint, body: dict[str, Any]) -> list[int]:
+    """The whole prompt's keys its deferred encode reports (``on_keys``, as to the router)."""
+    got: list[list[int]] = []
+    _, info = await fz.features(endpoint, body)
+    assert info.deferred is not None
+    info.deferred.on_keys = got.append
+    await fz.deferred.drain()
+    assert len(got) == 1
+    return got[0]
+
+
+async def test_deferred_encodes_resume_after_the_checkpoints_their_heads_came_from() -> None:
+    """Questions about one document: each one's head is composed from the document's checkpoints,
+    and its deferred encode, resumed after them (all but the first and the ``CHECK_EVERY``-th
+    after it, encoded whole), reports the keys an exact encode gives; a question extended later
+    finds checkpoints through its own text, learned from the resumed encode."""
+    for request in (_completion, _chat):
+        doc = _text(random.Random(5), 600)
+        async with closing(make(), make(defer_chars=0)) as (fz, exact):
+            await fz.features("chat", chat(SYSTEM, "hi"))  # the system prompt's segment cached
+            first = request(doc, "first question?")
+            await fz.features(*first)
+            await fz.deferred.drain()  # the document's checkpoints, from its whole encode
+            asked = CHECK_EVERY + 2
+            for i in range(asked):
+                endpoint, body = request(doc, _text(random.Random(100 + i), 150))
+                keys = await _keys_of_deferred(fz, endpoint, body)
+                want, _ = await exact.features(endpoint, body)
+                assert keys == list(want.block_keys) and len(keys) > 100
+            cps = fz.checkpoints
+            assert cps.composed == asked and cps.mismatches == 0 and not cps.disabled
+            assert fz.cache_stats()["deferred_resumed"] == asked - 2  # the 1st and 17th: whole
+            # the last question again with more text: its head's checkpoints reach through the
+            # question (learned from its resumed encode), so only the new text's first block and
+            # the margin are encoded before routing, not the question again
+            endpoint, body = request(
+                doc, _text(random.Random(100 + asked - 1), 150) + " " + _text(random.Random(7), 200)
+            )
+            _, info = await fz.features(endpoint, body)
+            assert 0 < info.encoded_chars < 2 * PROBE_CHARS + 64 and info.deferred_chars > 0
