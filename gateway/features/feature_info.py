@@ -13,11 +13,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
+
 from gateway.features.char_blocks import CHARS_PER_TOKEN, char_block_keys, estimated_tokens
 from gateway.features.deferred_job import DeferredJob
 from gateway.features.prompt import Chars, PromptSpec
 from gateway.features.segment_encoder import TokenArray
-from router_policies.block_keys import block_keys
+from router_policies.block_keys import block_keys, chain_keys
 from router_policies.policy import RequestFeatures
 
 Mode = Literal["local", "remote", "token_ids", "chars"]
@@ -72,6 +74,23 @@ def keys_of(spec: PromptSpec) -> Callable[[TokenArray], list[int]]:
     mc = spec.resolved.model.config
     block_size, base, lora, salt = mc.block_size, mc.name, spec.resolved.lora, spec.salt
     return lambda tokens: block_keys(tokens, block_size, base, lora, salt)
+
+
+def keys_after(spec: PromptSpec, head: TokenArray, head_keys: list[int]) -> Callable[[TokenArray], list[int]]:
+    """``keys_of(spec)`` for a prompt whose leading tokens were keyed already (``head``, keyed
+    ``head_keys`` when its request was routed): a sequence starting with the same full blocks
+    keeps their keys and chains only the rest (keys name their whole prefix), any other is keyed
+    from its start. Saves a deferred encode's completion re-keying what was routed on."""
+    whole = keys_of(spec)
+    size = spec.resolved.model.config.block_size
+    n = len(head_keys) * size
+
+    def keys(tokens: TokenArray) -> list[int]:
+        if not head_keys or len(tokens) < n or not np.array_equal(tokens[:n], head[:n]):
+            return whole(tokens)
+        return head_keys + chain_keys(head_keys[-1], tokens[n:], size)
+
+    return keys
 
 
 def truncated(spec: PromptSpec, tokens: TokenArray) -> TokenArray:

@@ -46,6 +46,7 @@ from gateway.features.feature_info import (
     Mode,
     char_features,
     exact_features,
+    keys_after,
     keys_of,
     namespace_of,
     truncated,
@@ -354,7 +355,8 @@ class Featurizer:
                 head, covered, encoded, _ = composed
             tokens = np.concatenate([tokens, head])
         rest = len(prompt.text) - step.start - covered
-        job = None if explain else DeferredJob(enc, plan, ast, step.anchor, keys_of(spec))
+        keys = keys_of(spec)(tokens)
+        job = None if explain else DeferredJob(enc, plan, ast, step.anchor, keys_after(spec, tokens, keys))
         if job is not None:
             if len(plan.first_text()) <= MAX_TEXT_CHARS:
                 job.fingerprints = step.fingerprints  # its encode records checkpoints
@@ -370,7 +372,7 @@ class Featurizer:
             deferred_chars=rest,
             deferred=job,
         )
-        return exact_features(spec, tokens, how, req.session_id)
+        return exact_features(spec, tokens, how, req.session_id, keys)
 
     @staticmethod
     def _keyed(req: ParsedRequest, spec: PromptSpec, prompt: TokenIds | Chars) -> Result:

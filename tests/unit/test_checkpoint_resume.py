@@ -6,15 +6,19 @@ first character gives; one such job in ``CHECK_EVERY`` still encodes whole and c
 from __future__ import annotations
 
 import random
-from typing import Any, Literal
+from types import SimpleNamespace
+from typing import Any, Literal, cast
 
+import numpy as np
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gateway.features.deferred import CHECK_EVERY
+from gateway.features.feature_info import keys_after, keys_of
 from gateway.features.featurizer import Featurizer
 from gateway.features.novelty import PROBE_CHARS, SeenTexts
 from gateway.features.prefix_checkpoints import Checkpoint, PrefixCheckpoints, checkpoints_of, resume
+from gateway.features.prompt import PromptSpec
 from tests.unit.test_features_deferred import SYSTEM, chat, closing, make
 from tests.unit.test_prefix_checkpoints import SEED, TOKENIZERS, _text, encode_recording
 
@@ -125,3 +129,23 @@ async def test_deferred_encodes_resume_after_the_checkpoints_their_heads_came_fr
             )
             _, info = await fz.features(endpoint, body)
             assert 0 < info.encoded_chars < 2 * PROBE_CHARS + 64 and info.deferred_chars > 0
+
+
+def test_a_deferred_prompts_keys_reuse_its_heads_only_for_the_same_leading_blocks() -> None:
+    """``keys_after``: the keys of every sequence are ``keys_of``'s, whether it starts with the
+    head's full blocks (those keys reused, the rest chained) or not."""
+    config = SimpleNamespace(block_size=16, name="m")
+    spec = cast(
+        PromptSpec,
+        SimpleNamespace(resolved=SimpleNamespace(model=SimpleNamespace(config=config), lora=None), salt="s"),
+    )
+    rng = np.random.default_rng(3)
+    whole = keys_of(spec)
+    for head_len in (0, 15, 16, 40, 64):
+        head = rng.integers(0, 50_000, head_len, dtype=np.uint32)
+        keys = keys_after(spec, head, whole(head))
+        same = np.concatenate([head, rng.integers(0, 50_000, 100, dtype=np.uint32)])
+        other = same.copy()
+        other[min(3, len(other) - 1)] += 1  # differs within the head's first block
+        for tokens in (same, other, head, head[:10], same[: head_len // 16 * 16]):
+            assert keys(tokens) == whole(tokens)
