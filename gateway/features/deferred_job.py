@@ -52,6 +52,13 @@ class DeferredJob:
         texts = [k[2] for k in plan.keys] if plan.whole is None else [plan.whole]
         self.bytes = sum(text_bytes(t) for t in texts)
 
+    def composed_from(self, head: TokenArray, known: Known) -> None:
+        """Its request was routed on ``head``, composed from the checkpoints ``known``: its encode
+        resumes after them or checks ``head`` (deferred.py); both arrays count in ``bytes``, the
+        backlog's bound (set before the job is submitted)."""
+        self.head_check, self.known = head, known
+        self.bytes += head.nbytes + known.tokens.nbytes
+
     def __repr__(self) -> str:
         return f"DeferredJob(fingerprint={self.fingerprint:#x}, chars={self.chars})"
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
+import xxhash
 
 from gateway.features.char_blocks import CHARS_PER_TOKEN, char_block_keys, estimated_tokens
 from gateway.features.deferred_job import DeferredJob
@@ -79,18 +80,24 @@ def keys_of(spec: PromptSpec) -> Callable[[TokenArray], list[int]]:
 def keys_after(spec: PromptSpec, head: TokenArray, head_keys: list[int]) -> Callable[[TokenArray], list[int]]:
     """``keys_of(spec)`` for a prompt whose leading tokens were keyed already (``head``, keyed
     ``head_keys`` when its request was routed): a sequence starting with the same full blocks
-    keeps their keys and chains only the rest (keys name their whole prefix), any other is keyed
-    from its start. Saves a deferred encode's completion re-keying what was routed on."""
+    (the same digest of their ids) keeps their keys and chains only the rest (keys name their
+    whole prefix), any other is keyed from its start. Saves a deferred encode's completion
+    re-keying what was routed on; holds the keys (the routed features' own list), not the ids."""
     whole = keys_of(spec)
     size = spec.resolved.model.config.block_size
     n = len(head_keys) * size
+    digest = _digest(head[:n])
 
     def keys(tokens: TokenArray) -> list[int]:
-        if not head_keys or len(tokens) < n or not np.array_equal(tokens[:n], head[:n]):
+        if not head_keys or len(tokens) < n or _digest(tokens[:n]) != digest:
             return whole(tokens)
         return head_keys + chain_keys(head_keys[-1], tokens[n:], size)
 
     return keys
+
+
+def _digest(tokens: TokenArray) -> int:
+    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(tokens, dtype=np.uint32).tobytes())
 
 
 def truncated(spec: PromptSpec, tokens: TokenArray) -> TokenArray:

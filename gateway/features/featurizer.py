@@ -361,7 +361,7 @@ class Featurizer:
             if len(plan.first_text()) <= MAX_TEXT_CHARS:
                 job.fingerprints = step.fingerprints  # its encode records checkpoints
             if composed is not None:  # its encode resumes after the checkpoints (deferred.py)
-                job.head_check, job.known = composed[0], composed[3]
+                job.composed_from(composed[0], composed[3])
             self.deferred.submit(job)
         how = Encoded(
             "local",
