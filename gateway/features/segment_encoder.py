@@ -167,21 +167,24 @@ class SegmentEncoder:
     def _probe_affixes(self) -> tuple[list[int], list[int]] | None:
         """(prefix, suffix) the post-processor adds with ``add_special_tokens=True``, or None
         when it is not a fixed prefix/suffix."""
-        found: tuple[list[int], list[int]] | None = None
+        # the splits every probe allows (the empty probe allows any: a BOS could be a suffix)
+        found: set[tuple[tuple[int, ...], tuple[int, ...]]] | None = None
         for probe in ("", "a", "Hello world. 123", " x\n y"):
             plain = self.tokenizer.encode(probe, add_special_tokens=False).ids
             full = self.tokenizer.encode(probe, add_special_tokens=True).ids
             n = len(plain)
-            candidates = [
-                (full[:i], full[i + n :]) for i in range(len(full) - n + 1) if full[i : i + n] == plain
-            ]
-            if not candidates:
+            candidates = {
+                (tuple(full[:i]), tuple(full[i + n :]))
+                for i in range(len(full) - n + 1)
+                if full[i : i + n] == plain
+            }
+            found = candidates if found is None else found & candidates
+            if not found:
                 return None
-            if found is None:
-                found = candidates[0]
-            elif found not in candidates:
-                return None
-        return found
+        if found is None or len(found) != 1:
+            return None
+        pre, post = found.pop()
+        return list(pre), list(post)
 
     # -- planning (event loop thread) --------------------------------------------------------
 
@@ -314,11 +317,7 @@ class SegmentEncoder:
             if plan.whole is not None:
                 assert self._affixes is not None or not add_special_tokens  # (can_cut_whole)
                 pre, post = self._affixes if add_special_tokens and self._affixes else ([], [])
-                return [
-                    np.concatenate(
-                        [np.asarray(pre, dtype=np.uint32), first, np.asarray(post, dtype=np.uint32)]
-                    )
-                ]
+                return [np.concatenate([np.asarray(pre, np.uint32), first, np.asarray(post, np.uint32)])]
             rest = EncodePlan(plan.keys, plan.found, plan.separators, plan.missing[1:], plan.empty)
             return [first, *self.encode_missing(rest, add_special_tokens=add_special_tokens)]
         if plan.whole is not None:

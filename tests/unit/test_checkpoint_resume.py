@@ -12,14 +12,22 @@ from typing import Any, Literal, cast
 import numpy as np
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from tokenizers import processors
 
 from gateway.features.budgets import text_bytes
 from gateway.features.deferred import CHECK_EVERY
 from gateway.features.feature_info import keys_after, keys_of
 from gateway.features.featurizer import Featurizer
 from gateway.features.novelty import PROBE_CHARS, SeenTexts
-from gateway.features.prefix_checkpoints import Checkpoint, PrefixCheckpoints, checkpoints_of, resume
+from gateway.features.prefix_checkpoints import (
+    Checkpoint,
+    PrefixCheckpoints,
+    checkpoints_of,
+    resume,
+    resume_missing,
+)
 from gateway.features.prompt import PromptSpec
+from gateway.features.segment_encoder import BoundedLRU, SegmentEncoder
 from tests.unit.test_features_deferred import SYSTEM, chat, closing, make
 from tests.unit.test_prefix_checkpoints import SEED, TOKENIZERS, _text, encode_recording
 
@@ -157,3 +165,37 @@ def test_a_deferred_prompts_keys_reuse_its_heads_only_for_the_same_leading_block
         other[min(3, len(other) - 1)] += 1  # differs within the head's first block
         for tokens in (same, other, head, head[:10], same[: head_len // 16 * 16]):
             assert keys(tokens) == whole(tokens)
+
+
+def test_a_whole_text_resumed_with_the_post_processors_tokens_is_its_whole_encode() -> None:
+    """A tokenizer whose texts are encoded whole (no added token cuts them) and whose
+    post-processor adds a BOS: a resumed encode returns the ids ``encode_missing`` gives, BOS
+    included."""
+    tok = TOKENIZERS["whitespace"]()
+    tok.add_special_tokens(["[BOS]"])
+    tok.post_processor = processors.TemplateProcessing(
+        single="[BOS] $A", special_tokens=[("[BOS]", tok.token_to_id("[BOS]"))]
+    )
+    tok.encode_special_tokens = True  # special tokens are text: nothing cuts a text
+    enc = SegmentEncoder(tok, BoundedLRU(100), "t")
+    rng = random.Random(11)
+    first = _text(rng, 400)
+    second = first[:1500] + _text(rng, 200)
+    fps = SeenTexts.fingerprints(SEED, first, 0)
+    learned: list[list[tuple[int, Checkpoint]]] = []
+    whole = enc.plan(first, add_special_tokens=True)
+    assert whole.whole is not None
+    enc.encode_missing(
+        whole,
+        add_special_tokens=True,
+        on_first=lambda e, span, shift: learned.append(checkpoints_of(e, span, shift, fps)[0]),
+    )
+    store = PrefixCheckpoints(1 << 20)
+    store.learn(learned[0])
+    known = store.known(SeenTexts.fingerprints(SEED, second, 0)[: 1500 // PROBE_CHARS])
+    assert known is not None and known.blocks == 1500 // PROBE_CHARS
+    plan = enc.plan(second, add_special_tokens=True)
+    got = resume_missing(enc, plan, known, True, None)
+    want = enc.encode_missing(plan, add_special_tokens=True)
+    assert got is not None and [g.tolist() for g in got] == [w.tolist() for w in want]
+    assert want[0][0] == tok.token_to_id("[BOS]")

@@ -151,12 +151,27 @@ def test_post_processor_affixes() -> None:
         special_tokens=[("<|im_start|>", bos), ("<|endoftext|>", eos)],
     )
     enc = encoder(tok)
+    # the prefix and suffix are learned (the empty text alone allows any split of them), so texts
+    # with the post-processor's tokens are still cut into cached segments
+    assert enc.can_cut_whole(True) and enc.plan("a<|im_end|>b", add_special_tokens=True).whole is None
     for text in ["", "abc", "<|im_end|>x<|im_start|>", *texts(5, 50, SPECIALS)]:
         assert enc.encode(text, add_special_tokens=True).tolist() == tok.encode(text).ids
         assert (
             enc.encode(text, add_special_tokens=False).tolist()
             == tok.encode(text, add_special_tokens=False).ids
         )
+
+
+def test_a_bos_alone_is_learned_as_a_prefix() -> None:
+    tok = tiny()
+    bos = tok.token_to_id("<|im_start|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A:0", special_tokens=[("<|im_start|>", bos)]
+    )
+    enc = encoder(tok)
+    assert enc.can_cut_whole(True) and enc.plan("a<|im_end|>b", add_special_tokens=True).whole is None
+    for text in ["", "abc", "<|im_end|>x<|im_start|>", *texts(6, 50, SPECIALS)]:
+        assert enc.encode(text, add_special_tokens=True).tolist() == tok.encode(text).ids
 
 
 @settings(max_examples=300, deadline=None)
