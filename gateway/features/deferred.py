@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 # One job in this many whose head was composed from prefix checkpoints encodes its text whole and
 # checks that head (``PrefixCheckpoints.check``: a difference turns checkpoints off for good); the
 # others resume after the checkpoints (exact by the context word's check, prefix_checkpoints.py).
-# The first is checked, so a tokenizer breaking the premise is caught at once, and later within this many.
+# Counted per tokenizer, its first checked: one breaking the premise is caught at once, later within this many.
 CHECK_EVERY = 16
 _T = TypeVar("_T")
 
@@ -119,7 +119,9 @@ class DeferredEncodes:
         self.dropped = 0  # jobs dropped from a full backlog
         self.failed = 0  # jobs whose encode raised (a bug; logged)
         self.resumed = 0  # jobs encoded only after their head's checkpoints (``_resume_next``)
-        self._from_checkpoints = 0  # jobs routed on a head from checkpoints, for ``_resume_next``
+        # jobs routed on a head from checkpoints, per tokenizer (one per model: bounded by the
+        # config), for ``_resume_next``
+        self._from_checkpoints: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -309,7 +311,7 @@ class DeferredEncodes:
                     found.append(checkpoints_of(e, span, shift, fps, after))  # (worker thread)
 
             resumed = None
-            if on and job.known is not None and self._resume_next():
+            if on and job.known is not None and self._resume_next(enc.namespace):
                 resumed = await self._resumed(job, plan, job.known, executor, record)
                 if resumed is not None:
                     self.resumed += 1
@@ -333,11 +335,13 @@ class DeferredEncodes:
                 del self._pending[job.fingerprint]
             job.end()
 
-    def _resume_next(self) -> bool:
-        """Whether the next job whose head came from checkpoints resumes after them: every one but
-        the first and each ``CHECK_EVERY``-th after it, which encode whole to check the head."""
-        self._from_checkpoints += 1
-        return (self._from_checkpoints - 1) % CHECK_EVERY != 0
+    def _resume_next(self, namespace: str) -> bool:
+        """Whether the next job of tokenizer ``namespace`` whose head came from checkpoints resumes
+        after them: every one but its first and each ``CHECK_EVERY``-th after it, which encode
+        whole to check the head (per tokenizer: the premise checked is the tokenizer's)."""
+        n = self._from_checkpoints.get(namespace, 0)
+        self._from_checkpoints[namespace] = n + 1
+        return n % CHECK_EVERY != 0
 
     async def drain(self) -> None:
         """Until every queued job is done."""

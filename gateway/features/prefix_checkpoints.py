@@ -34,8 +34,8 @@ texts never compose a head with a token missing or repeated.
 The text's deferred encode then resumes after the same checkpoints (``resume``: from the
 context word to the text's end, under the same check) and records the checkpoints of its later
 blocks (``checkpoints_of(..., after=...)``), so a text resent with more at its end is never
-encoded from its first character again. One such encode in ``deferred.CHECK_EVERY`` (the first
-included) encodes the whole text instead and checks the composed head against it: a difference
+encoded from its first character again. One such encode in ``deferred.CHECK_EVERY`` per tokenizer
+(its first included) encodes the whole text instead and checks the composed head against it: a difference
 disables checkpoints for good (``disabled``), logged and counted, and routing goes back to
 encoding from the start.
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tokenizers import processors
 
 from gateway.features.budgets import text_bytes
-from gateway.features.deferred import CHECK_EVERY
+from gateway.features.deferred import CHECK_EVERY, DeferredEncodes
 from gateway.features.feature_info import keys_after, keys_of
 from gateway.features.featurizer import Featurizer
 from gateway.features.novelty import PROBE_CHARS, SeenTexts
@@ -199,3 +199,13 @@ def test_a_whole_text_resumed_with_the_post_processors_tokens_is_its_whole_encod
     want = enc.encode_missing(plan, add_special_tokens=True)
     assert got is not None and [g.tolist() for g in got] == [w.tolist() for w in want]
     assert want[0][0] == tok.token_to_id("[BOS]")
+
+
+def test_each_tokenizers_first_head_from_checkpoints_and_every_sixteenth_are_checked() -> None:
+    """The whole encodes that check composed heads are counted per tokenizer: a second model's
+    tokenizer has its own first head checked, however many heads the first one had."""
+    deferred = DeferredEncodes(1000, lambda: None)
+    order = ["a", "a", "b"] + ["a"] * (CHECK_EVERY - 1) + ["b"]
+    resumes = [deferred._resume_next(ns) for ns in order]
+    checked = [i for i, r in enumerate(resumes) if not r]
+    assert checked == [0, 2, CHECK_EVERY + 1]  # a's 1st, b's 1st, a's 17th (b's 2nd resumes)
