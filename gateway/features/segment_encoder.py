@@ -164,7 +164,7 @@ class SegmentEncoder:
         self.chars_seen = 4096
         self.tokens_seen = 1024
 
-    def _probe_affixes(self) -> tuple[list[int], list[int]] | None:
+    def _probe_affixes(self) -> tuple[TokenArray, TokenArray] | None:
         """(prefix, suffix) the post-processor adds with ``add_special_tokens=True``, or None
         when it is not a fixed prefix/suffix."""
         # the splits every probe allows (the empty probe allows any: a BOS could be a suffix)
@@ -184,7 +184,7 @@ class SegmentEncoder:
         if found is None or len(found) != 1:
             return None
         pre, post = found.pop()
-        return list(pre), list(post)
+        return np.asarray(pre, dtype=np.uint32), np.asarray(post, dtype=np.uint32)
 
     # -- planning (event loop thread) --------------------------------------------------------
 
@@ -229,8 +229,8 @@ class SegmentEncoder:
         cached segments before it and the added tokens after each (a prompt's tokens only depend
         on what precedes them within these, see the module docstring)."""
         parts: list[TokenArray] = []
-        if add_special_tokens and self._affixes and self._affixes[0]:
-            parts.append(np.asarray(self._affixes[0], dtype=np.uint32))
+        if add_special_tokens and self._affixes is not None:
+            parts.append(self._affixes[0])
         if plan.whole is None:
             stop = plan.missing[0] if plan.missing else len(plan.keys)
             for i in range(stop):
@@ -315,9 +315,10 @@ class SegmentEncoder:
         ``first``: the first one's own ids, known already (a resumed encode): not encoded."""
         if first is not None:
             if plan.whole is not None:
-                assert self._affixes is not None or not add_special_tokens  # (can_cut_whole)
-                pre, post = self._affixes if add_special_tokens and self._affixes else ([], [])
-                return [np.concatenate([np.asarray(pre, np.uint32), first, np.asarray(post, np.uint32)])]
+                if not add_special_tokens:
+                    return [first]
+                assert self._affixes is not None  # (can_cut_whole)
+                return [np.concatenate([self._affixes[0], first, self._affixes[1]])]
             rest = EncodePlan(plan.keys, plan.found, plan.separators, plan.missing[1:], plan.empty)
             return [first, *self.encode_missing(rest, add_special_tokens=add_special_tokens)]
         if plan.whole is not None:
@@ -326,8 +327,8 @@ class SegmentEncoder:
             enc = self.tokenizer.encode_batch([plan.whole], add_special_tokens=add_special_tokens)[0]
             whole = enc.ids
             if on_first is not None:
-                n = len(self._affixes[0]) if add_special_tokens and self._affixes else 0
-                m = len(self._affixes[1]) if add_special_tokens and self._affixes else 0
+                n = len(self._affixes[0]) if add_special_tokens and self._affixes is not None else 0
+                m = len(self._affixes[1]) if add_special_tokens and self._affixes is not None else 0
                 on_first(enc, (n, len(whole) - m), 0)
             return [np.asarray(whole, dtype=np.uint32)]
         if not plan.missing:
@@ -376,15 +377,15 @@ class SegmentEncoder:
             for i, ids in zip(plan.missing, encoded, strict=True):
                 found[i] = ids
         parts: list[TokenArray] = []
-        if add_special_tokens and self._affixes and self._affixes[0]:
-            parts.append(np.asarray(self._affixes[0], dtype=np.uint32))
+        if add_special_tokens and self._affixes is not None:
+            parts.append(self._affixes[0])
         for i, seg in enumerate(found):
             assert seg is not None
             parts.append(seg)
             if i < len(plan.separators):
                 parts.append(self._id_arrays[plan.separators[i]])
-        if add_special_tokens and self._affixes and self._affixes[1]:
-            parts.append(np.asarray(self._affixes[1], dtype=np.uint32))
+        if add_special_tokens and self._affixes is not None:
+            parts.append(self._affixes[1])
         return np.concatenate(parts) if parts else _EMPTY
 
     def encode(self, text: str, *, add_special_tokens: bool) -> TokenArray:

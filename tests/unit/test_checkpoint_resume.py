@@ -104,12 +104,13 @@ async def _keys_of_deferred(fz: Featurizer, endpoint: Endpoint, body: dict[str, 
     _, info = await fz.features(endpoint, body)
     job = info.deferred
     assert job is not None
-    if job.known is not None:  # the arrays kept to resume count in the backlog's bytes
-        assert job.head_check is not None
+    if job.known is not None:  # the head kept to resume, once (known's tokens are a view of it)
+        head = job.head_check
+        assert head is not None and np.shares_memory(job.known.tokens, head)
         text = sum(
             text_bytes(t) for t in ([job.plan.whole] if job.plan.whole else [k[2] for k in job.plan.keys])
         )
-        assert job.bytes == text + job.head_check.nbytes + job.known.tokens.nbytes
+        assert job.bytes == text + head.nbytes
     job.on_keys = got.append
     await fz.deferred.drain()
     assert len(got) == 1

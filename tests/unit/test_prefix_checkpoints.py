@@ -136,7 +136,8 @@ def test_checkpoints_of_texts_that_part_after_a_block_do_not_mix() -> None:
     assert of_first[1][1].cut != of_second[1][1].cut
     store = PrefixCheckpoints(1 << 20)
     store.learn(of_second)
-    assert store.known(fps) is not None and store.known(fps).blocks == len(of_second)  # type: ignore[union-attr]
+    whole = store.known(fps)
+    assert whole is not None and whole.blocks == len(of_second)
     store.learn(of_first[:2])  # the first text's checkpoints of the shared blocks, learned later
     known = store.known(fps)
     assert known is not None and known.blocks == 2
