@@ -30,6 +30,7 @@ from gateway.stream_relay import (
     RelayResponse,
 )
 from gateway.upstream_client import UpstreamClient, UpstreamResponse
+from tests.loopback_app import serving
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 REQUEST = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
@@ -137,14 +138,8 @@ async def _serving(handle: Callable[[web.Request], Awaitable[web.StreamResponse]
     """An aiohttp server on loopback answering GET / with ``handle``; yields its port."""
     app = web.Application()
     app.router.add_get("/", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield runner.addresses[0][1]
-    finally:
-        await runner.cleanup()
+    async with serving(app) as port:
+        yield port
 
 
 @contextlib.asynccontextmanager

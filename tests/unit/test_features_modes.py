@@ -18,6 +18,7 @@ from gateway.features import EncodeSettings, Featurizer
 from gateway.features.char_blocks import char_block_keys
 from gateway.request import request_of
 from router_policies.block_keys import block_keys
+from tests.loopback_app import serving
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "assets/tokenizers/kvgate-tiny")
@@ -198,15 +199,8 @@ async def tokenize_server() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
 
     app = web.Application()
     app.router.add_post("/tokenize", tokenize)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
+    async with serving(app) as port:
         yield f"http://127.0.0.1:{port}", seen
-    finally:
-        await runner.cleanup()
 
 
 async def test_remote_mode_uses_the_replicas_tokens(
