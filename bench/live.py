@@ -223,21 +223,28 @@ def workload_rows(wl: str, routers: list[str], args: argparse.Namespace) -> list
     w = workload(wl, args.trace or MOONCAKE)
     runs: dict[str, list[RunMeasure]] = {r: [] for r in routers}
     floors: list[list[float]] = []
+    lru_floors: list[list[float]] = []
     slices = [SeedRun.of(w, seed, args) for seed in args.seeds]
     for run in slices:
+        tmp = args.out.parent / "tmp" / "live" / f"{w.name.replace(':', '_')}-floor-{run.seed}"
         if not args.no_floor:
-            tmp = args.out.parent / "tmp" / "live" / f"{w.name.replace(':', '_')}-floor-{run.seed}"
             floors.append(floor_run(w, run.reqs, args, tmp))
+        if args.lru_floor:
+            fleet_blocks = args.replicas * (run.cache_blocks or args.cache_blocks)
+            lru_floors.append(floor_run(w, run.reqs, args, tmp.with_name(tmp.name + "-lru"), fleet_blocks))
         for router in routers:
             runs[router].append(one_run(w, router, run, args))
             _print_row(w.name, router, run.seed, pooled_row(runs[router][-1:]))
     floor = pooled_floor(floors) if floors else {}
-    if floor:
-        print(
-            f"{w.name:12} {'floor':20} ttft p50 {floor['floor_ttft_p50_ms']:8.1f} p99 "
-            f"{floor['floor_ttft_p99_ms']:8.1f} ms (alone, idle, all cached before)",
-            flush=True,
-        )
+    if lru_floors:
+        floor |= {f"lru_{k}": v for k, v in pooled_floor(lru_floors).items()}
+    for prefix, what in (("", "all cached before"), ("lru_", "the fleet's KV as one LRU")):
+        if f"{prefix}floor_ttft_p99_ms" in floor:
+            print(
+                f"{w.name:12} {prefix + 'floor':20} ttft p50 {floor[f'{prefix}floor_ttft_p50_ms']:8.1f} p99 "
+                f"{floor[f'{prefix}floor_ttft_p99_ms']:8.1f} ms (alone, idle, {what})",
+                flush=True,
+            )
     rows = []
     for router in routers:
         row = {"workload": w.name, "router": router, **pooled_row(runs[router]), **floor}
@@ -298,6 +305,12 @@ def main(argv: list[str] | None = None) -> int:
         "--no-floor",
         action="store_true",
         help="skip each workload's TTFT floor (its requests alone on an idle engine, bench/live_floor.py)",
+    )
+    ap.add_argument(
+        "--lru-floor",
+        action="store_true",
+        help="also each workload's fleet-LRU floor: its requests alone on an idle engine whose cache "
+        "is the fleet's KV in all, LRU (bench/live_floor.py)",
     )
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/live.json")
     ap.add_argument("--kvgate-params", type=json.loads, default={}, help="kv_aware parameters (JSON object)")

@@ -16,6 +16,14 @@ prefilled first) could beat its floor. Where the
 floor's p99 exceeds a target for a router's p99 (0.8x the best peer's, issue 11), no placement
 meets it on that workload; the distance between a router's p99 and the floor's is what placement
 can still win.
+
+The fleet-LRU floor (``--lru-floor``) is the same replay on an engine whose cache is the whole
+fleet's KV (replicas x blocks per engine) under the engine's own LRU eviction: what a router
+gets that never queues a request and uses the fleet's caches as well as one shared LRU would.
+It is a reference, not a bound (placement over separate caches can keep what one LRU drops, as
+a set-associative cache can beat a fully associative one on some sequences): a router near it
+at p99 has its slowest first tokens in prompts whose blocks that LRU had evicted too, prefilled
+alone.
 """
 
 from __future__ import annotations
@@ -53,11 +61,18 @@ def floor_fleet(w: LiveWorkload, reqs: list[tuple[float, str, int]]) -> tuple[Li
 
 
 def floor_run(
-    w: LiveWorkload, reqs: list[tuple[float, str, int]], args: argparse.Namespace, tmp: Path
+    w: LiveWorkload,
+    reqs: list[tuple[float, str, int]],
+    args: argparse.Namespace,
+    tmp: Path,
+    fleet_blocks: int | None = None,
 ) -> list[float]:
     """Each request's floor TTFT in ms, ``reqs`` on ``w``'s fleet (docstring); bench/live_pool.py
-    takes the quantiles (over one seed's requests or several)."""
+    takes the quantiles (over one seed's requests or several). ``fleet_blocks``: the fleet-LRU
+    floor's cache (the fleet's KV blocks in all), else one that never evicts."""
     fastest, cache_blocks = floor_fleet(w, reqs)
+    if fleet_blocks is not None:
+        cache_blocks = fleet_blocks
     with ProcessGroup(tmp) as procs:
         ((url, _events, _replay),) = start_fleet(procs, 1, args, fastest, cache_blocks)
         ttfts = uvloop.run(sequential_ttfts(url, [p for _t, p, _n in reqs], args.timeout))

@@ -45,3 +45,16 @@ def test_floor_run_gives_every_request_its_floor_and_the_pool_both_quantiles(tmp
     pooled = live_pool.pooled_floor([got, [2 * t for t in got]])
     assert set(pooled) == {"floor_ttft_p50_ms", "floor_ttft_p99_ms"}
     assert pooled["floor_ttft_p99_ms"] > max(got)  # the second seed's slower requests are in the pool
+
+
+def test_the_fleet_lru_floors_engine_holds_the_fleets_blocks_and_no_more(tmp_path: Path) -> None:
+    """``--lru-floor``: the same replay on an engine whose cache is the fleet's KV in all (it
+    evicts, LRU), not the never-evicting floor's."""
+    w = workload("agent", Path("unused"))
+    reqs = render(load(w, 4, seed=1), w, 4, max_blocks=48, max_tokens=1)
+    args = argparse.Namespace(time_scale=0.25, cache_blocks=64, timeout=60.0)
+    got = live_floor.floor_run(w, reqs, args, tmp_path, fleet_blocks=4 * 64)
+    assert len(got) == 4 and min(got) > 0
+    started = (tmp_path / "engine0.log").read_text()
+    assert "cache_blocks=256 " in started, started
+    assert live_floor.floor_fleet(w, reqs)[1] != 256  # not what the floor itself would have used
