@@ -48,6 +48,9 @@ def token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
             return struct.pack(f"<{len(tokens)}I", *tokens)
         except struct.error:
             raise ValueError("token ids must be in [0, 2**32)") from None
+    if isinstance(tokens, np.ndarray) and tokens.dtype == np.uint32:
+        # the gateway's token arrays: in range by their type, so no check and no int64 copy
+        return tokens.astype("<u4", copy=False).tobytes()
     arr = np.asarray(tokens, dtype=np.int64)
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF):
         raise ValueError("token ids must be in [0, 2**32)")

@@ -13,14 +13,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 import xxhash
 
 from gateway.features.char_blocks import CHARS_PER_TOKEN, char_block_keys, estimated_tokens
 from gateway.features.deferred_job import DeferredJob
 from gateway.features.prompt import Chars, PromptSpec
 from gateway.features.segment_encoder import TokenArray
-from router_policies.block_keys import block_keys, chain_keys
+from router_policies.block_keys import block_keys, chain_keys, token_bytes
 from router_policies.policy import RequestFeatures
 
 Mode = Literal["local", "remote", "token_ids", "chars"]
@@ -97,7 +96,7 @@ def keys_after(spec: PromptSpec, head: TokenArray, head_keys: list[int]) -> Call
 
 
 def _digest(tokens: TokenArray) -> int:
-    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(tokens, dtype=np.uint32).tobytes())
+    return xxhash.xxh3_64_intdigest(token_bytes(tokens))
 
 
 def truncated(spec: PromptSpec, tokens: TokenArray) -> TokenArray:

@@ -327,9 +327,10 @@ class SegmentEncoder:
             enc = self.tokenizer.encode_batch([plan.whole], add_special_tokens=add_special_tokens)[0]
             whole = enc.ids
             if on_first is not None:
-                n = len(self._affixes[0]) if add_special_tokens and self._affixes is not None else 0
-                m = len(self._affixes[1]) if add_special_tokens and self._affixes is not None else 0
-                on_first(enc, (n, len(whole) - m), 0)
+                pre, post = (
+                    self._affixes if add_special_tokens and self._affixes is not None else (_EMPTY, _EMPTY)
+                )
+                on_first(enc, (len(pre), len(whole) - len(post)), 0)
             return [np.asarray(whole, dtype=np.uint32)]
         if not plan.missing:
             return []

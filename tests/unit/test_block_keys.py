@@ -113,6 +113,16 @@ def test_known_vector() -> None:
     assert len(keys) == 2
 
 
+@given(tokens_st)
+def test_uint32_arrays_give_the_bytes_of_the_list_even_as_views(tokens: list[int]) -> None:
+    """The gateway's token arrays (uint32) take the path without a range check; strided views
+    and big-endian arrays included, their bytes are the list's little-endian ones."""
+    arr = np.asarray(tokens, dtype=np.uint32)
+    assert token_bytes(arr) == token_bytes(tokens)
+    assert token_bytes(arr[::2]) == token_bytes(tokens[::2])
+    assert token_bytes(arr.astype(">u4")) == token_bytes(tokens)
+
+
 def test_numpy_input_and_bounds() -> None:
     arr = np.arange(48, dtype=np.int64)
     assert block_keys(arr, 16, "m") == block_keys(list(range(48)), 16, "m")
