@@ -32,18 +32,19 @@ from router_policies.cache_prediction import chosen_prediction as chosen_predict
 from router_policies.cache_prediction import evicted_before_prefill as evicted_before_prefill
 from router_policies.cache_prediction import predicted_cached_tokens as predicted_cached_tokens
 from router_policies.cache_prediction import uncached_prompt_tokens as uncached_prompt_tokens
-from router_policies.flights import MAX_ERROR_RATIO as MAX_ERROR_RATIO
-from router_policies.flights import MIN_OBSERVED_MS as MIN_OBSERVED_MS
 from router_policies.flights import Dispatch as Dispatch
 from router_policies.flights import Flight as Flight
 from router_policies.flights import FlightCounters as FlightCounters
 from router_policies.flights import IndexAtDispatch as IndexAtDispatch
-from router_policies.flights import TtftFeed as TtftFeed
-from router_policies.flights import TtftProbe as TtftProbe
-from router_policies.flights import TtftSample as TtftSample
 from router_policies.policy import FleetSnapshot, ReplicaState
 from router_policies.prefix_index import PrefixIndex
 from router_policies.ttft.params import TtftParams
+from router_policies.ttft_feed import MAX_ERROR_RATIO as MAX_ERROR_RATIO
+from router_policies.ttft_feed import MIN_OBSERVED_MS as MIN_OBSERVED_MS
+from router_policies.ttft_feed import FitBudget as FitBudget
+from router_policies.ttft_feed import TtftFeed as TtftFeed
+from router_policies.ttft_feed import TtftProbe as TtftProbe
+from router_policies.ttft_feed import TtftSample as TtftSample
 
 TOUCH_REFRESH_S = 1.0  # a speculative chain's stamps are refreshed at most this often
 EXPIRE_INTERVAL_S = 1.0  # period of the sweep of expired speculative entries
