@@ -39,33 +39,32 @@ MIN_OBSERVED_MS = 1.0  # relative errors are taken against at least this many mi
 MAX_ERROR_RATIO = 0.5
 
 
-# The fit's budget. A fit costs ~0.05 ms of the event loop a first token (docs/performance.md,
-# "A fit budget"): 11 % of a warm request's CPU at 500 first tokens a second a replica, where
-# consecutive first tokens say nearly the same thing (the fit forgets per observation, a memory
-# of ~200 of them: 0.4 s at 500 a second, 2 s at the budget's 100). Live traffic of a few to a few
-# dozen first tokens a second a replica, and its bursts, are fitted whole.
+# The fit's budget. At the warm point (each replica answering ~500 first tokens a second) the
+# first byte's observation, fit and audit sample, took 0.056 ms of a 0.517 ms request's CPU
+# (docs/performance.md, "What the warm path's largest parts cost"), and consecutive first tokens
+# say nearly the same thing (the fit forgets per observation, a memory of ~200 of them: 0.4 s at
+# 500 a second, 2 s at the budget's 100). Live traffic of a few to a few dozen first tokens a
+# second a replica, and its bursts, are fitted whole ("A fit budget" there).
 FITS_PER_S = 100.0
 FIT_BURST = 100.0
 
 
 class FitBudget:
-    """Per replica, a bucket of fits: ``burst`` at most, refilled at ``rate_per_s`` (None: every
-    first token is fitted). Bounded by ``max_replicas`` (the least recently dispatched to goes)."""
+    """Per replica, a bucket of fits: ``burst`` at most, refilled at ``rate_per_s``. Bounded by
+    ``max_replicas`` (the least recently dispatched to goes, and starts full again)."""
 
     __slots__ = ("_buckets", "_max", "burst", "rate_per_s")
 
     def __init__(
-        self, rate_per_s: float | None = FITS_PER_S, burst: float = FIT_BURST, max_replicas: int = 4096
+        self, rate_per_s: float = FITS_PER_S, burst: float = FIT_BURST, max_replicas: int = 4096
     ) -> None:
-        assert rate_per_s is None or rate_per_s > 0
+        assert rate_per_s > 0
         assert burst >= 1 and max_replicas > 0
         self.rate_per_s, self.burst, self._max = rate_per_s, burst, max_replicas
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # replica -> (level, at)
 
     def take(self, replica: str, now: float) -> bool:
         """Whether the first token of a flight dispatched to ``replica`` at ``now`` is fitted."""
-        if self.rate_per_s is None:
-            return True
         level, at = self._buckets.pop(replica, (self.burst, now))
         level = min(self.burst, level + max(0.0, now - at) * self.rate_per_s)
         fit = level >= 1.0
