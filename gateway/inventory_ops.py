@@ -65,6 +65,13 @@ def op_of_chunk(chunk: pb.SnapshotChunk) -> Op:
     return Op("s", list(chunk.keys), medium_of(chunk.medium))
 
 
+# The largest agent message the inventory stream accepts (its gRPC receive limit). A message's
+# ops relayed as one frame (to the workers, ``gateway.local_hub``) take at most 8x its bytes: a key
+# is at least one byte in the message and 8 in the frame.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+OPS_FRAME_EXPANSION = 8
+
+
 def stored_keys(ops: Iterable[Op]) -> int:
     """How many keys the ops store (an upper bound of how much they grow a replica)."""
     return sum(len(op.keys) for op in ops if op.kind == "s")

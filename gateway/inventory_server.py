@@ -45,6 +45,7 @@ from prometheus_client import CollectorRegistry
 from gateway.agent_credentials import AgentCredentials, Identity, RegistrationRules, StreamAccess
 from gateway.asyncio_tasks import cancel_and_wait
 from gateway.inventory_metrics import InventoryMetrics
+from gateway.inventory_ops import MAX_MESSAGE_BYTES
 from gateway.inventory_refusals import Refusal
 from gateway.inventory_sink import FleetSink
 from gateway.inventory_stream import InventoryObserver, StreamRules, Streams, StreamState
@@ -82,7 +83,7 @@ class InventorySettings:
     ack_interval_s: float = 0.1
     tls_cert: str | None = None
     tls_key: str | None = None
-    max_message_bytes: int = 16 * 1024 * 1024
+    max_message_bytes: int = MAX_MESSAGE_BYTES
     clock: Callable[[], float] = time.time
 
     def __post_init__(self) -> None:

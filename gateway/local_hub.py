@@ -41,7 +41,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from gateway.asyncio_tasks import TaskSet
 from gateway.config import GatewayConfig
 from gateway.fleet import Fleet
-from gateway.inventory_ops import Op
+from gateway.inventory_ops import MAX_MESSAGE_BYTES, OPS_FRAME_EXPANSION, Op
 from gateway.inventory_sink import AgentEngine, AgentHello, AgentLoad
 from gateway.local_hub_codec import (
     FrameWriter,
@@ -74,9 +74,11 @@ FIT_PUBLISH_S = 0.01
 
 def frame_bound(index: PrefixIndex) -> int:
     """The largest frame either side sends: a snapshot of a full replica (9 bytes a key, plus the
-    speculative entries' 16) with headroom for the control frames."""
+    speculative entries' 16) or the ops of the largest agent message the stream accepts (its
+    removals are not bounded by the replica's blocks), with headroom for the control frames."""
     cfg = index.config
-    return 16 * cfg.max_blocks_per_replica + 16 * cfg.approximate_blocks_per_replica + (1 << 20)
+    snapshot = 16 * cfg.max_blocks_per_replica + 16 * cfg.approximate_blocks_per_replica
+    return max(snapshot, OPS_FRAME_EXPANSION * MAX_MESSAGE_BYTES) + (1 << 20)
 
 
 def state_bound(index: PrefixIndex) -> int:

@@ -76,7 +76,8 @@ class Publisher:
         self._inventory = inventory
         self._max_replicas = max_replicas
         self._on_owned = on_owned
-        # bounded: the queue by publish_queue, the dicts by the index's max_replicas
+        # bounded: the queue by publish_queue, the per-replica tables by the index's max_replicas
+        # (a new replica's Hello makes room by forgetting those no longer connected here)
         self._queue: deque[_Pending] = deque()
         self._wake = asyncio.Event()
         self._seq: dict[str, int] = {}
@@ -93,7 +94,9 @@ class Publisher:
         # a replica with an agent here is ours to write: stop following it at once
         self._on_owned(hello.replica_id)
         if hello.replica_id not in self._hellos and len(self._hellos) >= self._max_replicas:
-            return
+            self._forget_disconnected()
+            if len(self._hellos) >= self._max_replicas:
+                return  # as many agents connected here as the index takes: the fleet refuses it too
         self._hellos[hello.replica_id] = hello
         self._enqueue("hello", hello.replica_id, encode_hello(hello))
 
@@ -118,6 +121,18 @@ class Publisher:
             # keep the latest snapshot inside the stream's retention: followers that fall behind
             # reload it and continue from its marker
             self._refresh(replica)
+
+    def _forget_disconnected(self) -> None:
+        """Drop what is kept per replica for those whose agent is no longer connected here, so
+        that replicas coming and going (pods replaced under new names) do not fill the tables.
+        One that comes back starts its counter ``n`` again: its followers see a gap and reload
+        its snapshot, as after a dropped entry."""
+        connected = set(self._inventory.connected_replicas())
+        for replica in [r for r in self._hellos if r not in connected]:
+            del self._hellos[replica]
+            self._seq.pop(replica, None)
+            self._since_snapshot.pop(replica, None)
+            self._refresh_asked.discard(replica)
 
     def _refresh(self, replica: str) -> None:
         """Ask the replica's agent for a snapshot, once until it comes."""

@@ -184,15 +184,18 @@ class GroupTracker:
                     down.setdefault(parent, set()).add(k)
             parent = k
         bound = 2 * self.max_blocks
-        key_of = self.key_of
-        while len(key_of) > bound:
-            key_of.popitem(last=False)
+        unlinked: list[int] = []
         while len(up) > bound:
             k, p = up.popitem(last=False)
+            unlinked.append(k)
             if p is not None and (kids := down.get(p)) is not None:
                 kids.discard(k)
                 if not kids:
                     del down[p]
+        if unlinked:
+            # a window that walked through a dropped link can no longer be checked: the keys
+            # reported on it are re-evaluated (``_reusable`` then says no), not left reported
+            self._refresh_below_any(unlinked)
 
     # ---- residency -----------------------------------------------------------------------
     def hold(
@@ -221,6 +224,9 @@ class GroupTracker:
             held[k] = held.get(k, 0) + 1
             changed.append(k)
             new += 1
+        key_of = self.key_of
+        while len(key_of) > 2 * self.max_blocks:  # after this event's hashes are in
+            key_of.popitem(last=False)
         self._refresh_below(group, changed, medium)
         if len(res) > self.max_blocks:
             self._overflow()
@@ -316,6 +322,22 @@ class GroupTracker:
                     break
                 todo += frontier
         self._refresh(todo, medium)
+
+    def _refresh_below_any(self, keys: list[int]) -> None:
+        """Re-evaluate ``keys`` and their descendants as deep as any group's window reaches
+        (nothing to do when every group needs only its own block: no window walks a link)."""
+        depth = max(self.need.values(), default=1) - 1
+        if not depth or not self.reported:
+            return
+        todo = list(keys)
+        frontier = keys
+        down = self._down
+        for _ in range(depth):
+            frontier = [c for k in frontier for c in down.get(k, ())]
+            if not frontier:
+                break
+            todo += frontier
+        self._refresh([k for k in todo if k in self.reported], "GPU")
 
     def _refresh(self, keys: list[int], medium: str) -> None:
         reported = self.reported

@@ -6,9 +6,10 @@ blocks are adopted (docs/agent.md, "Recovery without replay"; docs/architecture.
 Invariants
 * ``_bytes`` is the estimated size of the events held and never exceeds ``max_bytes`` after
   ``add`` returns: the oldest events go first.
-* Every block hash of a held event is in ``_by_block`` (pointing to its event), every held event
-  is in ``_by_parent[its parent]`` and ``_by_first[its first block's tokens]``; an event leaves
-  all three at once.
+* ``_by_block[h]`` holds every held event whose held blocks include ``h``, oldest first (a
+  block stored twice, as vLLM keeps duplicate copies, is held by each copy's event, and each
+  removal takes it from the oldest); every held event is in ``_by_parent[its parent]`` and
+  ``_by_first[its first block's tokens]``; an event leaves all three at once.
 * An event only loses blocks from its end (a removal truncates it at the removed block): engines
   evict leaf first, so what is left is a chain the engine may still hold.
 """
@@ -77,7 +78,7 @@ class OrphanStores:
         self._events: OrderedDict[int, Orphan] = OrderedDict()  # id -> orphan, oldest first
         self._by_parent: dict[MapKey, dict[int, Orphan]] = {}
         self._by_first: dict[tuple[int, ...], dict[int, Orphan]] = {}
-        self._by_block: dict[MapKey, Orphan] = {}
+        self._by_block: dict[MapKey, dict[int, Orphan]] = {}
         self._bytes = 0
         self.dropped = 0  # events dropped by the byte bound
 
@@ -106,7 +107,7 @@ class OrphanStores:
         self._by_parent.setdefault(parent, {})[id(o)] = o
         self._by_first.setdefault(self._first(o), {})[id(o)] = o
         for h in ev.block_hashes[:n]:
-            self._by_block[map_key(h, ev.medium, gpu)] = o
+            self._by_block.setdefault(map_key(h, ev.medium, gpu), {})[id(o)] = o
         self._bytes += size
         while self._bytes > self.max_bytes and self._events:
             self._drop(next(iter(self._events.values())))
@@ -123,16 +124,16 @@ class OrphanStores:
         ev = o.event
         gpu = ev.medium == "GPU"
         for h in ev.block_hashes[: o.blocks]:
-            mk = map_key(h, ev.medium, gpu)
-            if self._by_block.get(mk) is o:
-                del self._by_block[mk]
+            _unlist(self._by_block, map_key(h, ev.medium, gpu), o)
         self._bytes -= o.size
 
     def remove(self, mk: MapKey) -> bool:
-        """The engine evicted block ``mk``: truncate its event there (True if it was held)."""
-        o = self._by_block.get(mk)
-        if o is None:
+        """The engine evicted block ``mk``: truncate its event there (True if it was held). A block
+        held by several events (copies) is taken from the oldest: the engine evicts in free order."""
+        holders = self._by_block.get(mk)
+        if not holders:
             return False
+        o = next(iter(holders.values()))
         ev = o.event
         gpu = ev.medium == "GPU"
         at = next(i for i in range(o.blocks) if map_key(ev.block_hashes[i], ev.medium, gpu) == mk)
@@ -140,9 +141,7 @@ class OrphanStores:
             self._drop(o)
             return True
         for h in ev.block_hashes[at : o.blocks]:
-            k = map_key(h, ev.medium, gpu)
-            if self._by_block.get(k) is o:
-                del self._by_block[k]
+            _unlist(self._by_block, map_key(h, ev.medium, gpu), o)
         o.blocks = at
         return True
 

@@ -65,6 +65,9 @@ class PrefixRecovery:
     def _unref(self, k: int, medium: str) -> None:
         raise NotImplementedError
 
+    def _overflow(self) -> None:
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ views
     @property
     def orphans(self) -> OrphanStores:
@@ -142,6 +145,10 @@ class PrefixRecovery:
         if reported and self.sink is not None:
             self.sink.stored(reported, None, GPU)
         self._adopt([parent])
+        if len(self._map) > self.max_blocks:
+            # the parent's mapping is one more; the adopted orphans' stores keep the bound, but
+            # one that returns early (token ids it cannot key) would leave it over
+            self._overflow()
 
     def _keyed(self, hashes: list[Any], medium: str) -> None:
         """``_store`` keyed blocks ``hashes``: orphans below them can be keyed now."""

@@ -116,6 +116,18 @@ def k_has(t: Table, batch: U64, word: int, bit: np.uint64) -> U8:
 
 
 @_compiled
+def k_absent(t: Table, batch: U64) -> int:
+    """How many keys of ``batch`` have no used slot (a dead key's slot is reused): the slots an
+    insert of ``batch`` may take (a key repeated in ``batch`` counts each time, never fewer)."""
+    keys, state, _masks, shift = t
+    n = 0
+    for j in range(batch.shape[0]):
+        if state[_probe(keys, state, shift, batch[j])] == 0:
+            n += 1
+    return n
+
+
+@_compiled
 def k_mask_of(t: Table, key: np.uint64) -> U64:
     keys, state, masks, shift = t
     out = np.zeros(masks.shape[0], dtype=np.uint64)

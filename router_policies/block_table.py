@@ -10,10 +10,12 @@ Layout: open addressing with linear probing over three numpy arrays of ``capacit
 * ``masks``  uint64[words, capacity] — bit ``s % 64`` of row ``s // 64`` is set iff replica slot
   ``s`` holds the key. ``words`` grows with the highest replica slot in use.
 
-That is ``9 + 8 * words`` bytes per slot; the table is rebuilt (dead keys dropped) or doubled when
-used slots would exceed ``MAX_LOAD`` of the capacity, so a live key costs at most
-``(9 + 8 * words) / (MAX_LOAD / 2)`` bytes right after a doubling (49 at one word, up to 64
-replicas) and less as it fills.
+That is ``9 + 8 * words`` bytes per slot; the table is rebuilt (dead keys dropped) or grown when
+used slots would exceed ``MAX_LOAD`` of the capacity (``reserve``): right after a growth a live
+key costs less than ``4 * (9 + 8 * words)`` bytes (68 at one word, up to 64 replicas), about
+``(9 + 8 * words) / (MAX_LOAD / 2)`` (49) when the table grew by batches small beside it, and
+less as it fills. Keys a batch brings that the table already holds (another replica's blocks)
+take no slot and are not counted as incoming.
 
 The kernels are compiled with numba (``nopython``, cached on disk) because the per-call cost of
 a dozen numpy operations (~30 us) dominates event batches of a few keys; a compiled loop costs
@@ -43,6 +45,7 @@ from router_policies.block_kernels import (
     U8,
     U64,
     Table,
+    k_absent,
     k_deepest,
     k_has,
     k_keys_with,
@@ -98,6 +101,7 @@ class BlockTable:
         self.keys_of(0)
         self.unset(probe, 0)
         self.unset_slots(np.empty(0, dtype=np.int64), 0)
+        k_absent(self.arrays, probe)
         scratch: Table = (self.keys.copy(), self.state.copy(), self.masks.copy(), self.shift)
         k_set(scratch, probe, 0, np.uint64(1), self._newly)
         k_rehash(self.arrays, (self.keys.copy(), self.state.copy(), self.masks.copy(), self.shift))
@@ -123,10 +127,12 @@ class BlockTable:
 
     def reserve(self, incoming: int) -> None:
         """Guarantee that ``incoming`` more keys fit under ``MAX_LOAD``: drop dead keys, and
-        double the capacity while the live ones would fill more than half of it. A table that
-        fills up to ``MAX_LOAD`` thus doubles once, to a load of ``MAX_LOAD / 2``: a live key
-        costs between ``slot / MAX_LOAD`` and ``2 * slot / MAX_LOAD`` bytes (24-49 bytes at one
-        mask word)."""
+        double the capacity while the live ones and the incoming would fill more than half of
+        it. So right after a growth the load is above 1/4 and at most 1/2: a live key costs less
+        than ``4 * slot`` bytes (68 at one mask word); a table grown by batches small beside it
+        doubles once, from ``MAX_LOAD`` to a load of about ``MAX_LOAD / 2`` (49 bytes a key).
+        ``incoming`` must count only keys without a slot (``set`` counts them near the limit:
+        a replica storing keys that another already holds takes no new slot)."""
         if self.used + incoming <= MAX_LOAD * self.capacity:
             return
         bits = self.bits
@@ -146,7 +152,10 @@ class BlockTable:
     def set(self, batch: U64, slot: int) -> I64:
         """Give replica ``slot`` every key of ``batch``; returns the table slots it newly got."""
         self.ensure_words((slot >> 6) + 1)
-        self.reserve(len(batch))
+        incoming = len(batch)
+        if self.used + incoming > MAX_LOAD * self.capacity:
+            incoming = k_absent(self.arrays, batch)  # only near the limit: a kernel call more
+        self.reserve(incoming)
         if len(self._newly) < len(batch):
             self._newly = np.empty(max(len(batch), 2 * len(self._newly)), dtype=np.int64)
         n, fresh, live = k_set(self.arrays, batch, slot >> 6, np.uint64(1 << (slot & 63)), self._newly)

@@ -35,7 +35,8 @@ from router_policies.ttft.params import TtftParams
 from router_policies.ttft.snapshot import inputs_for
 
 MIN_OBSERVED_MS = 1.0  # relative errors are taken against at least this many milliseconds
-# a fit whose robust relative error scale exceeds this is not routed on (TtftFeed.params)
+# a fit whose robust relative error scale exceeds this gives way to its prior when the prior
+# predicts the same first tokens better (TtftFeed.params)
 MAX_ERROR_RATIO = 0.5
 
 
