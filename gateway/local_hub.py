@@ -20,8 +20,8 @@ Invariants
   checker and ``Hub`` on one event loop; no mutation awaits. Frames are queued synchronously
   right after the mutation they describe, so every worker applies the same sequence.
 * Every buffer is bounded: a worker's pending output beyond ``MAX_PENDING_BYTES`` (plus the
-  size its initial state may have, ``state_bound``) closes its connection (the worker exits and
-  is restarted, then resynced from a full state); a frame is at most ``frame_bound`` bytes.
+  size of the initial state it was sent) closes its connection (the worker exits and is
+  restarted, then resynced from a full state); a frame is at most ``frame_bound`` bytes.
 * Relayed speculative touches are applied here in batches, then relayed in the order applied
   (gateway/local_hub_touch.py).
 """
@@ -79,13 +79,6 @@ def frame_bound(index: PrefixIndex) -> int:
     cfg = index.config
     snapshot = 16 * cfg.max_blocks_per_replica + 16 * cfg.approximate_blocks_per_replica
     return max(snapshot, OPS_FRAME_EXPANSION * MAX_MESSAGE_BYTES) + (1 << 20)
-
-
-def state_bound(index: PrefixIndex) -> int:
-    """The most bytes a worker's initial state can take: every entry (precise and speculative
-    together are at most ``max_total_blocks``) at 16 bytes, and 1 KiB of frames per replica."""
-    cfg = index.config
-    return 16 * cfg.max_total_blocks + 1024 * cfg.max_replicas
 
 
 def engine_frame(replica: str, engine: AgentEngine) -> bytes:
@@ -254,10 +247,12 @@ class Hub:
             if old is not None:
                 old.out.abort()  # a restarted worker replaces its predecessor
                 self._loads.drop(number)  # and its flights (its reports start afresh)
-            # the state goes first, straight to the transport: the bound leaves room for it
-            bound = MAX_PENDING_BYTES + state_bound(self._index)
+            # the state goes first, straight to the transport: the bound leaves room for it (its
+            # size as built: a bound from configured maxima missed a replica's LoRA adapters)
+            state = self.state_frames()
+            bound = MAX_PENDING_BYTES + sum(map(len, state))
             conn = _Conn(number, FrameWriter(writer, bound, f"worker {number}"))
-            writer.writelines(self.state_frames())  # then, with no await between, the live ones
+            writer.writelines(state)  # then, with no await between, the live ones
             self._conns[number] = conn
             while True:
                 kind, payload = await read_frame(reader, self._bound)

@@ -14,7 +14,8 @@ back after every good check (found by ``make faults``, ``engine_slow``).
 
 Invariants: the methods below are the only writers of a ``ReplicaHealth``; ``unhealthy_since`` is
 set iff the replica is checked and unhealthy; at most one of ``ok_streak`` and ``fail_streak`` is
-non-zero; ``ejected_until`` is only ever in the future of an unhealthy replica's ejection.
+non-zero; only an ejection sets ``ejected_until``, to a time in the future, and no check result
+makes the replica healthy before then (a new address, ``unknown``, lifts it: a new process).
 """
 
 from __future__ import annotations
@@ -50,17 +51,20 @@ class ReplicaHealth:
         """A new address is a new process: unknown until checked."""
         self.checked = False
         self.healthy = False
+        self.unhealthy_since = None
+        self.ejected_until = 0.0
 
     def assume_healthy(self) -> None:
         """An agent runs beside a live engine; the active checks confirm or eject it."""
         self.healthy = True
         self.checked = True
+        self.unhealthy_since = None
 
     def check_result(self, ok: bool, error: str, config: HealthConfig, now: float) -> None:
         if not self.checked:
             self.checked = True
-            self.healthy = ok
-            self.unhealthy_since = None if ok else now
+            self.healthy = ok and now >= self.ejected_until  # ejected for its requests: held out
+            self.unhealthy_since = None if self.healthy else now
             self.ok_streak, self.fail_streak = (1, 0) if ok else (0, 1)
             self.last_error = error
             return
@@ -110,3 +114,5 @@ class ReplicaHealth:
         if self.healthy and self.fail_streak >= config.unhealthy_after:
             self.healthy = False
             self.unhealthy_since = now
+        elif not self.healthy and self.unhealthy_since is None:
+            self.unhealthy_since = now  # a failed request was its first result: checked, unhealthy

@@ -309,26 +309,19 @@ class GroupTracker:
 
     def _refresh_below(self, group: int, keys: list[int], medium: str) -> None:
         """Re-evaluate ``keys`` and the descendants whose window reaches them."""
-        if not keys:
-            return
-        depth = self.need.get(group, 1) - 1
-        todo = list(keys)
-        if depth:
-            frontier = keys
-            down = self._down
-            for _ in range(depth):
-                frontier = [c for k in frontier for c in down.get(k, ())]
-                if not frontier:
-                    break
-                todo += frontier
-        self._refresh(todo, medium)
+        if keys:
+            self._refresh(self._with_descendants(keys, self.need.get(group, 1) - 1), medium)
 
     def _refresh_below_any(self, keys: list[int]) -> None:
         """Re-evaluate ``keys`` and their descendants as deep as any group's window reaches
         (nothing to do when every group needs only its own block: no window walks a link)."""
         depth = max(self.need.values(), default=1) - 1
-        if not depth or not self.reported:
-            return
+        if depth and self.reported:
+            todo = self._with_descendants(keys, depth)
+            self._refresh([k for k in todo if k in self.reported], "GPU")
+
+    def _with_descendants(self, keys: list[int], depth: int) -> list[int]:
+        """``keys`` and their descendants down to ``depth`` generations (by the links kept)."""
         todo = list(keys)
         frontier = keys
         down = self._down
@@ -337,7 +330,7 @@ class GroupTracker:
             if not frontier:
                 break
             todo += frontier
-        self._refresh([k for k in todo if k in self.reported], "GPU")
+        return todo
 
     def _refresh(self, keys: list[int], medium: str) -> None:
         reported = self.reported

@@ -8,7 +8,8 @@ keyed, as exactly one of
 - ``Remote``: ask a replica's ``/tokenize`` (``tokenizer: remote``).
 
 ``read_prompt`` validates the prompt fields (raising ``InvalidRequestError`` naming the field)
-and renders chat templates; it has no side effect.
+and renders chat templates; its only side effect is the registry's memo keeping a rendering (exact
+and bounded in bytes), which ``Featurizer.featurize(explain=True)`` reads with ``read_only``.
 """
 
 from __future__ import annotations
