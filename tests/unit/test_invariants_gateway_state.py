@@ -4,9 +4,11 @@ fakes stand for Redis and the workers' sockets. Those found false are ``xfail(st
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import random
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -378,3 +380,17 @@ def test_every_frame_the_parent_relays_fits_frame_bound() -> None:
     for msg in (hello("r0"), snap(2, [1, 2]), events(3, removed(*range(10**6, 10**6 + 140_000)))):
         server._handle(s, msg.SerializeToString())
     assert max(map(len, sent)) <= frame_bound(index)
+
+
+_APPLIERS = {"inventory_server": "_handle", "local_hub": "_handle", "local_hub_client": "_apply"}
+
+
+@pytest.mark.parametrize("module", ["fleet", "inventory_stream", "inventory_ops", *_APPLIERS])
+def test_index_mutations_never_await(module: str) -> None:
+    """Each module's "mutations never await": no coroutine in the module, or the function that
+    applies what arrives is not one (a plain function cannot await, nor can what it calls)."""
+    tree = ast.parse((Path(__file__).resolve().parents[2] / f"gateway/{module}.py").read_text())
+    defs = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+    coroutines = {k for k, n in defs.items() if isinstance(n, ast.AsyncFunctionDef)}
+    only = _APPLIERS.get(module)
+    assert (only in defs and only not in coroutines) if only else not coroutines, (module, coroutines)
