@@ -38,6 +38,7 @@ def _featurizer_inputs(config: GatewayConfig) -> tuple[object, ...]:
         p.tokenize_seen_entries,
         p.tokenize_defer_backlog_chars,
         p.tokenize_cache_bytes,
+        p.tokenize_checkpoint_bytes,
         p.tokenize_defer_backlog_bytes,
         p.tokenize_inflight_bytes,
         p.max_prompt_chars,

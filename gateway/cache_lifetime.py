@@ -68,7 +68,11 @@ class CacheLifetime:
     def inventory_snapshot(self, replica: str, entries: Mapping[int, str]) -> None:
         old = self._stored.pop(replica, OrderedDict())
         self._held -= len(old)
-        fresh: OrderedDict[int, float | None] = OrderedDict((k, old.get(k)) for k in entries)
+        # oldest store first: the snapshot's keys of unknown store time (held before they were
+        # followed, or stored during a gap), then the known ones in their order (the snapshot
+        # lists keys in the agent's order, which a key re-stored during a gap moved)
+        fresh: OrderedDict[int, float | None] = OrderedDict((k, None) for k in entries if old.get(k) is None)
+        fresh.update((k, t) for k, t in old.items() if t is not None and k in entries)
         self._stored[replica] = fresh
         self._held += len(fresh)
         self._enforce(replica)

@@ -7,7 +7,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from gateway.metric_specs import Metric, MetricSet
 
 # Refusal reasons, the values of the ``reason`` label of kvgate_inventory_streams_refused_total.
-REFUSAL_REASONS = ("auth", "malformed", "protocol", "hello_refused", "block_bound", "superseded")
+REFUSAL_REASONS = (
+    "auth",
+    "malformed",
+    "protocol",
+    "hello_refused",
+    "block_bound",
+    "block_size",
+    "identity",
+    "registration",
+    "superseded",
+)
 _LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 

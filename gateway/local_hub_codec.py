@@ -148,7 +148,7 @@ class FrameWriter:
         transport = self._writer.transport
         if transport.is_closing():
             return
-        if self._pending_bytes + transport.get_write_buffer_size() > self._max:
+        if self._pending_bytes + len(data) + transport.get_write_buffer_size() > self._max:
             log.error("%s: %d bytes not sent; closing the channel", self._name, self._max)
             self._pending.clear()
             transport.abort()

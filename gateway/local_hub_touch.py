@@ -48,10 +48,15 @@ class TouchBatcher:
     _timer: asyncio.Handle | None = None
 
     def add(self, touch: Touch) -> None:
+        # a batch stays within the LRU's cap: one that this touch would take over half of it goes
+        # first (a touch longer than the cap alone keeps its head only, as when applied alone)
+        half = max(1, self.index.config.approximate_blocks_per_replica // 2)
+        if self._pending and self._keys + len(touch.keys) > half:
+            self.flush()
         self._pending.append(touch)
         self._keys += len(touch.keys)
-        if self._keys >= max(1, self.index.config.approximate_blocks_per_replica // 2):
-            self.flush()  # a batch stays within the LRU's cap (a longer touch keeps its head only)
+        if self._keys >= half:
+            self.flush()
         elif self._timer is None:
             loop = asyncio.get_running_loop()
             self._timer = (

@@ -37,7 +37,10 @@ def fetch_report(url: str, token: str | None, path: str = "/admin/report", timeo
         req.add_header("authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return json.loads(resp.read())
+            body = resp.read()
+        return json.loads(body)
+    except json.JSONDecodeError as exc:
+        raise UserInputError(f"{url}: {path} answered with no JSON ({exc}): {body[:200]!r}") from None
     except urllib.error.HTTPError as exc:
         raise UserInputError(f"{url}: {path} answered {exc.code}: {exc.read()[:200]!r}") from None
     except (urllib.error.URLError, OSError) as exc:

@@ -1,9 +1,10 @@
 """One answered request as the operator view sees it (docs/architecture.md, "Operator view").
 
-``Upstream`` calls ``OutcomeSink.answered(attempt, body_or_tail, sse)`` once per request the
-engine answered with 200, after the answer went through; the sink reads the engine's ``usage``
-(prompt, cached and completion tokens) from the bytes the prediction audit also reads. Nothing
-here changes the response or any routing state.
+``Upstream`` calls ``OutcomeSink.answered(attempt, usage)`` once per request the engine answered
+with 200, once its bytes were relayed and before the response's end is written (so the sink must
+not raise into the request: ``OperatorView.answered`` guards it); ``usage`` (prompt, cached and
+completion tokens) is parsed once by ``Upstream`` from the bytes the prediction audit also reads
+(None when the engine sent none). Nothing here changes the response or any routing state.
 """
 
 from __future__ import annotations

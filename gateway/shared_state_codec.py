@@ -240,12 +240,12 @@ def decode_header(raw: bytes) -> Header:
 
 # ---------------------------------------------------------------------- stream ids
 def parse_stream_id(raw: bytes | str) -> tuple[int, int]:
-    text = raw.decode() if isinstance(raw, bytes) else raw
-    ms, _, seq = text.partition("-")
     try:
+        text = raw.decode() if isinstance(raw, bytes) else raw
+        ms, _, seq = text.partition("-")
         return int(ms), int(seq or 0)
-    except ValueError:
-        raise CodecError(f"malformed stream id {text!r}") from None
+    except (ValueError, UnicodeDecodeError):  # UnicodeDecodeError is a ValueError: said for the reader
+        raise CodecError(f"malformed stream id {raw!r}") from None
 
 
 # ---------------------------------------------------------------------- key names

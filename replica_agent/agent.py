@@ -224,7 +224,8 @@ class Agent:
         timeout = aiohttp.ClientTimeout(total=5.0, connect=2.0)
         ctx = zmq.asyncio.Context()
         tasks: list[asyncio.Task[None]] = []
-        # the metrics endpoint lives longest: started first, cleaned up last
+        # the metrics endpoint is started first and closed after the ZMQ context, before the HTTP
+        # session (the module docstring's order)
         metrics_runner = await self._serve_metrics() if cfg.metrics_port is not None else None
         async with aiohttp.ClientSession(timeout=timeout) as http:
             try:

@@ -182,6 +182,8 @@ class GatewayClient:
                     return True  # say hello again once the inventory is keyed at the gateway's size
                 reader = asyncio.create_task(self._read(call), name="agent-gateway-reader")
                 self._last_sent.clear()
+                # a hybrid flag reaches the gateway before the keys whose matching it changes
+                await self._send_changed(send, "engine", self.src.engine() if self.src.engine else None)
                 await self._send_snapshot(send)
                 self.stats.connects += 1
                 self.connected.set()

@@ -44,13 +44,13 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
-from typing import Any
 
 import zmq
 import zmq.asyncio
 import zmq.utils.monitor
 
 from replica_agent.engine_events import EventBatch, MalformedEvent, decode_payload, parse_seq
+from replica_agent.engine_replay import ReplayAsk
 from replica_agent.inventory import AgentInventory
 
 log = logging.getLogger(__name__)
@@ -200,8 +200,9 @@ class EventSubscriber:
             batch = self._decode(payload)
             if batch is not None:
                 self._apply(s, batch)
-            else:
-                self.expected = s + 1
+            else:  # unreadable in the engine's own copy too: its effects are unknown
+                self._unreadable(s)
+                whole = False
             self.stats.replayed_batches += 1
         return whole
 
@@ -284,9 +285,10 @@ class EventSubscriber:
             log.debug("frame seq=%d expected=%s ts=%s", seq, self.expected, batch.ts if batch else None)
         if batch is None:
             # undecodable (counted): not received. The next batch shows the gap, and the engine's
-            # replay buffer supplies the batch whole, or the inventory is marked incomplete: a
-            # batch we could not read may have removed blocks, so skipping it would leave the
-            # index claiming blocks the engine no longer holds.
+            # replay buffer supplies the batch whole, or (no replay, or its copy unreadable too:
+            # ``_unreadable``) the inventory is cleared and marked degraded: a batch we could not
+            # read may have removed blocks, so skipping it would leave the index claiming blocks
+            # the engine no longer holds.
             return
         await self._handle(seq, batch)
 
@@ -347,6 +349,8 @@ class EventSubscriber:
                 batch = self._decode(payload)
                 if batch is not None:
                     self._apply(s, batch)
+                else:  # unreadable in the engine's own copy too: its effects are unknown
+                    self._unreadable(s)
                 self.stats.replayed_batches += 1
             self.expected = upto
             if not joined:
@@ -362,39 +366,18 @@ class EventSubscriber:
             self.inventory.mark_degraded(f"unrecoverable event gap [{start}, {upto})")
         self.expected = upto
 
+    def _unreadable(self, seq: int) -> None:
+        """Batch ``seq`` cannot be read, not even from the engine's replay buffer: it may have
+        removed blocks, so the inventory is cleared and marked degraded, as after an
+        unrecoverable gap (keeping it would leave the index claiming blocks the engine dropped)."""
+        self.stats.unrecovered_gaps += 1
+        log.warning("event batch %d unreadable, also from replay: clearing the inventory", seq)
+        self.inventory.clear()
+        self.inventory.mark_degraded(f"event batch {seq} unreadable")
+        self.expected = seq + 1
+
     async def replay(self, start: int) -> list[tuple[int, bytes]] | None:
         """The engine's buffered batches from ``start`` on; None when replay did not answer."""
         assert self.replay_endpoint is not None
-        dealer = self.ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(self.replay_endpoint)
-        out: list[tuple[int, bytes]] = []
-        try:
-            try:
-                # a DEALER's send waits for a connected peer: bound it, or a replay endpoint that
-                # is down (or wrong) would stop the subscriber for good
-                await asyncio.wait_for(
-                    dealer.send_multipart([b"", start.to_bytes(8, "big")]), self.replay_timeout_s
-                )
-            except TimeoutError:
-                log.warning("replay endpoint %s not reachable", self.replay_endpoint)
-                return None
-            while len(out) <= self.max_replay_batches:
-                if not await dealer.poll(int(self.replay_timeout_s * 1000)):
-                    log.warning("replay from seq %d timed out after %d batches", start, len(out))
-                    return None
-                frames: list[Any] = await dealer.recv_multipart()
-                if frames and frames[0] == b"":
-                    frames = frames[1:]
-                if len(frames) == 3:  # topic, seq, payload
-                    frames = frames[1:]
-                seq = self._seq(frames, 2)
-                if seq is None:
-                    continue
-                if seq == -1:
-                    return out
-                out.append((seq, frames[1]))
-            return None
-        finally:
-            with contextlib.suppress(zmq.ZMQError):
-                dealer.close(linger=0)
+        ask = ReplayAsk(self.ctx, self.replay_endpoint, self.replay_timeout_s, self.max_replay_batches)
+        return await ask.batches(start, self._seq)

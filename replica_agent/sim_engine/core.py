@@ -94,8 +94,8 @@ class EngineCore:
         self._num_blocks = model.config.num_blocks
         # In the engine: submitted and neither finished nor aborted. Bounded by max_pending.
         self._handles: dict[int, RequestHandle] = {}
-        # Submissions are bounded by max_pending, aborts by the handles; the rest (resets, debug
-        # reads) get the same headroom again and are refused with 503 beyond it.
+        # Submissions are bounded by max_pending, aborts by the handles (at most max_pending); every
+        # command but an abort is refused with 503 once it would leave aborts less than that room.
         self._commands: asyncio.Queue[_Command] = asyncio.Queue(maxsize=2 * max_pending + 64)
         self._ids = itertools.count()
         self._accepted = 0  # submits queued but not yet applied, counted against max_pending
@@ -137,8 +137,7 @@ class EngineCore:
     def abort(self, handle: RequestHandle) -> None:
         """Client gone: free the request's slot and blocks at the next step boundary."""
         if not handle.finished and handle.error is None:
-            with contextlib.suppress(asyncio.QueueFull):  # cannot happen: aborts are bounded by handles
-                self._commands.put_nowait(_Abort(handle))
+            self._commands.put_nowait(_Abort(handle))  # room kept for every handle's abort (_put)
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` in the core task at a step boundary (consistent with published events)."""
@@ -149,10 +148,10 @@ class EngineCore:
         return await future
 
     def _put(self, cmd: _Command) -> None:
-        try:
-            self._commands.put_nowait(cmd)
-        except asyncio.QueueFull:
-            raise ApiError(503, "engine command queue full") from None
+        """Queue a command that is not an abort, keeping ``max_pending`` places for aborts."""
+        if self._commands.qsize() >= self._commands.maxsize - self._max_pending:
+            raise ApiError(503, "engine command queue full")
+        self._commands.put_nowait(cmd)
 
     # ------------------------------------------------------------------ owner task
     def start(self) -> None:

@@ -2,7 +2,8 @@
 
 Gauges and prefix-cache counters are read from the replica model at scrape time (a collector, no
 copy to keep in sync); the TTFT histogram and token counters are updated as requests progress.
-Every metric carries vLLM's labels ``model_name`` and ``engine`` (the data-parallel rank, "0").
+Every metric carries vLLM's labels ``model_name`` and ``engine`` (the data-parallel rank, "0"),
+but ``vllm:cache_config_info``, which carries ``engine`` only, as vLLM's does.
 One registry per engine instance: no module-level state.
 """
 
@@ -17,7 +18,8 @@ from prometheus_client.registry import Collector
 from router_policies.sim.replica_model import ReplicaModel
 
 # vLLM's buckets for vllm:time_to_first_token_seconds, with boundaries added between them (at most
-# ~1.35x apart up to 10 s) so that a benchmark can read a p99 from them (bench/live_metrics.py).
+# ~1.35x apart from 30 ms to 10 s) so that a benchmark can read a p99 from them
+# (bench/live_metrics.py).
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.13, 0.17, 0.2, 0.25, 0.3,
     0.4, 0.5, 0.6, 0.75, 1.0, 1.3, 1.7, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 7.5, 10.0, 20.0, 40.0, 80.0,

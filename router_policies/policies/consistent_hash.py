@@ -7,7 +7,7 @@ earlier block), or of the last full block of a shorter prompt. A prompt with no 
 keyed by its session id when it has one, else it goes to the least-loaded replica. Walking the
 ring clockwise from the key, the first replica whose in-flight load stays within
 ``ceil(load_factor * (total + 1) / n)`` takes the request, so no replica exceeds ``load_factor``
-times the mean.
+times the mean, rounded up to a whole request (one request on an idle fleet is a load of 1).
 """
 
 from __future__ import annotations

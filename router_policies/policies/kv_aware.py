@@ -178,7 +178,9 @@ from router_policies.ttft.snapshot import inputs_for
 
 MISS_WEIGHT_TOKENS = 4.0  # rule tokens (docstring: "Why miss_weight > 1")
 MISS_WEIGHT_MS = 7.0  # rule ms (docstring: "Why miss_weight 7 with rule ms")
-REFS_PER_REPLICA = 8  # _reference_ms remembers at most this many (params, size) per healthy replica
+# _reference_ms remembers at most this many (params, size) per healthy replica, plus the one
+# decision's own after a clear (mostly params no longer current)
+REFS_PER_REPLICA = 8
 
 
 class KvAwareParams(BaseModel):

@@ -25,7 +25,7 @@ shape (Llama-3-8B config.json: 8.03 B parameters, 32 layers, hidden 4096, 8 KV h
     reads its KV (128 KiB per token: 2 x 32 layers x 8 heads x 128 dims x 2 bytes) at the same
     bandwidth -> 55.8 ns per context token; plus one token through the GEMMs (40.6 us);
   * KV capacity: 0.9 x 80 GB - 16.1 GB weights - ~4 GB activations ~= 52 GB / 128 KiB = ~400k
-    tokens (782 blocks of 512 tokens);
+    tokens (781 blocks of 512 tokens);
   * scheduler limits: vLLM's defaults for an OpenAI server (max_num_seqs 256,
     max_num_batched_tokens 8192).
 

@@ -314,8 +314,10 @@ def oracle_hit_rate(prep: PreparedTrace, capacity_blocks: int) -> float:
     """Hit rate of one shared LRU cache of ``capacity_blocks`` blocks serving every request in
     arrival order: a request hits its longest cached leading run (capped like the engine, so at
     least one prompt token is computed), then touches all its full blocks tail first, so that a
-    prefix outlives its tails (vLLM's free order). No concurrency, no pinning: an upper bound for
-    what routing over caches of the same total size can keep."""
+    prefix outlives its tails (vLLM's free order). No concurrency, no pinning: a reference for
+    what routing over caches of the same total size keeps, not a bound (one LRU is not optimal:
+    prompts cycling through a cache just too small for them all miss every time, where separate
+    caches can keep some of them)."""
     from collections import OrderedDict
 
     lru: OrderedDict[int, None] = OrderedDict()

@@ -15,8 +15,9 @@ Three shapes:
   Poisson arrivals.
 
 Block ids are real chained block keys (``router_policies.block_keys.chain_keys``) of synthetic token
-ids drawn from each segment's seed, then renumbered 0, 1, 2, ... in order of first appearance (as
-Mooncake remaps its hashes), so equal prefixes get equal ids and nothing else does.
+ids drawn from each segment's seed, then renumbered 0, 1, 2, ... in the order they are generated
+(session by session, not in the trace's arrival order), so equal prefixes get equal ids and nothing
+else does.
 
 Defaults and why (the agent shape follows coding/tool agents: a few thousand tokens of head, then
 tool results that dominate the transcript; sessions of about a dozen turns):

@@ -24,8 +24,8 @@ needs:
   observations to follow a replica that became slower or faster (a neighbour on the same GPU,
   thermal throttling, a new engine version). When the fast scale ``s`` exceeds ``reset_ratio``
   times a slow one (the same residuals, averaged ten times more slowly), the residuals are
-  persistently large, not a few outliers (clipping limits how fast ``s`` can grow: about nine
-  consecutive clipped residuals at the defaults), and the covariance goes back to the prior's:
+  persistently large, not a few outliers (clipping limits how fast ``s`` can grow: eleven
+  consecutive clipped residuals at the defaults, from equal scales: the slow one grows too), and the covariance goes back to the prior's:
   the next observations re-fit the coefficients from where they are.
 * Forgetting and windup: the covariance is divided by ``forgetting`` (< 1) at each step, so
   old observations weigh ``forgetting^age`` (memory about 1 / (1 - forgetting) observations); its
