@@ -13,7 +13,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-log = logging.getLogger("replica_agent.subscriber")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)

@@ -125,14 +125,17 @@ class BlockTable:
             self.masks = grown
             self.arrays = (self.keys, self.state, self.masks, self.shift)
 
-    def reserve(self, incoming: int) -> None:
-        """Guarantee that ``incoming`` more keys fit under ``MAX_LOAD``: drop dead keys, and
+    def reserve(self, batch: U64) -> None:
+        """Guarantee that the keys of ``batch`` fit under ``MAX_LOAD``: drop dead keys, and
         double the capacity while the live ones and the incoming would fill more than half of
-        it. So right after a growth the load is above 1/4 and at most 1/2: a live key costs less
-        than ``4 * slot`` bytes (68 at one mask word); a table grown by batches small beside it
-        doubles once, from ``MAX_LOAD`` to a load of about ``MAX_LOAD / 2`` (49 bytes a key).
-        ``incoming`` must count only keys without a slot (``set`` counts them near the limit:
-        a replica storing keys that another already holds takes no new slot)."""
+        it. Incoming are the keys without a slot, counted only near the limit (a replica storing
+        keys another already holds takes no new slot). So right after a growth the load is above
+        1/4 and at most 1/2: a live key costs less than ``4 * slot`` bytes (68 at one mask word);
+        a table grown by batches small beside it doubles once, from ``MAX_LOAD`` to a load of
+        about ``MAX_LOAD / 2`` (49 bytes a key)."""
+        if self.used + len(batch) <= MAX_LOAD * self.capacity:
+            return
+        incoming = k_absent(self.arrays, batch)
         if self.used + incoming <= MAX_LOAD * self.capacity:
             return
         bits = self.bits
@@ -152,10 +155,7 @@ class BlockTable:
     def set(self, batch: U64, slot: int) -> I64:
         """Give replica ``slot`` every key of ``batch``; returns the table slots it newly got."""
         self.ensure_words((slot >> 6) + 1)
-        incoming = len(batch)
-        if self.used + incoming > MAX_LOAD * self.capacity:
-            incoming = k_absent(self.arrays, batch)  # only near the limit: a kernel call more
-        self.reserve(incoming)
+        self.reserve(batch)
         if len(self._newly) < len(batch):
             self._newly = np.empty(max(len(batch), 2 * len(self._newly)), dtype=np.int64)
         n, fresh, live = k_set(self.arrays, batch, slot >> 6, np.uint64(1 << (slot & 63)), self._newly)

@@ -15,6 +15,7 @@ from typing import Any, cast
 import pytest
 from prometheus_client import CollectorRegistry
 
+from gateway import inventory_ops
 from gateway import shared_state_codec as codec
 from gateway.config import GatewayConfig, HealthConfig, SharedStateConfig, parse_config
 from gateway.fleet import Fleet
@@ -60,12 +61,8 @@ def _health_walk(seed: int) -> Iterator[tuple[ReplicaHealth, float, float, bool]
         now, before, was, op = now + rng.uniform(0.0, 3.0), h.ejected_until, h.healthy, rng.randrange(9)
         if op in (0, 4, 5):
             h.check_result(rng.random() < 0.6, "e", cfg, now)
-        elif op == 3:
-            h.proxy_success()
-        elif op == 6:
-            h.unknown()  # a reload gave it a new address
-        elif op == 7:
-            h.assume_healthy()  # an agent says Hello beside a live engine
+        elif op in (3, 6, 7):  # a request answered; a reload's new address; an agent's Hello
+            {3: h.proxy_success, 6: h.unknown, 7: h.assume_healthy}[op]()
         else:
             h.proxy_failure("e", op == 2, cfg, now)
         yield h, now, before, op in (0, 4, 5) and h.healthy and not was
@@ -368,18 +365,24 @@ def test_the_owner_fleet_relays_each_input_after_applying_it() -> None:
 
 
 def test_every_frame_the_parent_relays_fits_frame_bound() -> None:
-    """local_hub.py: a frame is at most ``frame_bound`` bytes, also the ops of an agent batch
-    whose removals outnumber the replica's blocks (found false when the bound covered only a
-    snapshot: every worker refused the frame and was restarted)."""
+    """local_hub.py: a frame is at most ``frame_bound`` bytes, also the ops of an agent batch whose
+    removals outnumber the replica's blocks (found false: every worker refused it, restarted)."""
     cfg = _config(index={"max_blocks_per_replica": 8, "approximate_blocks_per_replica": 0})
     hub, fleet, index = _hub(cfg)
     sent: list[bytes] = []
     hub._conns[1] = cast(Any, SimpleNamespace(send=sent.append))
     server = InventoryServer(index, fleet, token=None, registry=CollectorRegistry())
     server.observer, s = hub, StreamState(peer="p", task=None)
-    for msg in (hello("r0"), snap(2, [1, 2]), events(3, removed(*range(10**6, 10**6 + 140_000)))):
-        server._handle(s, msg.SerializeToString())
-    assert max(map(len, sent)) <= frame_bound(index)
+    batches = [
+        [removed(*range(10**6, 1_140_000))],
+        [removed(k) for k in range(3000)],
+        [removed(*range(9000))],
+    ]
+    for msg in (hello("r0"), snap(2, [1, 2]), *(events(3 + i, *b) for i, b in enumerate(batches))):
+        server._handle(s, raw := msg.SerializeToString())  # an ops frame: 8x its message at most
+        expanded = len(sent[-1]) <= inventory_ops.OPS_FRAME_EXPANSION * len(raw)
+        assert expanded or msg.WhichOneof("body") != "events"
+    assert max(map(len, sent)) <= frame_bound(index)  # the expansion bound, times the largest message
 
 
 _APPLIERS = {"inventory_server": "_handle", "local_hub": "_handle", "local_hub_client": "_apply"}
