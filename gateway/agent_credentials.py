@@ -39,6 +39,7 @@ from typing import NamedTuple
 from urllib.parse import urlsplit
 
 from gateway.config import AuthConfig, GatewayConfig, RegistrationConfig
+from gateway.documents import read_text
 from router_policies.errors import UserInputError
 
 log = logging.getLogger("kvgate.auth")
@@ -104,10 +105,7 @@ class AgentCredentials:
 def _read_token_file(path: str) -> list[tuple[str, bytes]]:
     """``REPLICA_ID SHA256_HEX`` lines -> (replica, digest); a replica may have several lines (a
     token being rotated: the old and the new one both valid until the old line goes)."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise CredentialsError(f"auth.agent_token_file: cannot read {path}: {exc.strerror}") from None
+    text = read_text(Path(path), lambda why: CredentialsError(f"auth.agent_token_file: {path}: {why}"))
     out: list[tuple[str, bytes]] = []
     for n, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()

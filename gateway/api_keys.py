@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gateway.agent_credentials import token_digest
 from gateway.config import ApiKeysConfig
+from gateway.documents import read_text
 from gateway.openai_errors import RequestError, error_response_of
 from gateway.rate_limit import TokenBuckets
 from router_policies.errors import UserInputError
@@ -49,10 +50,8 @@ def _read_keys(config: ApiKeysConfig, env: Mapping[str, str]) -> list[str]:
     if config.env:
         keys += [k.strip() for k in env.get(config.env, "").split(",") if k.strip()]
     if config.file:
-        try:
-            text = Path(config.file).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ApiKeysError(f"auth.api_keys.file: cannot read {config.file}: {exc.strerror}") from None
+        file = config.file
+        text = read_text(Path(file), lambda why: ApiKeysError(f"auth.api_keys.file: {file}: {why}"))
         keys += [line.split("#", 1)[0].strip() for line in text.splitlines()]
     return [k for k in keys if k]
 

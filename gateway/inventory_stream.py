@@ -179,6 +179,8 @@ class Streams:
             self._snapshot(stream, msg.snapshot)
         elif kind == "load":
             ld = msg.load
+            if not 0.0 <= ld.kv_usage <= 1.0:  # NaN too: the operator view's JSON could not hold it
+                raise protocol(f"load kv_usage {ld.kv_usage} is not in [0, 1]")
             self.fleet.agent_load(
                 stream.replica,
                 AgentLoad(ld.running, ld.waiting, ld.kv_usage, ld.prefix_queries, ld.prefix_hits),

@@ -50,6 +50,10 @@ def events(seq: int, *evs: pb.Event) -> pb.AgentMessage:
     return pb.AgentMessage(seq=seq, events=pb.Events(events=list(evs)))
 
 
+def load(seq: int, kv_usage: float, running: int = 0, waiting: int = 0) -> pb.AgentMessage:
+    return pb.AgentMessage(seq=seq, load=pb.Load(running=running, waiting=waiting, kv_usage=kv_usage))
+
+
 def stored(*keys: int) -> pb.Event:
     return pb.Event(stored=pb.Stored(keys=list(keys)))
 

@@ -24,14 +24,14 @@ conversions) may differ: route such a model with ``tokenizer: remote``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tokenizers import AddedToken, Tokenizer
 
-from gateway.documents import read_document
+from gateway.documents import read_document, read_text
 from router_policies.errors import UserInputError
 
 # transformers' SPECIAL_TOKENS_ATTRIBUTES, in its order
@@ -105,14 +105,18 @@ def _templates(folder: Path, cfg: Mapping[str, Any], where: str) -> tuple[str | 
         for entry in raw:
             if isinstance(entry, Mapping) and isinstance(entry.get("name"), str):
                 named[str(entry["name"])] = str(entry.get("template", ""))
+
+    def failed(path: Path) -> Callable[[str], Exception]:
+        return lambda why: FeatureConfigError(f"{where}: {path}: {why}")
+
     # transformers prefers the standalone files to the config's copy
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():
-        single = jinja.read_text(encoding="utf-8")
+        single = read_text(jinja, failed(jinja))
     extra_dir = folder / "additional_chat_templates"
     if extra_dir.is_dir():
         for f in sorted(extra_dir.glob("*.jinja")):
-            named[f.stem] = f.read_text(encoding="utf-8")
+            named[f.stem] = read_text(f, failed(f))
     if named:
         if single is not None:
             named.setdefault("default", single)

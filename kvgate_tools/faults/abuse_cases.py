@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import grpc
 
-from kvgate_tools.stream_agent import events, hello, snap, stored
+from kvgate_tools.stream_agent import events, hello, load, snap, stored
 from proto.kvgate.v1 import inventory_pb2 as pb
 
 TOKENS = {"r0": "tok-r0", "r1": "tok-r1", "a0": "tok-a0", "shared": "tok-shared"}
@@ -50,6 +50,8 @@ CASES: list[tuple[str, str | None, list[pb.AgentMessage | bytes], grpc.StatusCod
     ("hello with seq 5", bearer("r0"), [hello("r0", seq=5)], _I, "protocol"),
     ("empty replica id", bearer("shared"), [hello("")], _I, "malformed"),
     ("second hello as another replica", bearer("r1"), [hello("r1"), hello("r0", seq=2)], _I, "protocol"),
+    ("load with a NaN KV usage", bearer("r0"), [hello("r0"), load(2, float("nan"))], _I, "protocol"),
+    ("load with a KV usage over 1", bearer("r0"), [hello("r0"), load(2, 1.5)], _I, "protocol"),
     ("block size mismatch", bearer("r0"), [hello("r0", block_size=5), snap(2, [99])], _F, "hello_refused"),
     ("keys at a divisor, not re-keyed", bearer("r0"), [hello("r0", block_size=8), snap(2, [99])], _F, "block_size"),
     ("protocol version 99", bearer("r0"), [hello("r0", version=99), snap(2, [99])], _F, "protocol"),

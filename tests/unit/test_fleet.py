@@ -138,7 +138,8 @@ def test_agent_hello_refusals() -> None:
     # An engine block dividing the gateway's (n keys at 32) is accepted only to be re-keyed: the
     # gateway's size goes back on the Ack of the Hello (the agent then re-keys and says Hello
     # again), and keys of the smaller size are refused on the stream, never applied unmatched
-    # (tests/integration/test_inventory_abuse.py, "keys at a divisor, not re-keyed";
+    # (the case "keys at a divisor, not re-keyed" of kvgate_tools/faults/abuse_cases.py, which
+    # tests/integration/test_inventory_abuse.py runs;
     # tests/unit/test_sglang_rekey.py, the agent's side).
     assert fleet.agent_hello(_hello("d", block_size=16, models=("n",))) is None
     assert fleet.key_block_size(("n",)) == 32 and fleet.key_block_size(("m",)) == 16
