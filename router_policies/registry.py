@@ -16,7 +16,8 @@ from pydantic import BaseModel, ValidationError
 
 from router_policies.errors import UserInputError
 from router_policies.policies.consistent_hash import ConsistentHash, ConsistentHashParams
-from router_policies.policies.kv_aware import KvAware, KvAwareParams
+from router_policies.policies.kv_aware import KvAware
+from router_policies.policies.kv_aware_params import KvAwareParams
 from router_policies.policies.least_loaded import LeastLoaded, LeastLoadedParams
 from router_policies.policies.round_robin import RoundRobin, RoundRobinParams
 from router_policies.policy import Policy

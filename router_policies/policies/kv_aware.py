@@ -152,6 +152,14 @@ where load is the requests ahead of a new one (``load_of``) and the mean is over
 replicas. Cache affinity therefore can never pile traffic onto one replica. If every replica is
 excluded (impossible while the mean is a mean, kept for safety) the least loaded one wins.
 
+Stall relief (``stall_ms``, ``stall_factor``; router_policies/policies/kv_stall.py): when the
+replica of least cost is stalled (its oldest routed request has waited for its first token at
+least stall_ms, and stall_factor times its queued prefill's time: a KV cache full of decodes
+admits nothing however little prefill waits), the request goes to the cheapest replica within
+the guard where no request waits (reason ``kv_aware:stall``), if its cost is below the stalled
+one's plus that wait so far (in the rule's units: tokens at r's speed, or ms); otherwise, or
+with none, the choice stands.
+
 Explain: ``Decision.scores`` holds cost_r; ``Decision.terms`` holds, per replica, ttft_ms,
 wait_ms, prefill_ms, read_ms, fetch_ms, added_ms and cost (the token rule: cost and time_r).
 """
@@ -159,11 +167,11 @@ wait_ms, prefill_ms, read_ms, fetch_ms, added_ms and cost (the token rule: cost 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
+from router_policies.policies.kv_aware_params import KvAwareParams
 from router_policies.policies.kv_speed import speed_groups, speed_size
+from router_policies.policies.kv_stall import quiet_cheapest, stalled
 from router_policies.policy import (
     Decision,
     FleetSnapshot,
@@ -176,78 +184,9 @@ from router_policies.ttft.features import REFERENCE_INPUTS, predict
 from router_policies.ttft.params import NAMED_PRIORS, TtftParams
 from router_policies.ttft.snapshot import inputs_for
 
-MISS_WEIGHT_TOKENS = 4.0  # rule tokens (docstring: "Why miss_weight > 1")
-MISS_WEIGHT_MS = 7.0  # rule ms (docstring: "Why miss_weight 7 with rule ms")
 # _reference_ms remembers at most this many (params, size) per healthy replica, plus the one
 # decision's own after a clear (mostly params no longer current)
 REFS_PER_REPLICA = 8
-
-
-class KvAwareParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    rule: Literal["ms", "tokens"] = Field(
-        "tokens",
-        description="tokens: the prefill-token cost (the default); ms: predicted TTFT in "
-        "milliseconds (opt-in: better on KV pressure and mixed hardware, worse on decode-heavy "
-        "traffic, docs/simulator.md).",
-    )
-    prior: Literal["llama3-8b-h100", "small-cpu"] = Field(
-        "llama3-8b-h100", description="TTFT model of a replica the model owner has not fitted yet."
-    )
-    min_match_ratio: float = Field(
-        0.1, ge=0.0, le=1.0, description="Matches below this share of the prompt count as no match."
-    )
-    balance_abs: float = Field(
-        32.0, ge=0.0, description="Hot-spot guard: requests a replica may run above balance_rel x mean."
-    )
-    balance_rel: float = Field(1.5, ge=1.0, description="Hot-spot guard: multiple of the mean load.")
-    request_cost_tokens: float = Field(
-        64.0, ge=0.0, description="rule tokens: prefill-token equivalent of each request on a replica."
-    )
-    miss_weight: float | None = Field(
-        None,
-        ge=1.0,
-        description="Weight of this request's own prefill: 1 for the request itself, plus the delay "
-        "it adds to the requests queued behind it (default: 4 with rule tokens, 7 with rule ms).",
-    )
-    behind: Literal["fleet", "load", "local"] = Field(
-        "fleet",
-        description="How the delay added to requests behind is scaled per replica: fleet (by the "
-        "replica's prefill speed relative to the fleet mean), load ((1 + load) / (1 + mean load)), "
-        "local (not scaled).",
-    )
-    fill_weight: float = Field(
-        0.5,
-        ge=0.0,
-        description="Extra cost of uncached tokens on a replica whose cache the index fills most, "
-        "relative to the emptiest (0 disables): spreads new content over the fleet's caches. A "
-        "prompt no replica holds gets fill_weight / miss_weight.",
-    )
-    speed_ratio: float = Field(
-        2.0,
-        ge=0.0,
-        description="rule tokens: replicas whose fitted speeds differ by more than this factor "
-        "(mixed hardware) are priced in their own time (0: all alike, as before 2026-12-02).",
-    )
-    same_speed: float = Field(
-        0.3,
-        ge=0.0,
-        description="rule ms: replicas whose fitted speed is within this fraction of the fleet "
-        "median are priced with the median replica's model (0: each with its own fit).",
-    )
-
-    @field_validator("speed_ratio")
-    @classmethod
-    def _ratio_above_one(cls, v: float) -> float:
-        if 0.0 < v <= 1.0:
-            raise ValueError("speed_ratio must be 0 (off) or above 1")
-        return v
-
-    def miss_weight_of_rule(self) -> float:
-        if self.miss_weight is not None:
-            return self.miss_weight
-        return MISS_WEIGHT_MS if self.rule == "ms" else MISS_WEIGHT_TOKENS
 
 
 class _Candidate(NamedTuple):
@@ -339,6 +278,18 @@ class KvAware:
             out_refs.append(refs[mid] if same else ref)
         return models, out_refs
 
+    def _stall_cost(self, r: ReplicaState, prompt_tokens: int) -> float:
+        """The wait of a stalled r in the rule's units, 0 when r is not stalled
+        (router_policies/policies/kv_stall.py); r's speed is read only past stall_ms."""
+        p = self.params
+        if not p.stall_ms or r.pending_age_ms < p.stall_ms:
+            return 0.0
+        size = speed_size(prompt_tokens)
+        ms_per_token = self._reference_ms(r.ttft if r.ttft is not None else self._prior, size) / size
+        if not stalled(r, ms_per_token, p.stall_ms, p.stall_factor):
+            return 0.0
+        return r.pending_age_ms / ms_per_token if p.rule == "tokens" else r.pending_age_ms
+
     def _behind_scale(self, refs: list[float], loads: list[int]) -> list[float]:
         """Per replica, the multiple of (miss_weight - 1) requests expected behind (docstring)."""
         n = len(refs)
@@ -394,5 +345,12 @@ class KvAware:
         if best is None:
             hot = min(healthy, key=load_of)
             return Decision(hot.id, "kv_aware:all_hot", hot.matched_blocks, scores, terms)
+        stall_cost = self._stall_cost(healthy[best], prompt)
+        if stall_cost:  # stall relief (docstring)
+            costs = [scores[r.id] for r in healthy]
+            quiet = quiet_cheapest(healthy, costs, [x <= limit for x in loads])
+            if quiet is not None and costs[quiet] < best_cost + stall_cost:
+                r = healthy[quiet]
+                return Decision(r.id, "kv_aware:stall", r.matched_blocks, scores, terms)
         reason = "kv_aware:cache" if matches[best] else "kv_aware:load"
         return Decision(healthy[best].id, reason, healthy[best].matched_blocks, scores, terms)

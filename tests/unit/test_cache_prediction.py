@@ -10,7 +10,8 @@ from collections.abc import Sequence
 
 from router_policies import placement
 from router_policies.cache_prediction import evicted_before_prefill, predicted_cached_tokens
-from router_policies.policies.kv_aware import KvAware, KvAwareParams
+from router_policies.policies.kv_aware import KvAware
+from router_policies.policies.kv_aware_params import KvAwareParams
 from router_policies.policy import FleetSnapshot, ReplicaState, RequestFeatures
 from router_policies.prefix_index import PrefixIndex
 from router_policies.ttft.params import DEFAULT_PRIOR

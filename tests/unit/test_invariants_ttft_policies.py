@@ -19,7 +19,8 @@ import pytest
 
 from router_policies.flags import options_from_flags
 from router_policies.policies.consistent_hash import ConsistentHash, ConsistentHashParams
-from router_policies.policies.kv_aware import REFS_PER_REPLICA, KvAware, KvAwareParams
+from router_policies.policies.kv_aware import REFS_PER_REPLICA, KvAware
+from router_policies.policies.kv_aware_params import KvAwareParams
 from router_policies.policies.kv_speed import speed_groups, speed_size
 from router_policies.policy import FleetSnapshot, ReplicaState, RequestFeatures, load_of
 from router_policies.ttft import estimator as est

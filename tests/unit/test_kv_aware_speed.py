@@ -10,7 +10,8 @@ import random
 import pytest
 from pydantic import ValidationError
 
-from router_policies.policies.kv_aware import REFS_PER_REPLICA, KvAware, KvAwareParams
+from router_policies.policies.kv_aware import REFS_PER_REPLICA, KvAware
+from router_policies.policies.kv_aware_params import KvAwareParams
 from router_policies.policies.kv_speed import speed_groups, speed_size
 from router_policies.policy import FleetSnapshot, ReplicaState, RequestFeatures
 from router_policies.registry import build_policy
