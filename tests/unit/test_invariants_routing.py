@@ -375,10 +375,10 @@ def test_a_metric_set_creates_every_metric_its_classes_declare_on_its_own_regist
 
 
 def test_a_document_read_catches_only_what_cannot_be_read_or_parsed(tmp_path: Path) -> None:
-    """documents.py: ``read_document`` fails "cannot read" or "invalid <kind>" ("nothing else is
-    caught": a file that is not UTF-8 raises its own error)."""
+    """documents.py: ``read_document`` fails "cannot read", "not UTF-8 text" or "invalid <kind>"
+    ("nothing else is caught")."""
     with pytest.raises(Failed, match=r"^cannot read: Is a directory$"):
         read_document(tmp_path, "YAML", Failed)
     (tmp_path / "latin1.yaml").write_bytes("a: caf\u00e9\n".encode("latin-1"))
-    with pytest.raises(UnicodeDecodeError):
+    with pytest.raises(Failed, match=r"^not UTF-8 text: byte 6 "):
         read_document(tmp_path / "latin1.yaml", "YAML", Failed)
