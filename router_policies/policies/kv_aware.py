@@ -156,9 +156,9 @@ Stall relief (``stall_ms``, ``stall_factor``; router_policies/policies/kv_stall.
 replica of least cost is stalled (its oldest routed request has waited for its first token at
 least stall_ms, and stall_factor times its queued prefill's time: a KV cache full of decodes
 admits nothing however little prefill waits), the request goes to the cheapest replica within
-the guard where no request waits (reason ``kv_aware:stall``), if its cost is below the stalled
-one's plus that wait so far (in the rule's units: tokens at r's speed, or ms); otherwise, or
-with none, the choice stands.
+the guard where no request waits and whose KV cache has room for it beside its requests in
+flight (reason ``kv_aware:stall``), if its cost is below the stalled one's plus that wait so far
+(in the rule's units: tokens at r's speed, or ms); otherwise, or with none, the choice stands.
 
 Explain: ``Decision.scores`` holds cost_r; ``Decision.terms`` holds, per replica, ttft_ms,
 wait_ms, prefill_ms, read_ms, fetch_ms, added_ms and cost (the token rule: cost and time_r).
@@ -171,7 +171,7 @@ from typing import NamedTuple
 
 from router_policies.policies.kv_aware_params import KvAwareParams
 from router_policies.policies.kv_speed import speed_groups, speed_size
-from router_policies.policies.kv_stall import quiet_cheapest, stalled
+from router_policies.policies.kv_stall import has_room, quiet_cheapest, stalled
 from router_policies.policy import (
     Decision,
     FleetSnapshot,
@@ -278,6 +278,9 @@ class KvAware:
             out_refs.append(refs[mid] if same else ref)
         return models, out_refs
 
+    def _model_of(self, r: ReplicaState) -> TtftParams:
+        return r.ttft if r.ttft is not None else self._prior
+
     def _stall_cost(self, r: ReplicaState, prompt_tokens: int) -> float:
         """The wait of a stalled r in the rule's units, 0 when r is not stalled
         (router_policies/policies/kv_stall.py); r's speed is read only past stall_ms."""
@@ -285,7 +288,7 @@ class KvAware:
         if not p.stall_ms or r.pending_age_ms < p.stall_ms:
             return 0.0
         size = speed_size(prompt_tokens)
-        ms_per_token = self._reference_ms(r.ttft if r.ttft is not None else self._prior, size) / size
+        ms_per_token = self._reference_ms(self._model_of(r), size) / size
         if not stalled(r, ms_per_token, p.stall_ms, p.stall_factor):
             return 0.0
         return r.pending_age_ms / ms_per_token if p.rule == "tokens" else r.pending_age_ms
@@ -348,7 +351,14 @@ class KvAware:
         stall_cost = self._stall_cost(healthy[best], prompt)
         if stall_cost:  # stall relief (docstring)
             costs = [scores[r.id] for r in healthy]
-            quiet = quiet_cheapest(healthy, costs, [x <= limit for x in loads])
+            quiet = quiet_cheapest(
+                healthy,
+                costs,
+                lambda i: (
+                    loads[i] <= limit
+                    and has_room(healthy[i], request, matches[i], self._model_of(healthy[i]))
+                ),
+            )
             if quiet is not None and costs[quiet] < best_cost + stall_cost:
                 r = healthy[quiet]
                 return Decision(r.id, "kv_aware:stall", r.matched_blocks, scores, terms)

@@ -70,8 +70,9 @@ class KvAwareParams(BaseModel):
         ge=0.0,
         description="Stall relief: a replica whose oldest routed request has waited this long "
         "for its first token, and stall_factor times its queued prefill's time, is stalled; a "
-        "request whose cheapest replica is stalled goes to the cheapest with nothing waiting "
-        "(0 disables; router_policies/policies/kv_stall.py).",
+        "request whose cheapest replica is stalled goes to the cheapest with nothing waiting when "
+        "that costs less than the stalled one plus the stall so far (0 disables; "
+        "router_policies/policies/kv_stall.py).",
     )
     stall_factor: float = Field(
         2.0,

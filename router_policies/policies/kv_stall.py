@@ -1,19 +1,23 @@
 """kv_aware's stall relief (kv_aware's docstring, "Stall relief"): a replica whose queue does not
-move is left for one where nothing waits.
+move is left for one where nothing waits and KV has room.
 
     age_r      = how long the oldest request routed to r and still without a first token has
                  waited (ReplicaState.pending_age_ms)
     queued_r   = pending_prefill_tokens_r x r's milliseconds per token (its fit's TTFT of a lone
                  prompt of the request's size on an idle replica, over that size)
     stalled_r  = stall_ms > 0 and age_r >= stall_ms and age_r >= stall_factor x queued_r
+    room_q     = q's KV cache holds the request beside q's requests in flight: the TTFT model's KV
+                 demand (their prompts and expected outputs, shared prefix blocks once, plus this
+                 request's prompt) within the capacity q's agent reported
+                 (router_policies.ttft.features.kv_excess_tokens 0; the prior's guess without one)
 
-When the replica kv_aware's rule picks is stalled, the request goes to the cheapest replica (by
-the same rule's cost, within the hot-spot guard) where no request waits (age 0), if that one's
-cost is below the pick's plus the stall's wait so far in the rule's units (age_r / ms per token
-with the token rule; age_r with the ms rule); otherwise, or when there is none, the rule's pick
-stands. The wait so far is the stall's expected rest (a wait of unknown length that has lasted
-age_r is as likely to last as long again); it keeps a long prompt on its holder when recomputing
-it elsewhere would take longer than the stall has.
+When the replica kv_aware's rule picks (p) is stalled, the request goes to the cheapest replica q
+(by the same rule's cost, within the hot-spot guard) where no request waits (age_q 0) and room_q
+holds, if cost_q < cost_p + the stall's wait so far in the rule's units (age_p / p's ms per token
+with the token rule; age_p with the ms rule); otherwise, or when there is none, p stands. The
+wait so far stands for the stall's rest (a wait of unknown length that has lasted age_p is as
+likely to last as long again); it keeps a long prompt on its holder when recomputing it
+elsewhere would take longer than the stall has lasted.
 
 Why. A queue of prefill work moves at the engine's speed, and the rule prices it (the queued
 tokens). A replica whose KV cache is full of running decodes admits nothing until one of them
@@ -27,18 +31,24 @@ docs/performance.md, "Stall relief"). The head's age is an observation, not a pr
 0 on a replica where nothing waits, and on a queue of prefill it stays within its queued time,
 which stall_factor leaves room for (decodes interleaved in every step slow a prefill down).
 
-Why to a replica where nothing waits, and not the cheapest other one: the move costs a miss
-(its whole prefill) and a second copy of the session's prefix in a fleet short of KV. Only a
-replica admitting at once is sure to be worth that against a wait of unknown length; a guard
-that moved requests by predicted TTFT to any cheaper replica lost (p99 and hit rate,
-docs/performance.md, "decode_heavy's seed 6").
+Why only to a replica where nothing waits and KV has room: the move costs a miss (its whole
+prefill) and a second copy of the session's prefix in a fleet short of KV; only a replica that
+admits it at once is sure to be worth that against a wait of unknown length. Without room_q the
+simulator's decode-heavy profile at load 0.8 (an overloaded fleet: every replica's queue stalls
+in turn, and one drained for a moment drew the moves) fell from hit rate 0.885 and TTFT p99 47 s
+to 0.724 and 145 s; with it 0.861 and 49 s. A guard that moved requests by predicted TTFT to any
+cheaper replica lost live (p99 and hit rate, docs/performance.md, "The held-out traces on a
+slower host", its paragraph "decode_heavy's seed 6").
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from router_policies.policy import ReplicaState
+from router_policies.policy import ReplicaState, RequestFeatures
+from router_policies.ttft.features import kv_excess_tokens
+from router_policies.ttft.params import TtftParams
+from router_policies.ttft.snapshot import inputs_for
 
 
 def stalled(r: ReplicaState, ms_per_token: float, stall_ms: float, factor: float) -> bool:
@@ -47,13 +57,18 @@ def stalled(r: ReplicaState, ms_per_token: float, stall_ms: float, factor: float
     return stall_ms > 0 and age >= stall_ms and age >= factor * r.pending_prefill_tokens * ms_per_token
 
 
+def has_room(r: ReplicaState, request: RequestFeatures, matched_tokens: int, model: TtftParams) -> bool:
+    """room_r (module docstring); ``model``: the TTFT model r is priced with."""
+    inputs = inputs_for(r, request.prompt_tokens, matched_tokens, request.block_size, model)
+    return (
+        kv_excess_tokens(inputs, inputs.uncached_tokens, inputs.cached_tokens, model.kv_capacity_tokens) == 0
+    )
+
+
 def quiet_cheapest(
-    healthy: Sequence[ReplicaState], costs: Sequence[float], eligible: Sequence[bool]
+    healthy: Sequence[ReplicaState], costs: Sequence[float], eligible: Callable[[int], bool]
 ) -> int | None:
-    """The index of the cheapest eligible replica where no request waits (the first of equals),
-    or None when there is none."""
-    best: int | None = None
-    for i, r in enumerate(healthy):
-        if eligible[i] and r.pending_age_ms == 0 and (best is None or costs[i] < costs[best]):
-            best = i
-    return best
+    """The index of the cheapest replica where no request waits and ``eligible(index)`` holds
+    (the first of equals), or None when there is none; ``eligible`` is asked in order of cost."""
+    quiet = sorted((i for i, r in enumerate(healthy) if r.pending_age_ms == 0), key=costs.__getitem__)
+    return next((i for i in quiet if eligible(i)), None)

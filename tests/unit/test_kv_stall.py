@@ -13,7 +13,7 @@ import pytest
 from router_policies.policies.kv_aware import KvAware
 from router_policies.policies.kv_aware_params import KvAwareParams
 from router_policies.policies.kv_speed import speed_size
-from router_policies.policies.kv_stall import quiet_cheapest, stalled
+from router_policies.policies.kv_stall import has_room, quiet_cheapest, stalled
 from router_policies.policy import FleetSnapshot, ReplicaState, RequestFeatures
 from router_policies.ttft.features import REFERENCE_INPUTS, predict
 from router_policies.ttft.params import NAMED_PRIORS
@@ -102,6 +102,18 @@ def test_with_no_quiet_replica_within_the_guard_the_choice_stands() -> None:
     assert d.replica == "holder"
 
 
+def test_a_quiet_replica_without_room_in_its_kv_cache_is_passed_over() -> None:
+    """room_q: the quiet replica's requests in flight and this one must fit the KV capacity its
+    model holds (the agent's report; here the prior's); a full one leaves the stalled pick."""
+    capacity = NAMED_PRIORS[KvAwareParams().prior].kv_capacity_tokens
+    full: dict[str, object] = {"in_flight_tokens": capacity - SHORT * BS + 1}
+    d = KvAware(KvAwareParams()).choose(req(), fleet(800.0, quiet=full))
+    assert (d.replica, d.reason) == ("holder", "kv_aware:cache")
+    just: dict[str, object] = {"in_flight_tokens": capacity - SHORT * BS}
+    d = KvAware(KvAwareParams()).choose(req(), fleet(800.0, quiet=just))
+    assert (d.replica, d.reason) == ("quiet", "kv_aware:stall")
+
+
 @pytest.mark.parametrize("rule", ["tokens", "ms"])
 def test_stall_relief_is_the_stated_rule_on_random_fleets(rule: str) -> None:
     """Property: the choice is the quiet cheapest exactly when the rule's pick is stalled, a
@@ -109,7 +121,7 @@ def test_stall_relief_is_the_stated_rule_on_random_fleets(rule: str) -> None:
     far (tokens at the pick's speed, or ms); otherwise it is the rule's own (stall_ms 0)."""
     rng = random.Random(7)
     moved = 0
-    for _ in range(400):
+    for _ in range(800):
         blocks = rng.choice([SHORT, LONG])
         reps = tuple(
             ReplicaState(
@@ -118,6 +130,7 @@ def test_stall_relief_is_the_stated_rule_on_random_fleets(rule: str) -> None:
                 matched_blocks=rng.choice([0, 0, blocks // 2, blocks]),
                 pending_prefill_tokens=rng.choice([0, 16, 500, 5_000, 50_000]),
                 pending_age_ms=rng.choice([0.0, 0.0, 2.0, 300.0, 700.0, 3_000.0, 20_000.0]),
+                in_flight_tokens=rng.choice([0, 10_000, 390_000]),
             )
             for i in range(4)
         )
@@ -128,7 +141,10 @@ def test_stall_relief_is_the_stated_rule_on_random_fleets(rule: str) -> None:
         loads = [r.in_flight_requests for r in reps]
         limit = 1.5 * sum(loads) / len(loads) + 32.0
         costs = [plain.scores[r.id] for r in reps]
-        quiet = quiet_cheapest(reps, costs, [x <= limit for x in loads])
+        prior = NAMED_PRIORS[KvAwareParams().prior]
+        matched = [min(r.matched_blocks * BS, blocks * BS) for r in reps]
+        ok = [loads[i] <= limit and has_room(r, req(blocks), matched[i], prior) for i, r in enumerate(reps)]
+        quiet = quiet_cheapest(reps, costs, ok.__getitem__)
         mpt = ms_per_token(blocks)
         wait = pick.pending_age_ms / mpt if rule == "tokens" else pick.pending_age_ms
         if (
