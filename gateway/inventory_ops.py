@@ -66,8 +66,11 @@ def op_of_chunk(chunk: pb.SnapshotChunk) -> Op:
 
 
 # The largest agent message the inventory stream accepts (its gRPC receive limit). A message's
-# ops relayed as one frame (to the workers, ``gateway.local_hub``) take at most 8x its bytes: a key
-# is at least one byte in the message and 8 in the frame.
+# ops relayed as one frame (to the workers, ``gateway.local_hub``) take at most 5/4 of its bytes
+# plus the frame's header: a key is 8 bytes in both (fixed64), a medium's name as many, and an
+# op's own bytes (its kind and 4-byte count) at most 5/4 of its event's in the message (an empty
+# removal: 4 bytes there, 5 here; a clear: 4 there, 1 here). OPS_FRAME_EXPANSION bounds that with
+# room to spare.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 OPS_FRAME_EXPANSION = 8
 

@@ -250,7 +250,7 @@ class KvAware:
     ) -> tuple[list[TtftParams], list[float]]:
         if len(self._refs) > REFS_PER_REPLICA * len(healthy):  # mostly params no longer current
             self._refs.clear()
-        own = [r.ttft if r.ttft is not None else self._prior for r in healthy]
+        own = [self._model_of(r) for r in healthy]
         return own, [self._reference_ms(m, tokens) for m in own]
 
     def _times(self, healthy: list[ReplicaState], prompt_tokens: int) -> list[float]:
@@ -350,16 +350,15 @@ class KvAware:
             return Decision(hot.id, "kv_aware:all_hot", hot.matched_blocks, scores, terms)
         stall_cost = self._stall_cost(healthy[best], prompt)
         if stall_cost:  # stall relief (docstring)
-            costs = [scores[r.id] for r in healthy]
             quiet = quiet_cheapest(
                 healthy,
-                costs,
+                scores,
                 lambda i: (
                     loads[i] <= limit
                     and has_room(healthy[i], request, matches[i], self._model_of(healthy[i]))
                 ),
             )
-            if quiet is not None and costs[quiet] < best_cost + stall_cost:
+            if quiet is not None and scores[healthy[quiet].id] < best_cost + stall_cost:
                 r = healthy[quiet]
                 return Decision(r.id, "kv_aware:stall", r.matched_blocks, scores, terms)
         reason = "kv_aware:cache" if matches[best] else "kv_aware:load"

@@ -43,7 +43,7 @@ slower host", its paragraph "decode_heavy's seed 6").
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from router_policies.policy import ReplicaState, RequestFeatures
 from router_policies.ttft.features import kv_excess_tokens
@@ -66,9 +66,12 @@ def has_room(r: ReplicaState, request: RequestFeatures, matched_tokens: int, mod
 
 
 def quiet_cheapest(
-    healthy: Sequence[ReplicaState], costs: Sequence[float], eligible: Callable[[int], bool]
+    healthy: Sequence[ReplicaState], costs: Mapping[str, float], eligible: Callable[[int], bool]
 ) -> int | None:
-    """The index of the cheapest replica where no request waits and ``eligible(index)`` holds
-    (the first of equals), or None when there is none; ``eligible`` is asked in order of cost."""
-    quiet = sorted((i for i, r in enumerate(healthy) if r.pending_age_ms == 0), key=costs.__getitem__)
+    """The index in ``healthy`` of the cheapest replica (``costs`` by id) where no request waits
+    and ``eligible(index)`` holds (the first of equals), or None when there is none; ``eligible``
+    is asked in order of cost."""
+    quiet = sorted(
+        (i for i, r in enumerate(healthy) if r.pending_age_ms == 0), key=lambda i: costs[healthy[i].id]
+    )
     return next((i for i in quiet if eligible(i)), None)

@@ -373,15 +373,15 @@ def test_every_frame_the_parent_relays_fits_frame_bound() -> None:
     hub._conns[1] = cast(Any, SimpleNamespace(send=sent.append))
     server = InventoryServer(index, fleet, token=None, registry=CollectorRegistry())
     server.observer, s = hub, StreamState(peer="p", task=None)
-    batches = [
-        [removed(*range(10**6, 1_140_000))],
-        [removed(k) for k in range(3000)],
-        [removed(*range(9000))],
-    ]
-    for msg in (hello("r0"), snap(2, [1, 2]), *(events(3 + i, *b) for i, b in enumerate(batches))):
-        server._handle(s, raw := msg.SerializeToString())  # an ops frame: 8x its message at most
-        expanded = len(sent[-1]) <= inventory_ops.OPS_FRAME_EXPANSION * len(raw)
-        assert expanded or msg.WhichOneof("body") != "events"
+    server._handle(s, hello("r0").SerializeToString())
+    server._handle(s, snap(2, [1, 2]).SerializeToString())
+    empty_removals = [removed() for _ in range(3000)]  # the most op bytes for the message's (5 for 4)
+    singles, clears = [removed(k) for k in range(3000)], [pb.Event(cleared=pb.Cleared())] * 100
+    for i, batch in enumerate([[removed(*range(10**6, 1_140_000))], singles, empty_removals, clears]):
+        before = len(sent)
+        server._handle(s, raw := events(3 + i, *batch).SerializeToString())
+        assert len(sent) == before + 1  # its ops frame: 5/4 of its message and the header at most
+        assert len(sent[-1]) <= 1.25 * len(raw) + 64 <= inventory_ops.OPS_FRAME_EXPANSION * len(raw)
     assert max(map(len, sent)) <= frame_bound(index)  # the expansion bound, times the largest message
 
 

@@ -13,7 +13,6 @@ import pytest
 from router_policies.policies.kv_aware import KvAware
 from router_policies.policies.kv_aware_params import KvAwareParams
 from router_policies.policies.kv_speed import speed_size
-from router_policies.policies.kv_stall import has_room, quiet_cheapest, stalled
 from router_policies.policy import FleetSnapshot, ReplicaState, RequestFeatures
 from router_policies.ttft.features import REFERENCE_INPUTS, predict
 from router_policies.ttft.params import NAMED_PRIORS
@@ -141,17 +140,19 @@ def test_stall_relief_is_the_stated_rule_on_random_fleets(rule: str) -> None:
         loads = [r.in_flight_requests for r in reps]
         limit = 1.5 * sum(loads) / len(loads) + 32.0
         costs = [plain.scores[r.id] for r in reps]
-        prior = NAMED_PRIORS[KvAwareParams().prior]
-        matched = [min(r.matched_blocks * BS, blocks * BS) for r in reps]
-        ok = [loads[i] <= limit and has_room(r, req(blocks), matched[i], prior) for i, r in enumerate(reps)]
-        quiet = quiet_cheapest(reps, costs, ok.__getitem__)
+        # room_q written out: the flights' KV and the whole prompt within the prior's capacity
+        capacity = NAMED_PRIORS[KvAwareParams().prior].kv_capacity_tokens
+        quiet_ok = [
+            i
+            for i, r in enumerate(reps)
+            if r.pending_age_ms == 0 and loads[i] <= limit and r.in_flight_tokens + blocks * BS <= capacity
+        ]
+        quiet = min(quiet_ok, key=lambda i: (costs[i], i), default=None)
         mpt = ms_per_token(blocks)
-        wait = pick.pending_age_ms / mpt if rule == "tokens" else pick.pending_age_ms
-        if (
-            stalled(pick, mpt, 500.0, 2.0)
-            and quiet is not None
-            and costs[quiet] < plain.scores[pick.id] + wait
-        ):
+        age = pick.pending_age_ms
+        is_stalled = age >= 500.0 and age >= 2.0 * pick.pending_prefill_tokens * mpt
+        wait = age / mpt if rule == "tokens" else age
+        if is_stalled and quiet is not None and costs[quiet] < plain.scores[pick.id] + wait:
             assert (got.replica, got.reason) == (reps[quiet].id, "kv_aware:stall")
             assert reps[quiet].pending_age_ms == 0
             moved += 1
