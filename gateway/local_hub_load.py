@@ -43,7 +43,10 @@ class LoadReporter:
 
     def __init__(self) -> None:
         self._sent: dict[str, set[int]] = {}  # replica -> keys last reported held
-        self._marks: dict[str, tuple[int, int]] = {}  # replica -> (started, requests) then
+        # replica -> (its flight counters, started, requests) at the last report: the key set
+        # changes only when a flight starts or ends, or when the replica is a new record (one
+        # that left the fleet and came back, or was replaced, counts again from (0, 0))
+        self._marks: dict[str, tuple[object, int, int]] = {}
 
     def report(self, records: Iterable[ReplicaRecord]) -> dict[str, Any]:
         load: dict[str, list[Any]] = {}
@@ -56,11 +59,12 @@ class LoadReporter:
             if c.requests or c.pending_prefill_tokens:
                 figures = [c.requests, c.tokens, c.pending_prefill_tokens, c.pending_prefill_pairs]
                 load[rid] = [*figures, c.shared_tokens, c.oldest_pending_start()]
-            mark = (c.started, c.requests)  # the key set changes only when a flight starts or ends
-            if self._marks.get(rid) != mark:
-                self._marks[rid] = mark
+            mark = self._marks.get(rid)
+            if mark is None or mark[0] is not c or mark[1] != c.started or mark[2] != c.requests:
+                self._marks[rid] = (c, c.started, c.requests)
                 self._diff(rid, set(c.held_keys()), held, freed)
-        for rid in [r for r in self._sent if r not in seen]:  # left the fleet
+        # left the fleet: its keys freed and its mark forgotten, whether it had keys or not
+        for rid in [r for r in {**self._marks, **self._sent} if r not in seen]:
             self._marks.pop(rid, None)
             self._diff(rid, set(), held, freed)
         return {"load": load, "held": held, "freed": freed}

@@ -219,16 +219,26 @@ def test_the_parents_key_table_mirrors_the_workers_and_each_key_goes_held_then_f
         assert (table._figures, table._held, table._holders, table._overlap) == ({}, {}, {}, {}), seed
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="local_hub_load.LoadReporter forgets a replica's (started, requests) mark only when it had sent keys: a replica that left the fleet holding none and came back as a new record at the same mark never reports its held keys",
-)
 def test_a_replica_back_as_a_new_record_reports_the_keys_its_flights_hold() -> None:
+    """local_hub_load.LoadReporter (found false before: a replica's (started, requests) mark was
+    forgotten only when it had sent keys, so a replica that left the fleet holding none and came
+    back as a new record at the same mark never reported its held keys)."""
     reporter, table, old, new = LoadReporter(), LoadTable(), _rec("r"), _rec("r")
     Flight(old.flights, 9, 0)  # a flight without cached keys: mark (1, 1), no key
     table.update(0, reporter.report([old]))
     table.update(0, reporter.report([]))  # r left this worker's fleet
     Flight(new.flights, 9, 0, cached_keys=[7], block_size=16)  # back: (1, 1) again, key 7 held
+    table.update(0, reporter.report([new]))
+    assert table._held.get(0, {}).get("r") == {7}
+
+
+def test_a_replica_replaced_between_two_reports_reports_the_new_records_keys() -> None:
+    """The same, with no report in between that saw the replica gone (a reload that replaced
+    its record): the new record's counters are at the old one's mark, and still reported."""
+    reporter, table, old, new = LoadReporter(), LoadTable(), _rec("r"), _rec("r")
+    Flight(old.flights, 9, 0, cached_keys=[5], block_size=16)  # mark (1, 1), key 5 held
+    table.update(0, reporter.report([old]))
+    Flight(new.flights, 9, 0, cached_keys=[7], block_size=16)  # replaced: (1, 1), key 7 held
     table.update(0, reporter.report([new]))
     assert table._held.get(0, {}).get("r") == {7}
 
