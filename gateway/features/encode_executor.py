@@ -2,8 +2,8 @@
 threads for long encodes, and one background thread at the lowest CPU priority for deferred ones.
 
 ``tokenizers`` releases the GIL in ``encode_batch`` (not in ``encode``, which holds it for the
-whole encode: the segment encoder calls ``encode_batch`` only, a test checks it), so an encode on
-a worker thread leaves the event loop free. At most ``4 x threads`` encodes are handed to the pool at once
+whole encode: off the event loop's thread the segment encoder calls ``encode_batch`` only,
+``encode_calls``), so an encode on a worker thread leaves the event loop free. At most ``4 x threads`` encodes are handed to the pool at once
 (``offload_bound``), and at most ``inflight_bytes`` of text (``ByteBudget``); beyond that
 requests wait their turn, so a burst of long prompts cannot queue unbounded work nor unbounded
 transient memory. A large encode gives its transient memory back (``MemoryReleaser``). Both pools

@@ -56,6 +56,7 @@ import numpy as np
 from tokenizers import Encoding, Tokenizer
 
 from gateway.features.byte_lru import ByteLRU
+from gateway.features.encode_calls import encode_one
 from gateway.features.novelty import PROBE_CHARS
 from gateway.features.segment_encoder import EncodePlan, SegmentEncoder, TokenArray, kept_before_cut
 
@@ -236,7 +237,7 @@ def continue_head(tokenizer: Tokenizer, text: str, chars: int, known: Known) -> 
     ``known``'s context word on; None when that word does not come back as the same tokens
     ending at the same character."""
     start, end = known.span(chars)
-    enc = tokenizer.encode_batch([text[start:end]], add_special_tokens=False)[0]  # GIL released
+    enc = encode_one(tokenizer, text[start:end], add_special_tokens=False)
     if not _resumes(enc, known):
         return None
     ids, words, offsets, k = enc.ids, enc.word_ids, enc.offsets, known.ctx_tokens
@@ -253,7 +254,7 @@ def resume(
     encoding and where its own tokens end in it (``after``'s is context). None when the context
     word does not come back as the same tokens ending at the same character (encode it whole
     then). Exact for the reason ``continue_head`` is, up to the text's end instead of a cut."""
-    enc = tokenizer.encode_batch([text[known.ctx_start :] + after], add_special_tokens=False)[0]
+    enc = encode_one(tokenizer, text[known.ctx_start :] + after, add_special_tokens=False)
     ids, k = enc.ids, known.ctx_tokens
     hi = len(ids) - 1 if after else len(ids)
     if after and (hi < k or ids[-1] != tokenizer.token_to_id(after)):

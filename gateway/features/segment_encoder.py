@@ -37,6 +37,7 @@ from tokenizers import Encoding, Tokenizer
 
 from gateway.features.budgets import SEGMENT_ENTRY_OVERHEAD, text_bytes
 from gateway.features.byte_lru import ByteLRU
+from gateway.features.encode_calls import encode_many, encode_one
 
 TokenArray = npt.NDArray[np.uint32]
 SegmentKey = tuple[str, str, str, str]  # (tokenizer, token before or "", segment text, token after or "")
@@ -262,7 +263,7 @@ class SegmentEncoder:
         else:
             _, prev, seg, _ = plan.keys[plan.missing[0]]
             text = prev + seg[:chars]
-        enc = self.tokenizer.encode_batch([text], add_special_tokens=False)[0]  # GIL released
+        enc = encode_one(self.tokenizer, text, add_special_tokens=False)
         ids, words, offsets = enc.ids, enc.word_ids, enc.offsets
         lo = 0
         if prev:
@@ -322,9 +323,8 @@ class SegmentEncoder:
             rest = EncodePlan(plan.keys, plan.found, plan.separators, plan.missing[1:], plan.empty)
             return [first, *self.encode_missing(rest, add_special_tokens=add_special_tokens)]
         if plan.whole is not None:
-            # encode_batch, not encode: tokenizers releases the GIL only in encode_batch (an
-            # 8 KB encode holds it ~3 ms, stalling the event loop; docs/performance.md)
-            enc = self.tokenizer.encode_batch([plan.whole], add_special_tokens=add_special_tokens)[0]
+            # the GIL released off the event loop's thread, kept on it (encode_calls)
+            enc = encode_one(self.tokenizer, plan.whole, add_special_tokens=add_special_tokens)
             whole = enc.ids
             if on_first is not None:
                 pre, post = (
@@ -337,7 +337,7 @@ class SegmentEncoder:
         texts = [plan.keys[i][1] + plan.keys[i][2] + plan.keys[i][3] for i in plan.missing]
         out: list[TokenArray] = []
         for i, enc in zip(
-            plan.missing, self.tokenizer.encode_batch(texts, add_special_tokens=False), strict=True
+            plan.missing, encode_many(self.tokenizer, texts, add_special_tokens=False), strict=True
         ):
             _, prev, _, nxt = plan.keys[i]
             ids = enc.ids

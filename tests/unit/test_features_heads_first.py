@@ -30,7 +30,11 @@ def _encoder() -> tuple[SegmentEncoder, list[str]]:
         seen.extend(texts)
         return tok.encode_batch(texts, **kw)
 
-    enc.tokenizer = SimpleNamespace(encode_batch=encode_batch)  # type: ignore[assignment]
+    def encode(text: str, **kw: Any) -> Any:
+        seen.append(text)
+        return tok.encode(text, **kw)
+
+    enc.tokenizer = SimpleNamespace(encode_batch=encode_batch, encode=encode)  # type: ignore[assignment]
     return enc, seen
 
 

@@ -282,20 +282,20 @@ def test_transformers_tokenizer_loading_adjustments(tmp_path: Path) -> None:
     assert files.special_tokens["bos_token"] == "<s>"
 
 
-def test_request_path_encodes_leave_the_gil() -> None:
-    """tokenizers holds the GIL for a whole ``encode`` (an 8 KB text: ~3 ms of a stalled event
-    loop while a worker or the deferred thread encodes); ``encode_batch`` releases it. Outside the
-    constructor's probes, the segment encoder calls ``encode_batch`` only."""
+def test_the_segment_encoder_calls_the_tokenizer_through_encode_calls_only() -> None:
+    """Which call an encode makes depends on its thread (``encode_calls``: ``encode_batch``, which
+    releases the GIL, off the event loop's thread; ``encode`` on it). Outside the constructor's
+    probes, the segment encoder and the checkpoints never call the tokenizer themselves."""
     import ast
     import inspect
 
-    from gateway.features import segment_encoder
+    from gateway.features import prefix_checkpoints, segment_encoder
 
-    tree = ast.parse(inspect.getsource(segment_encoder.SegmentEncoder))
     offenders = []
-    for fn in ast.walk(tree):
-        if isinstance(fn, ast.FunctionDef) and fn.name not in ("__init__", "_probe_affixes"):
-            for node in ast.walk(fn):
-                if isinstance(node, ast.Attribute) and node.attr == "encode":
-                    offenders.append(f"{fn.name}:{node.lineno}")
+    for source in (inspect.getsource(segment_encoder.SegmentEncoder), inspect.getsource(prefix_checkpoints)):
+        for fn in ast.walk(ast.parse(source)):
+            if isinstance(fn, ast.FunctionDef) and fn.name not in ("__init__", "_probe_affixes"):
+                for node in ast.walk(fn):
+                    if isinstance(node, ast.Attribute) and node.attr in ("encode", "encode_batch"):
+                        offenders.append(f"{fn.name}:{node.lineno}")
     assert not offenders, offenders

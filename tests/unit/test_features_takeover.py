@@ -115,7 +115,11 @@ async def test_takeovers_of_one_head_at_once_encode_it_once_and_the_worker_waits
         encoded.extend(texts)
         return tok.encode_batch(texts, **kw)
 
-    enc.tokenizer = SimpleNamespace(encode_batch=encode_batch)  # type: ignore[assignment]
+    def encode(text: str, **kw: Any) -> Any:
+        encoded.append(text)
+        return tok.encode(text, **kw)
+
+    enc.tokenizer = SimpleNamespace(encode_batch=encode_batch, encode=encode)  # type: ignore[assignment]
     background = ThreadPoolExecutor(1, thread_name_prefix="bg")
     urgent = ThreadPoolExecutor(1, thread_name_prefix="urgent")
     bg_free, urgent_free = threading.Event(), threading.Event()
