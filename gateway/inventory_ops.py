@@ -66,13 +66,15 @@ def op_of_chunk(chunk: pb.SnapshotChunk) -> Op:
 
 
 # The largest agent message the inventory stream accepts (its gRPC receive limit). A message's
-# ops relayed as one frame (to the workers, ``gateway.local_hub``) take at most 5/4 of its bytes
-# plus the frame's header: a key is 8 bytes in both (fixed64), a medium's name as many, and an
-# op's own bytes (its kind and 4-byte count) at most 5/4 of its event's in the message (an empty
-# removal: 4 bytes there, 5 here; a clear: 4 there, 1 here). OPS_FRAME_EXPANSION bounds that with
-# room to spare.
+# ops relayed as one frame (to the workers, ``gateway.local_hub``) take at most 9/4 of its bytes
+# plus the frame's header: a key is 8 bytes in both (fixed64), a medium's name given as many, and
+# an op's own bytes at most 9/4 of its event's in the message. The worst is an empty store of
+# the default medium: 4 bytes there (the event's and the store's tags and lengths), 9 here (kind,
+# the medium's length and "GPU", a 4-byte count); an empty removal is 4 there and 5 here, a clear
+# 4 and 1. OPS_FRAME_EXPANSION rounds that up (tests/unit/test_invariants_gateway_state.py sends
+# each of these shapes).
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-OPS_FRAME_EXPANSION = 8
+OPS_FRAME_EXPANSION = 3
 
 
 def stored_keys(ops: Iterable[Op]) -> int:

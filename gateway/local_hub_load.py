@@ -63,8 +63,9 @@ class LoadReporter:
             if mark is None or mark[0] is not c or mark[1] != c.started or mark[2] != c.requests:
                 self._marks[rid] = (c, c.started, c.requests)
                 self._diff(rid, set(c.held_keys()), held, freed)
-        # left the fleet: its keys freed and its mark forgotten, whether it had keys or not
-        for rid in [r for r in {**self._marks, **self._sent} if r not in seen]:
+        # left the fleet: its keys freed and its mark forgotten, whether it had keys or not (a
+        # replica has keys in ``_sent`` only after a mark was set for it, and loses both at once)
+        for rid in [r for r in self._marks if r not in seen]:
             self._marks.pop(rid, None)
             self._diff(rid, set(), held, freed)
         return {"load": load, "held": held, "freed": freed}
@@ -76,6 +77,7 @@ class LoadReporter:
         if removed := before - now:
             freed[rid] = sorted(removed)
         if now:
+            assert rid in self._marks  # _sent's replicas are among _marks' (report's loop above)
             self._sent[rid] = now
         else:
             self._sent.pop(rid, None)

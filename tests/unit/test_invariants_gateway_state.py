@@ -375,14 +375,15 @@ def test_every_frame_the_parent_relays_fits_frame_bound() -> None:
     server.observer, s = hub, StreamState(peer="p", task=None)
     server._handle(s, hello("r0").SerializeToString())
     server._handle(s, snap(2, [1, 2]).SerializeToString())
-    empty_removals = [removed() for _ in range(3000)]  # the most op bytes for the message's (5 for 4)
     singles, clears = [removed(k) for k in range(3000)], [pb.Event(cleared=pb.Cleared())] * 100
-    for i, batch in enumerate([[removed(*range(10**6, 1_140_000))], singles, empty_removals, clears]):
+    # the most op bytes for the message's: empty removals (5 for 4), empty stores (9 for 4, last)
+    empties = [[removed()] * 3000, [pb.Event(stored=pb.Stored())] * 3000]
+    for i, batch in enumerate([[removed(*range(10**6, 1_140_000))], singles, clears, *empties]):
         before = len(sent)
         server._handle(s, raw := events(3 + i, *batch).SerializeToString())
-        assert len(sent) == before + 1  # its ops frame: 5/4 of its message and the header at most
-        assert len(sent[-1]) <= 1.25 * len(raw) + 64 <= inventory_ops.OPS_FRAME_EXPANSION * len(raw)
-    assert max(map(len, sent)) <= frame_bound(index)  # the expansion bound, times the largest message
+        assert len(sent) == before + 1  # its ops frame: 9/4 of its message and the header at most
+        assert len(sent[-1]) <= 2.25 * len(raw) + 64 <= inventory_ops.OPS_FRAME_EXPANSION * len(raw)
+    assert len(sent[-1]) > 2.2 * len(raw) and max(map(len, sent)) <= frame_bound(index)  # worst last
 
 
 _APPLIERS = {"inventory_server": "_handle", "local_hub": "_handle", "local_hub_client": "_apply"}
