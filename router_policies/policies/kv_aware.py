@@ -152,6 +152,11 @@ where load is the requests ahead of a new one (``load_of``) and the mean is over
 replicas. Cache affinity therefore can never pile traffic onto one replica. If every replica is
 excluded (impossible while the mean is a mean, kept for safety) the least loaded one wins.
 
+Room first (``room_first``, on by default; router_policies/policies/kv_stall.py, "Room first"):
+a prompt no replica holds (matched_r 0 on every replica) is priced only on the replicas within
+the guard whose KV cache holds it beside their requests in flight (room_r), when there is one
+(reason ``kv_aware:room`` when that changes the choice).
+
 Stall relief (``stall_ms``, ``stall_factor``; router_policies/policies/kv_stall.py): when the
 replica of least cost is stalled (its oldest routed request has waited for its first token at
 least stall_ms, and stall_factor times its queued prefill's time: a KV cache full of decodes
@@ -329,8 +334,18 @@ class KvAware:
         else:
             models, refs = self._models(healthy)
             shares, times = self._behind_scale(refs, loads), [1.0] * n
+        guarded = [x <= limit for x in loads]
+        eligible = guarded
+        if p.room_first and not any(matches):  # room first (docstring)
+            roomy = [
+                ok and has_room(r, request, 0, self._model_of(r))
+                for ok, r in zip(guarded, healthy, strict=True)
+            ]
+            if any(roomy):
+                eligible = roomy
         best: int | None = None
         best_cost = 0.0
+        unroomed: int | None = None  # the pick within the guard alone (room first's reason)
         scores: dict[str, float] = {}
         terms: dict[str, dict[str, float]] = {}
         for j in range(n):
@@ -341,9 +356,9 @@ class KvAware:
                 r, request, _Candidate(matches[idx], spread, shares[idx], models[idx], times[idx])
             )
             scores[r.id] = cost
-            if loads[idx] > limit:
-                continue
-            if best is None or cost < best_cost:
+            if guarded[idx] and (unroomed is None or cost < scores[healthy[unroomed].id]):
+                unroomed = idx
+            if eligible[idx] and (best is None or cost < best_cost):
                 best, best_cost = idx, cost
         if best is None:
             hot = min(healthy, key=load_of)
@@ -361,5 +376,7 @@ class KvAware:
             if quiet is not None and scores[healthy[quiet].id] < best_cost + stall_cost:
                 r = healthy[quiet]
                 return Decision(r.id, "kv_aware:stall", r.matched_blocks, scores, terms)
-        reason = "kv_aware:cache" if matches[best] else "kv_aware:load"
+        reason = (
+            "kv_aware:cache" if matches[best] else "kv_aware:room" if best != unroomed else "kv_aware:load"
+        )
         return Decision(healthy[best].id, reason, healthy[best].matched_blocks, scores, terms)

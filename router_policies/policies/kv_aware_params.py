@@ -65,6 +65,12 @@ class KvAwareParams(BaseModel):
         "median are priced with the median replica's model (0: each with its own fit).",
     )
 
+    room_first: bool = Field(
+        True,
+        description="A prompt no replica holds goes to a replica whose KV cache holds it beside "
+        "its requests in flight, when one within the hot-spot guard does (kv_aware's docstring, "
+        '"Room first").',
+    )
     stall_ms: float = Field(
         500.0,
         ge=0.0,

@@ -1,5 +1,6 @@
-"""kv_aware's stall relief (kv_aware's docstring, "Stall relief"): a replica whose queue does not
-move is left for one where nothing waits and KV has room.
+"""kv_aware's stall relief and room first (kv_aware's docstring): a replica whose queue does not
+move is left for one where nothing waits and KV has room; a prompt no replica holds goes where
+KV has room for it.
 
     age_r      = how long the oldest request routed to r and still without a first token has
                  waited (ReplicaState.pending_age_ms)
@@ -39,6 +40,28 @@ in turn, and one drained for a moment drew the moves) fell from hit rate 0.885 a
 to 0.724 and 145 s; with it 0.861 and 49 s. A guard that moved requests by predicted TTFT to any
 cheaper replica lost live (p99 and hit rate, docs/performance.md, "The held-out traces on a
 slower host", its paragraph "decode_heavy's seed 6").
+
+Room first (``room_first``). A prompt no replica holds (kv_aware's matched_r 0 everywhere) is
+priced only on the replicas q within the hot-spot guard where room_q holds, when there is one;
+otherwise on all within the guard as before. A prompt held somewhere is left to the rule and
+to stall relief: moving it costs its hit.
+
+Why. The token rule prices each request in flight on r at request_cost_tokens (64), and for a
+prompt held nowhere the fill term weighs up to fill_weight x its uncached tokens (3,000 for a
+6,000-token prompt) towards the emptier cache. Where a replica's KV is full of requests
+decoding, the first outweighs nothing: a new long prompt went to the replica whose cache the
+index saw emptiest, which could not admit it until a decode there ended (hundreds of ms with
+256-token answers), while another replica had the room to start it at once. Such a prompt has
+no hit to lose by going where it is admitted; the fill term still chooses among the replicas
+with room. Measured live (bench/live.py, 4 sim-engines of 6,400 KV tokens, kvgate alone, the
+two ways interleaved, pooled over the seeds; docs/performance.md, "Room first"): the shared
+synthetic Mooncake trace with 256-token answers (``--max-tokens 256``, prompts up to ~6,000
+tokens), seeds 5-9, TTFT p50 / p99 61.4 / 799.7 ms without, 54.4 / 689.0 with (seeds 5-7 in a
+run before: p99 881 against 692); decode_heavy seeds 5-7 p99 954 against 684 ms, hit rate
+0.851 against 0.858; kv_pressure unchanged within its spread. In the simulator (8 H100s, the
+acceptance workloads) a replica short of room is rare: the same choices but for the
+conversation window (hit rate / oracle at load 1.0 0.859 against 0.847, p99 9.9 against
+10.3 s).
 """
 
 from __future__ import annotations
