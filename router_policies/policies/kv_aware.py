@@ -338,8 +338,7 @@ class KvAware:
         eligible = guarded
         if p.room_first and not any(matches):  # room first (docstring)
             roomy = [
-                ok and has_room(r, request, 0, self._model_of(r))
-                for ok, r in zip(guarded, healthy, strict=True)
+                ok and has_room(r, prompt, self._model_of(r)) for ok, r in zip(guarded, healthy, strict=True)
             ]
             if any(roomy):
                 eligible = roomy
@@ -368,10 +367,7 @@ class KvAware:
             quiet = quiet_cheapest(
                 healthy,
                 scores,
-                lambda i: (
-                    loads[i] <= limit
-                    and has_room(healthy[i], request, matches[i], self._model_of(healthy[i]))
-                ),
+                lambda i: loads[i] <= limit and has_room(healthy[i], prompt, self._model_of(healthy[i])),
             )
             if quiet is not None and scores[healthy[quiet].id] < best_cost + stall_cost:
                 r = healthy[quiet]

@@ -68,10 +68,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from router_policies.policy import ReplicaState, RequestFeatures
-from router_policies.ttft.features import kv_excess_tokens
+from router_policies.policy import ReplicaState
+from router_policies.ttft.features import kv_excess
 from router_policies.ttft.params import TtftParams
-from router_policies.ttft.snapshot import inputs_for
 
 
 def stalled(r: ReplicaState, ms_per_token: float, stall_ms: float, factor: float) -> bool:
@@ -80,11 +79,12 @@ def stalled(r: ReplicaState, ms_per_token: float, stall_ms: float, factor: float
     return stall_ms > 0 and age >= stall_ms and age >= factor * r.pending_prefill_tokens * ms_per_token
 
 
-def has_room(r: ReplicaState, request: RequestFeatures, matched_tokens: int, model: TtftParams) -> bool:
-    """room_r (module docstring); ``model``: the TTFT model r is priced with."""
-    inputs = inputs_for(r, request.prompt_tokens, matched_tokens, request.block_size, model)
+def has_room(r: ReplicaState, prompt_tokens: int, model: TtftParams) -> bool:
+    """room_r (module docstring); ``model``: the TTFT model r is priced with. The TTFT model's
+    inputs for r (router_policies.ttft.snapshot.inputs_for) split the prompt into cached and
+    uncached tokens; the KV they pin once admitted is the whole prompt either way."""
     return (
-        kv_excess_tokens(inputs, inputs.uncached_tokens, inputs.cached_tokens, model.kv_capacity_tokens) == 0
+        kv_excess(r.in_flight_tokens, r.in_flight_shared_tokens, prompt_tokens, model.kv_capacity_tokens) == 0
     )
 
 

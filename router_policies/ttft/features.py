@@ -136,8 +136,13 @@ def feature_vector(inputs: TtftInputs, params: TtftParams, *, own: bool = True) 
 def kv_excess_tokens(inputs: TtftInputs, uncached: int, cached: int, capacity: int) -> int:
     """X in tokens: the KV the requests ahead and this one pin once it is admitted, beyond
     ``capacity`` (shared prefix blocks counted once; see the module docstring)."""
-    demand = inputs.kv_tokens - min(inputs.shared_kv_tokens, inputs.kv_tokens) + uncached + cached
-    return max(0, demand - capacity)
+    return kv_excess(inputs.kv_tokens, inputs.shared_kv_tokens, uncached + cached, capacity)
+
+
+def kv_excess(kv_tokens: int, shared_kv_tokens: int, prompt_tokens: int, capacity: int) -> int:
+    """``kv_excess_tokens`` from its parts: K, S and the prompt's tokens (cached or not, all
+    pinned once admitted)."""
+    return max(0, kv_tokens - min(shared_kv_tokens, kv_tokens) + prompt_tokens - capacity)
 
 
 def dot(x: Sequence[float], theta: Sequence[float]) -> float:
