@@ -54,7 +54,7 @@ index saw emptiest, which could not admit it until a decode there ended (hundred
 256-token answers), while another replica had the room to start it at once. Such a prompt has
 no hit to lose by going where it is admitted; the fill term still chooses among the replicas
 with room. Measured live (bench/live.py, 4 sim-engines of 6,400 KV tokens, kvgate alone, the
-two ways interleaved, pooled over the seeds; docs/performance.md, "Room first"): the shared
+two ways back to back, pooled over the seeds; docs/performance.md, "Room first"): the shared
 synthetic Mooncake trace with 256-token answers (``--max-tokens 256``, prompts up to ~6,000
 tokens), seeds 5-9, TTFT p50 / p99 61.4 / 799.7 ms without, 54.4 / 689.0 with (seeds 5-7 in a
 run before: p99 881 against 692); decode_heavy seeds 5-7 p99 954 against 684 ms, hit rate
