@@ -155,7 +155,7 @@ excluded (impossible while the mean is a mean, kept for safety) the least loaded
 Room first (``room_first``, on by default; router_policies/policies/kv_stall.py, "Room first"):
 a prompt no replica holds (matched_r 0 on every replica) is priced only on the replicas within
 the guard whose KV cache holds it beside their requests in flight (room_r), when there is one
-(reason ``kv_aware:room`` when that changes the choice).
+(reason ``kv_aware:room`` when it passes over a cheaper replica within the guard).
 
 Stall relief (``stall_ms``, ``stall_factor``; router_policies/policies/kv_stall.py): when the
 replica of least cost is stalled (its oldest routed request has waited for its first token at
@@ -344,7 +344,6 @@ class KvAware:
                 eligible = roomy
         best: int | None = None
         best_cost = 0.0
-        unroomed: int | None = None  # the pick within the guard alone (room first's reason)
         scores: dict[str, float] = {}
         terms: dict[str, dict[str, float]] = {}
         for j in range(n):
@@ -355,8 +354,6 @@ class KvAware:
                 r, request, _Candidate(matches[idx], spread, shares[idx], models[idx], times[idx])
             )
             scores[r.id] = cost
-            if guarded[idx] and (unroomed is None or cost < scores[healthy[unroomed].id]):
-                unroomed = idx
             if eligible[idx] and (best is None or cost < best_cost):
                 best, best_cost = idx, cost
         if best is None:
@@ -372,7 +369,9 @@ class KvAware:
             if quiet is not None and scores[healthy[quiet].id] < best_cost + stall_cost:
                 r = healthy[quiet]
                 return Decision(r.id, "kv_aware:stall", r.matched_blocks, scores, terms)
-        reason = (
-            "kv_aware:cache" if matches[best] else "kv_aware:room" if best != unroomed else "kv_aware:load"
-        )
+        reason = "kv_aware:cache" if matches[best] else "kv_aware:load"
+        if eligible is not guarded and best_cost > min(
+            scores[r.id] for r, ok in zip(healthy, guarded, strict=True) if ok
+        ):
+            reason = "kv_aware:room"  # room first passed over a cheaper replica within the guard
         return Decision(healthy[best].id, reason, healthy[best].matched_blocks, scores, terms)

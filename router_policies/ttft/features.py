@@ -127,21 +127,16 @@ def feature_vector(inputs: TtftInputs, params: TtftParams, *, own: bool = True) 
         float(steps * n),
         steps * inputs.kv_tokens / 1e6,
         float(c),
-        kv_excess_tokens(inputs, u, c, params.kv_capacity_tokens) / 1e3,
+        kv_excess(inputs.kv_tokens, inputs.shared_kv_tokens, u + c, params.kv_capacity_tokens) / 1e3,
         1.0 if own else 0.0,
         inputs.pending_age_ms,
     )
 
 
-def kv_excess_tokens(inputs: TtftInputs, uncached: int, cached: int, capacity: int) -> int:
-    """X in tokens: the KV the requests ahead and this one pin once it is admitted, beyond
-    ``capacity`` (shared prefix blocks counted once; see the module docstring)."""
-    return kv_excess(inputs.kv_tokens, inputs.shared_kv_tokens, uncached + cached, capacity)
-
-
 def kv_excess(kv_tokens: int, shared_kv_tokens: int, prompt_tokens: int, capacity: int) -> int:
-    """``kv_excess_tokens`` from its parts: K, S and the prompt's tokens (cached or not, all
-    pinned once admitted)."""
+    """X in tokens: the KV the requests ahead (K, of which S shared) and this request's prompt
+    (cached or not, all pinned once admitted) take beyond ``capacity`` (shared prefix blocks
+    counted once; see the module docstring)."""
     return max(0, kv_tokens - min(shared_kv_tokens, kv_tokens) + prompt_tokens - capacity)
 
 

@@ -306,8 +306,8 @@ def test_no_replica_exceeds_load_factor_times_the_mean_rounded_up() -> None:
     assert max(loads.values()) <= math.ceil(1.25 * sum(loads.values()) / len(loads))
 
 
-def _want_costs(p: KvAwareParams, req: RequestFeatures, healthy: list[ReplicaState]) -> list[float]:
-    """cost_r by kv_aware's docstring, written out from its definitions."""
+def _want_costs(p: KvAwareParams, req: RequestFeatures, healthy: list[ReplicaState]) -> tuple[list[float], bool]:  # fmt: skip
+    """cost_r by kv_aware's docstring, written out from its definitions; and whether matched_r is 0 everywhere."""
     prior, prompt = NAMED_PRIORS[p.prior], req.prompt_tokens
     mw = p.miss_weight or (7.0 if p.rule == "ms" else 4.0)
     matched = [min((r.matched_blocks - r.evicted_blocks) * req.block_size, prompt) for r in healthy]
@@ -322,7 +322,7 @@ def _want_costs(p: KvAwareParams, req: RequestFeatures, healthy: list[ReplicaSta
         group = speed_groups([predict(m, at_size).total_ms for m in own], p.speed_ratio or math.inf)
         uncached = [(prompt - m) * s for m, s in zip(matched, spread, strict=True)]
         return [g / (sum(group) / len(group)) * (r.pending_prefill_tokens + p.request_cost_tokens * ld + u) + (mw - 1) * u
-                for g, r, ld, u in zip(group, healthy, loads, uncached, strict=True)]  # fmt: skip
+                for g, r, ld, u in zip(group, healthy, loads, uncached, strict=True)], not any(matched)  # fmt: skip
     refs = [predict(m, REFERENCE_INPUTS).total_ms for m in own]
     mid = sorted(range(len(own)), key=refs.__getitem__)[len(own) // 2]  # the upper median
     same = [p.same_speed > 0 and abs(x / refs[mid] - 1) <= p.same_speed for x in refs]
@@ -331,13 +331,12 @@ def _want_costs(p: KvAwareParams, req: RequestFeatures, healthy: list[ReplicaSta
     share = {"fleet": [sum(refs) / len(refs) / x for x in refs], "local": [1.0] * len(refs),
              "load": [(1 + ld) / (1 + sum(loads) / len(loads)) for ld in loads]}[p.behind]  # fmt: skip
     preds = [predict(mod, inputs_for(r, prompt, m, req.block_size, mod)) for r, m, mod in zip(healthy, matched, model, strict=True)]  # fmt: skip
-    return [x.total_ms + (s * (1 + (mw - 1) * sh) - 1) * x.added_ms for x, s, sh in zip(preds, spread, share, strict=True)]  # fmt: skip
+    return [x.total_ms + (s * (1 + (mw - 1) * sh) - 1) * x.added_ms for x, s, sh in zip(preds, spread, share, strict=True)], not any(matched)  # fmt: skip
 
 
 def test_kv_aware_scores_are_the_documented_costs_and_the_guard_holds() -> None:
     """kv_aware.py's docstring, both rules: matched_r, fill_r, w_fill, spread_r, model_r, share_r,
-    time_r, cost_r; the cheapest replica within the hot-spot guard wins (but by room first), never
-    all excluded."""
+    time_r, cost_r; the cheapest replica within the guard (and room first) wins, never all excluded."""
     rng = random.Random(9)
     for _ in range(300):
         p = KvAwareParams(
@@ -351,14 +350,15 @@ def test_kv_aware_scores_are_the_documented_costs_and_the_guard_holds() -> None:
         req = _req(list(range(blocks)), blocks * bs + rng.randrange(bs), bs)
         healthy = [_replica(rng, f"r{i}", blocks) for i in range(rng.randint(1, 5))]
         d = KvAware(p, seed=rng.randrange(5)).choose(req, FleetSnapshot((*healthy, ReplicaState("x", healthy=False))))  # fmt: skip
-        want = _want_costs(p, req, healthy)
+        want, cold = _want_costs(p, req, healthy)
         assert [d.scores[r.id] for r in healthy] == pytest.approx(want, rel=1e-9)
         loads = [load_of(r) for r in healthy]
         limit = p.balance_rel * sum(loads) / len(loads) + p.balance_abs
         assert d.reason != "kv_aware:all_hot" and loads[[r.id for r in healthy].index(d.replica)] <= limit
-        allowed = [c for c, ld in zip(want, loads, strict=True) if ld <= limit]
-        if d.reason != "kv_aware:room":  # room first's choice: tests/unit/test_kv_room.py
-            assert d.scores[d.replica] == pytest.approx(min(allowed), rel=1e-9)
+        ok = [ld <= limit for ld in loads]
+        roomy = [o and r.in_flight_tokens - min(r.in_flight_shared_tokens, r.in_flight_tokens) + req.prompt_tokens <= (r.ttft or NAMED_PRIORS[p.prior]).kv_capacity_tokens for o, r in zip(ok, healthy, strict=True)]  # fmt: skip
+        ok = roomy if cold and any(roomy) else ok  # room first (kv_stall.py): a prompt held nowhere
+        assert d.scores[d.replica] == pytest.approx(min(c for c, o in zip(want, ok, strict=True) if o), rel=1e-9)  # fmt: skip
 
 
 def test_the_reference_memory_holds_at_most_refs_per_replica_and_one_decisions() -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from router_policies.sim.profiles import PROFILES
 from router_policies.ttft.estimator import FitConfig, RobustRls
-from router_policies.ttft.features import TtftInputs, feature_vector, kv_excess_tokens, predict, split_cached
+from router_policies.ttft.features import TtftInputs, feature_vector, kv_excess, predict, split_cached
 from router_policies.ttft.model import TtftModel
 from router_policies.ttft.params import (
     COEFFICIENTS,
@@ -214,15 +214,15 @@ def test_kv_demand_counts_a_shared_prefix_once() -> None:
     # the prefix twice (the first request's, the cached copy of the 19), every tail and output,
     # and this request's prompt
     pinned = 2 * 1800 + 20 * 356 + 1900
-    assert kv_excess_tokens(x, 100, 1800, 6400) == pinned - 6400
+    assert kv_excess(x.kv_tokens, x.shared_kv_tokens, 1900, 6400) == pinned - 6400
     assert feature_vector(x, p)[6] == pytest.approx((pinned - 6400) / 1e3)
     # nothing shared: every request's prompt counted whole
     unknown = dataclasses.replace(x, shared_kv_tokens=0)
-    assert kv_excess_tokens(unknown, 100, 1800, 6400) == ahead + 1900 - 6400
+    assert kv_excess(unknown.kv_tokens, unknown.shared_kv_tokens, 1900, 6400) == ahead + 1900 - 6400
     # nothing ahead: only this request's own prompt
     alone = TtftInputs(0, 0, 0, 100, 1800)
-    assert kv_excess_tokens(alone, 100, 1800, 6400) == 0
-    assert kv_excess_tokens(alone, 100, 1800, 1000) == 900
+    assert kv_excess(alone.kv_tokens, alone.shared_kv_tokens, 1900, 6400) == 0
+    assert kv_excess(alone.kv_tokens, alone.shared_kv_tokens, 1900, 1000) == 900
 
 
 def _two_speeds() -> tuple[TtftParams, TtftParams]:
