@@ -259,6 +259,7 @@ class Fleet:
                     rec.load(),
                     *combined_queue(rec.flights, rec.remote, now),
                     rec.flights.prompt_keys(),
+                    rec.flights.unproduced_tokens(now),
                 )
                 for rec in candidates
             ),

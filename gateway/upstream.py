@@ -277,7 +277,9 @@ class Upstream:
             resp, done = await self._stream(a, audit, up, (first, is_sse, fit), headers)
             return resp
         finally:
-            flight.end()
+            # a stream read to its end measures the replica's pace of output tokens; a body's
+            # first byte came with its last, and a cut stream's end says nothing of it
+            flight.end(self._fleet.ttft.now() if done and is_sse else None)
             if up is not None:
                 if done:
                     up.release()  # read to the end: the connection goes back to the pool

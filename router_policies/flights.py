@@ -14,6 +14,8 @@ Invariants
 * Everything here is synchronous, and times are passed in (seconds on any monotone clock).
 * A ``Flight`` releases exactly what it added; ``first_byte`` and ``end`` are idempotent, so the
   counters return to zero when every flight ended.
+* ``unproduced_tokens(now)`` is within [0, output_tokens]: the expected outputs of the flights in
+  progress not yet decoded (asserted).
 """
 
 from __future__ import annotations
@@ -30,16 +32,26 @@ if TYPE_CHECKING:  # the feed makes flights; a flight only calls back its probe'
 
 
 # ---------------------------------------------------------------------- flight accounting
+# the weight of a stream's pace in a replica's moving average of seconds per output token: about
+# the last ten streams (a pace changes with the batch the engine decodes, so recent ones count)
+PACE_WEIGHT = 0.2
+
+
 class FlightCounters:
     """This router's load on one replica. Written only by ``Flight``."""
 
     __slots__ = (
         "_cached_refs",
+        "_decoding",
+        "_decoding_output",
+        "_decoding_since",
         "_pending_starts",
         "_prompts",
+        "output_tokens",
         "pending_prefill_pairs",
         "pending_prefill_tokens",
         "requests",
+        "s_per_output_token",
         "shared_tokens",
         "started",
         "tokens",
@@ -65,6 +77,48 @@ class FlightCounters:
         # each flight's prompt block keys (a reference, not a copy), keyed by the flight's id:
         # what the flights in progress hold in use or will (cache_prediction's pinned blocks)
         self._prompts: dict[int, Sequence[int]] = {}
+        # Decode progress (``unproduced_tokens``): of ``tokens``, the expected output tokens; the
+        # flights decoding (first byte seen at a known time), their expected outputs and the sum
+        # of their first-byte times; and the replica's seconds per output token, a moving average
+        # over streams read to their end (0: none yet)
+        self.output_tokens = 0
+        self._decoding = 0
+        self._decoding_output = 0
+        self._decoding_since = 0.0
+        self.s_per_output_token = 0.0
+
+    def unproduced_tokens(self, now: float) -> int:
+        """Of ``output_tokens``, those not decoded yet at ``now``: the outputs of flights without a
+        first byte, and of each decoding flight its output less what it has produced at the
+        replica's measured pace (one token at its first byte, one per ``s_per_output_token``
+        after), at most its output; without a pace yet, half. What the flights hold in the
+        engine's KV now is their prompts (``tokens - shared_tokens - output_tokens``) plus
+        ``output_tokens - unproduced_tokens``: outputs grow a token a step, so a replica whose
+        requests will need room later may have room now (the TTFT model's KV demand)."""
+        out = self._decoding_output
+        if not self._decoding:
+            produced = 0
+        elif self.s_per_output_token > 0:
+            paced = self._decoding + (self._decoding * now - self._decoding_since) / self.s_per_output_token
+            produced = min(out, max(0, int(paced)))
+        else:
+            produced = out // 2
+        left = self.output_tokens - produced
+        assert 0 <= left <= self.output_tokens
+        return left
+
+    def _decoded(self, output: int, first_at: float, end: float | None) -> None:
+        """A decoding flight of ``output`` expected tokens, first byte at ``first_at``, ended (at
+        ``end`` when read to its end: its pace is one sample of the replica's)."""
+        self._decoding -= 1
+        self._decoding_output -= output
+        self._decoding_since -= first_at
+        if not self._decoding:
+            self._decoding_since = 0.0  # no float residue once nothing decodes
+        if end is not None and output > 1 and end > first_at:
+            pace = (end - first_at) / (output - 1)
+            prev = self.s_per_output_token
+            self.s_per_output_token = pace if prev <= 0 else prev + PACE_WEIGHT * (pace - prev)
 
     def pending_age_ms(self, now: float) -> float:
         """How long the oldest request still awaiting its first byte here has waited (0: none)."""
@@ -118,13 +172,16 @@ class Flight:
     start: float | None = None  # when it was dispatched (counts in ``pending_age_ms`` until its first byte)
     at_dispatch: IndexAtDispatch | None = None  # for the prediction audit (gateway)
     prompt_keys: Sequence[int] = ()  # its prompt's block keys (FlightCounters.prompt_keys)
+    output: int = 0  # of ``tokens``, the output tokens expected (FlightCounters.unproduced_tokens)
     _open: bool = field(default=True, init=False)
     _prefill_open: bool = field(default=True, init=False)
+    _first_at: float | None = field(default=None, init=False)  # its first byte's time, while decoding
 
     def __post_init__(self) -> None:
         c = self.counters
         c.requests += 1
         c.tokens += self.tokens
+        c.output_tokens += self.output
         if len(self.prompt_keys):
             c._prompts[id(self)] = self.prompt_keys
         if self.cached_keys:
@@ -142,10 +199,16 @@ class Flight:
             return None
         self._release_prefill()
         probe = self.probe
-        if probe is None:
+        when = now if now is not None or probe is None else probe.feed.now()
+        if when is not None and self._open and self.output:
+            self._first_at = when
+            c = self.counters
+            c._decoding += 1
+            c._decoding_output += self.output
+            c._decoding_since += when
+        if probe is None or when is None:
             return None
-        when = now if now is not None else probe.feed.now()
-        return None if when is None else probe.feed.observe(probe, when)
+        return probe.feed.observe(probe, when)
 
     def _release_prefill(self) -> None:
         if self._prefill_open:
@@ -157,13 +220,19 @@ class Flight:
             if c.pending_prefill_tokens == 0:
                 c.pending_prefill_pairs = 0.0  # no float residue once nothing is pending
 
-    def end(self) -> None:
-        """The attempt ended (answered or failed): an unseen first byte is no observation."""
+    def end(self, now: float | None = None) -> None:
+        """The attempt ended (answered or failed): an unseen first byte is no observation. With
+        ``now``, a stream read to its end: its pace since the first byte is measured (not given
+        for a failed or cut stream, nor a whole body, whose first byte came with its last)."""
         self._release_prefill()
         if self._open:
             self._open = False
+            if self._first_at is not None:
+                self.counters._decoded(self.output, self._first_at, now)
+                self._first_at = None
             self.counters.requests -= 1
             self.counters.tokens -= self.tokens
+            self.counters.output_tokens -= self.output
             self.counters._prompts.pop(id(self), None)
             if self.cached_keys:
                 self.counters._release(self.cached_keys, self.block_size)

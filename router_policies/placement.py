@@ -78,6 +78,9 @@ class Candidate(NamedTuple):
     in_flight_shared_tokens: int = 0  # FlightCounters.shared_tokens
     pending_age_ms: float = 0.0  # FlightCounters.pending_age_ms at the decision's time
     flight_prompts: Iterable[Sequence[int]] = ()  # FlightCounters.prompt_keys (this router's)
+    # of load.in_flight_tokens, the expected outputs not decoded yet (this router's flights:
+    # FlightCounters.unproduced_tokens at the decision's time; 0: every output counted as held)
+    unproduced_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,10 +110,24 @@ class IndexView:
             return 0
         prompts = [p for p in c.flight_prompts if len(p)]
         in_use = max(queued, _distinct_blocks(prompts) * bs)
-        # a flight there whose prompt leads with the prefix holds it, or will once it runs
-        # (ahead of this request): computed, or still to be computed by it (a speculative match)
-        pinned = max((_shared_run(self.keys, p, matched) for p in prompts), default=0)
+        pinned = self.pinned(c)
         return evicted_before_prefill(matched, pinned, (queued, in_use, capacity_tokens), bs)
+
+    def pinned(self, c: Candidate) -> int:
+        """Of ``c``'s matched blocks, the leading ones a flight there holds: its prompt leads
+        with them, computed or still to be computed by it (a speculative match) ahead of this
+        request. The engine holds them once, however many requests use them."""
+        matched = self.blocks.get(c.id, 0)
+        if not matched:
+            return 0
+        return max((_shared_run(self.keys, p, matched) for p in c.flight_prompts), default=0)
+
+    def kv_over(self, c: Candidate, capacity_tokens: int) -> bool:
+        """Whether the KV the flights on ``c`` hold now (their prompts, each shared block once,
+        and the outputs decoded so far) and this whole prompt may exceed ``capacity_tokens``: a
+        bound (the prompt's tail block counted whole); only then is ``pinned`` worth its work."""
+        held = c.load.in_flight_tokens - c.in_flight_shared_tokens - c.unproduced_tokens
+        return capacity_tokens > 0 and held + (len(self.keys) + 1) * self.block_size > capacity_tokens
 
 
 def _distinct_blocks(prompts: Sequence[Sequence[int]]) -> int:
@@ -121,9 +138,16 @@ def _distinct_blocks(prompts: Sequence[Sequence[int]]) -> int:
 
 def _shared_run(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     """How many leading block keys ``a`` and ``b`` share, at most ``limit``. Keys are chained
-    (a key names its whole prefix), so the run ends at the first difference."""
-    n = min(limit, len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
+    (a key names its whole prefix), so equal keys at i mean equal keys before it: the run is
+    found by bisection (log of its length in comparisons, not its length)."""
+    lo, hi = 0, min(limit, len(a), len(b))  # invariant: a[:lo] == b[:lo]; the run is <= hi
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def snapshot(
@@ -142,17 +166,20 @@ def snapshot(
 
 
 def _state(c: Candidate, view: IndexView, exclude: frozenset[str], model: TtftParams | None) -> ReplicaState:
+    short = model is not None and view.kv_over(c, model.kv_capacity_tokens)
     return ReplicaState(
         c.id,
         c.healthy and c.id not in exclude,
         *c.load,
         matched_blocks=view.blocks.get(c.id, 0),
         evicted_blocks=view.evicted(c, model.kv_capacity_tokens) if model is not None else 0,
+        pinned_blocks=view.pinned(c) if short else 0,
         match_score=view.scores.get(c.id, 0.0),
         held_blocks=view.index.held_count(c.id),
         pending_prefill_pairs=max(0.0, c.pending_prefill_pairs),
         in_flight_shared_tokens=max(0, c.in_flight_shared_tokens),
         pending_age_ms=c.pending_age_ms,
+        in_flight_unproduced_tokens=max(0, c.unproduced_tokens),
         ttft=model,
     )
 

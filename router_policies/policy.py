@@ -61,6 +61,12 @@ class ReplicaState:
     # how long the oldest request routed here by this router and still awaiting its first token
     # has waited, in ms at decision time (0: none): a replica whose queue does not move shows it
     pending_age_ms: float = 0.0
+    # of in_flight_tokens, the expected outputs not decoded yet (FlightCounters.unproduced_tokens):
+    # the KV those requests hold now is in_flight_tokens - in_flight_shared_tokens - this; 0: unknown
+    in_flight_unproduced_tokens: int = 0
+    # of matched_blocks, the leading ones a request in flight there holds (its prompt leads with
+    # them): the engine holds them once; counted only when the KV could be short (else 0)
+    pinned_blocks: int = 0
     ttft: TtftParams | None = None  # the replica's fitted TTFT model (None: the policy's prior)
 
     @property

@@ -209,6 +209,7 @@ class TtftFeed:
             d.block_size,
             start=when,
             prompt_keys=d.keys,
+            output=d.output_tokens,
         )
 
     def observe(self, probe: TtftProbe, now: float) -> TtftSample | None:

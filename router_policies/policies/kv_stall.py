@@ -10,7 +10,10 @@ KV has room for it.
     room_q     = q's KV cache holds the request beside q's requests in flight: the TTFT model's KV
                  demand (their prompts and expected outputs, shared prefix blocks once, plus this
                  request's prompt) within the capacity q's agent reported
-                 (router_policies.ttft.features.kv_excess 0; the prior's guess without one)
+                 (router_policies.ttft.features.kv_excess 0; the prior's guess without one).
+                 Not the TTFT model's X, which counts the outputs as decoded so far (whether
+                 the request is admitted now): a move is worth its miss only where the request
+                 also keeps its room while the outputs beside it grow
 
 When the replica kv_aware's rule picks (p) is stalled, the request goes to the cheapest replica q
 (by the same rule's cost, within the hot-spot guard) where no request waits (age_q 0) and room_q

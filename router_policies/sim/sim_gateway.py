@@ -97,7 +97,16 @@ class SimGateway:
             load = ReplicaLoad(f.requests, f.tokens, f.pending_prefill_tokens, running, waiting, kv_usage)
             age = f.pending_age_ms(now)
             out.append(
-                Candidate(name, True, load, f.pending_prefill_pairs, f.shared_tokens, age, f.prompt_keys())
+                Candidate(
+                    name,
+                    True,
+                    load,
+                    f.pending_prefill_pairs,
+                    f.shared_tokens,
+                    age,
+                    f.prompt_keys(),
+                    f.unproduced_tokens(now),
+                )
             )
         return out
 

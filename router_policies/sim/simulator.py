@@ -245,7 +245,7 @@ def simulate(
             done_at[rid] = res.end
             flight = flights[rid]
             assert flight is not None
-            flight.end()
+            flight.end(res.end)  # a stream read to its end: its pace is measured
             flights[rid] = None
         preemptions += len(res.preempted)
 

@@ -13,11 +13,18 @@ One linear model in the coefficients of ``TtftParams`` (so that it can be fitted
     S  = of K, cached prompt tokens counted more than once: blocks predicted cached for several
          of those requests (a prefix they share), which a paged KV cache pins once however many
          requests use them (each sequence still reads them: K stays in the per-step read)
-    X  = KV demand beyond the cache, in thousands: max(0, K - S + u + c - kv_capacity_tokens):
-         the blocks the requests ahead pin (each distinct block once, their outputs whole) and
-         this request's prompt. Beyond the cache the queue's prompts
-         cannot all be admitted: the request also waits for decoding requests to finish and
-         free their blocks (in a decode-heavy mix, for the running decodes' remaining outputs)
+    P  = of K, the expected outputs not decoded yet (flights.FlightCounters.unproduced_tokens:
+         a decoding request holds its prompt and the tokens it has produced so far)
+    L  = of c, the leading tokens a request ahead holds too (its prompt leads with them)
+    X  = KV demand beyond the cache when this request is admitted, in thousands:
+         max(0, K - P - S + u + c - L - kv_capacity_tokens): the blocks the requests ahead hold
+         now (each distinct block once, their outputs as decoded so far) and what this request's
+         prompt adds. Beyond the cache the request cannot be admitted: it waits for decoding
+         requests to finish and free their blocks (in a decode-heavy mix, for the running
+         decodes' remaining outputs). Counting the outputs whole and this prompt's shared
+         prefix again, as before, put X above 0 for most of decode_heavy's first tokens (at
+         ~7 ms as at ~300 ms): the fit could not tell a stall from a full cache of shared
+         prefixes (docs/performance.md, "The KV held now")
     H  = pending_age_ms: how long the oldest request ahead (routed there, no first token yet) has
          waited so far; part of the wait for the work ahead
     B  = chunk_tokens (max_num_batched_tokens); a step has B - n tokens left for prefill
@@ -70,6 +77,8 @@ class TtftInputs:
     queued_prefill_pairs: float = 0.0
     shared_kv_tokens: int = 0  # S: of kv_tokens, cached ones counted more than once (0: none)
     pending_age_ms: float = 0.0  # H: the wait so far of the oldest request ahead (0: none)
+    unproduced_kv_tokens: int = 0  # P: of kv_tokens, outputs not decoded yet (0: none or unknown)
+    pinned_tokens: int = 0  # L: of cached_tokens, the leading ones a request ahead holds (0: none)
 
 
 # a lone 8,192-token prompt on an idle replica: its model's TTFT of it is the replica's speed
@@ -127,7 +136,7 @@ def feature_vector(inputs: TtftInputs, params: TtftParams, *, own: bool = True) 
         float(steps * n),
         steps * inputs.kv_tokens / 1e6,
         float(c),
-        kv_excess(inputs.kv_tokens, inputs.shared_kv_tokens, u + c, params.kv_capacity_tokens) / 1e3,
+        kv_excess_now(inputs, u + c, params.kv_capacity_tokens) / 1e3,
         1.0 if own else 0.0,
         inputs.pending_age_ms,
     )
@@ -138,6 +147,16 @@ def kv_excess(kv_tokens: int, shared_kv_tokens: int, prompt_tokens: int, capacit
     (cached or not, all pinned once admitted) take beyond ``capacity`` (shared prefix blocks
     counted once; see the module docstring)."""
     return max(0, kv_tokens - min(shared_kv_tokens, kv_tokens) + prompt_tokens - capacity)
+
+
+def kv_excess_now(inputs: TtftInputs, prompt_tokens: int, capacity: int) -> int:
+    """X in tokens when this request is admitted: the KV the requests ahead hold now (their
+    outputs decoded so far, not the outputs they will reach) and what ``prompt_tokens`` adds
+    (its leading tokens a request ahead holds are held once) beyond ``capacity``."""
+    held = inputs.kv_tokens - min(inputs.unproduced_kv_tokens, inputs.kv_tokens)
+    shared = min(inputs.shared_kv_tokens, held)
+    own = max(0, prompt_tokens - inputs.pinned_tokens)
+    return kv_excess(held, shared, own, capacity)
 
 
 def dot(x: Sequence[float], theta: Sequence[float]) -> float:

@@ -9,6 +9,8 @@ the policy predicts with and the gateway and simulator record at dispatch (docs/
     kv_tokens             = in_flight_tokens (prompt + expected output of those requests)
     shared_kv_tokens      = in_flight_shared_tokens (their cached prompt tokens counted more than once)
     pending_age_ms        = pending_age_ms (the wait so far of the oldest of them without a first token)
+    unproduced_kv_tokens  = in_flight_unproduced_tokens (of kv_tokens, outputs not decoded yet)
+    pinned_tokens         = pinned_blocks x block_size, at most the cached tokens
     uncached / cached / fetch_ms: ``split_cached`` of the matched tokens, the matched blocks on
                             slower media (``ReplicaState.matched_on_media``) priced by the tiers
 """
@@ -35,4 +37,6 @@ def inputs_for(
         queued_prefill_pairs=state.pending_prefill_pairs,
         shared_kv_tokens=state.in_flight_shared_tokens,
         pending_age_ms=state.pending_age_ms,
+        unproduced_kv_tokens=state.in_flight_unproduced_tokens,
+        pinned_tokens=min(cached, state.pinned_blocks * block_size),
     )

@@ -49,12 +49,14 @@ class _Open:
 class _Run:
     counters: FlightCounters = field(default_factory=FlightCounters)
     flights: list[_Open] = field(default_factory=list)
+    now: float = 0.0
+    decoding: set[int] = field(default_factory=set)  # ids of the flights with a timed first byte
 
 
 def _random_flights(seed: int, steps: int) -> Iterator[tuple[_Run, random.Random, ChainTree]]:
     """A random interleaving of flight starts (prompts sharing prefixes, a cached part), first
-    bytes (with and without a time, repeated) and ends (repeated) on one replica's counters,
-    through ``TtftFeed.flight``; yields after every step."""
+    bytes (with and without a time, repeated) and ends (repeated, with and without a time) on one
+    replica's counters, through ``TtftFeed.flight``; yields after every step."""
     rng = random.Random(seed)
     tree = ChainTree(rng, 30)
     feed = TtftFeed()
@@ -62,6 +64,7 @@ def _random_flights(seed: int, steps: int) -> Iterator[tuple[_Run, random.Random
     now = 0.0
     for _ in range(steps):
         now += rng.choice([0.0, 0.01, 0.2])
+        run.now = now
         op = rng.random()
         if op < 0.4 or not run.flights:
             keys = tree.path(rng.choice(tree.keys)) if rng.random() < 0.9 else []
@@ -73,11 +76,15 @@ def _random_flights(seed: int, steps: int) -> Iterator[tuple[_Run, random.Random
         else:
             o = rng.choice(run.flights)
             if op < 0.7:
-                o.flight.first_byte(now if rng.random() < 0.7 else None)
+                timed = rng.random() < 0.7
+                if timed and o.prefill_open and o.open and o.flight.output:
+                    run.decoding.add(id(o.flight))
+                o.flight.first_byte(now if timed else None)
                 o.prefill_open = False
             else:
-                o.flight.end()
+                o.flight.end(now if rng.random() < 0.5 else None)
                 o.prefill_open = o.open = False
+                run.decoding.discard(id(o.flight))
         yield run, rng, tree
 
 
@@ -105,13 +112,21 @@ def test_flights_release_exactly_what_they_added_and_the_counters_return_to_zero
             assert [list(p) for p in c.prompt_keys()] == [o.keys for o in live if o.keys]
             starts = [o.flight.start for o in pending if o.flight.start is not None]
             assert c.oldest_pending_start() == (min(starts) if starts else None)
+            # unproduced_tokens: of the live flights' outputs; the decoding ones' at most produced
+            assert c.output_tokens == sum(o.flight.output for o in live)
+            left = c.unproduced_tokens(run.now)
+            assert 0 <= left <= c.output_tokens
+            decoding = [o.flight.output for o in live if id(o.flight) in run.decoding]
+            assert left >= c.output_tokens - sum(decoding)  # a flight without a first byte: none
+            assert c._decoding == len(decoding)
         for o in run.flights:
             o.flight.end()
-            o.flight.end()
+            o.flight.end(run.now)
         c = run.counters
         assert (c.requests, c.tokens, c.pending_prefill_tokens, c.shared_tokens) == (0, 0, 0, 0)
         assert c.pending_prefill_pairs == 0.0 and c.oldest_pending_start() is None
         assert not c.held_keys() and not c.prompt_keys()
+        assert (c.output_tokens, c.unproduced_tokens(run.now)) == (0, 0)
 
 
 # ---------------------------------------------------------------------- placement.py
