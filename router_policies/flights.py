@@ -200,7 +200,7 @@ class Flight:
         self._release_prefill()
         probe = self.probe
         when = now if now is not None or probe is None else probe.feed.now()
-        if when is not None and self._open and self.output:
+        if when is not None and self.output:  # (ended: its prefill was released, returned above)
             self._first_at = when
             c = self.counters
             c._decoding += 1

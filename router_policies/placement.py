@@ -95,8 +95,10 @@ class IndexView:
     keys: Sequence[int] = ()
     block_size: int = 0
 
-    def evicted(self, c: Candidate, capacity_tokens: int) -> int:
-        """Of ``c``'s matched blocks, those expected evicted before the request's prefill."""
+    def evicted(self, c: Candidate, capacity_tokens: int, pinned: int | None = None) -> int:
+        """Of ``c``'s matched blocks, those expected evicted before the request's prefill;
+        ``pinned``: ``self.pinned(c)`` when the caller has it already (else worked out here, if
+        needed)."""
         matched = self.blocks.get(c.id, 0)
         queued = c.load.pending_prefill_tokens
         if not matched or not queued or capacity_tokens <= 0:
@@ -110,7 +112,8 @@ class IndexView:
             return 0
         prompts = [p for p in c.flight_prompts if len(p)]
         in_use = max(queued, _distinct_blocks(prompts) * bs)
-        pinned = self.pinned(c)
+        if pinned is None:
+            pinned = self.pinned(c)
         return evicted_before_prefill(matched, pinned, (queued, in_use, capacity_tokens), bs)
 
     def pinned(self, c: Candidate) -> int:
@@ -166,14 +169,17 @@ def snapshot(
 
 
 def _state(c: Candidate, view: IndexView, exclude: frozenset[str], model: TtftParams | None) -> ReplicaState:
-    short = model is not None and view.kv_over(c, model.kv_capacity_tokens)
+    capacity = model.kv_capacity_tokens if model is not None else 0
+    # the leading blocks a flight holds: worked out once, here when the KV could be short (the
+    # TTFT model's X), else by ``evicted`` only if it needs them
+    pinned = view.pinned(c) if model is not None and view.kv_over(c, capacity) else None
     return ReplicaState(
         c.id,
         c.healthy and c.id not in exclude,
         *c.load,
         matched_blocks=view.blocks.get(c.id, 0),
-        evicted_blocks=view.evicted(c, model.kv_capacity_tokens) if model is not None else 0,
-        pinned_blocks=view.pinned(c) if short else 0,
+        evicted_blocks=view.evicted(c, capacity, pinned) if model is not None else 0,
+        pinned_blocks=pinned or 0,
         match_score=view.scores.get(c.id, 0.0),
         held_blocks=view.index.held_count(c.id),
         pending_prefill_pairs=max(0.0, c.pending_prefill_pairs),

@@ -98,8 +98,10 @@ def test_pinned_blocks_are_read_only_when_the_kv_could_be_short() -> None:
     view = IndexView({"r": 8}, {"r": 8.0}, index, keys, BS)
 
     def state(tokens: int, unproduced: int) -> ReplicaState:
-        cand = Candidate("r", True, ReplicaLoad(2, tokens), 0.0, 0, 0.0, flights, unproduced)
+        cand = Candidate("r", True, ReplicaLoad(2, tokens, 880), 0.0, 0, 0.0, flights, unproduced)
         (s,) = placement.snapshot([cand], view, ttft=lambda _: params).replicas
+        # the pinned blocks worked out once serve the eviction estimate as its own would
+        assert s.evicted_blocks == view.evicted(cand, 900) > 0
         return s
 
     short = state(900, 100)  # 800 held now + (10 + 1) x 16 for this prompt > 900
