@@ -271,7 +271,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--log-dir", type=Path, default=Path("out/demo-logs"), help="process logs (default out/demo-logs)"
     )
-    p.add_argument("--plot", type=Path, default=Path("out/demo.png"), help="plot path (default out/demo.png)")
+    # a string, not a Path: Path("") is "." (truthy), and the chart would be saved as "./.png"
+    p.add_argument(
+        "--plot", default="out/demo.png", help="plot path (default out/demo.png; an empty string: no plot)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -298,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     print_table(runs)
     if args.plot:
-        plot(runs, args.plot)
+        plot(runs, Path(args.plot))
         print(f"\nplot: {args.plot}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -35,3 +35,15 @@ def test_demo_rejects_bad_flags() -> None:
         assert res.returncode == 2, res.stderr
         assert "Traceback" not in res.stderr
         assert "error:" in res.stderr
+
+
+def test_an_empty_plot_path_means_no_plot() -> None:
+    # Path("") is "." and truthy: the chart was once saved as "./.png" (a file committed by mistake)
+    import argparse
+
+    from kvgate_tools.demo import configure
+
+    p = argparse.ArgumentParser()
+    configure(p)
+    assert not p.parse_args(["--plot", ""]).plot
+    assert str(p.parse_args([]).plot) == "out/demo.png"
