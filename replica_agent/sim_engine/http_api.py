@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
@@ -61,9 +62,18 @@ async def read_json(request: web.Request) -> Any:
         raise proto.ApiError(400, f"request body is not valid JSON: {exc}") from None
 
 
+_T = TypeVar("_T")
+
+
 @dataclass(frozen=True, slots=True)
 class Deps:
     tokenizer: EngineTokenizer
+    # where requests are tokenized: one thread beside the event loop, as vLLM's OpenAI server
+    # does (``OpenAIServing``'s ``_tokenizer_executor``, a ``ThreadPoolExecutor(max_workers=1)``
+    # behind ``make_async``), and its engine core steps in a process of its own: a long prompt's
+    # tokenization never holds up the steps of the requests already running (on the loop, a
+    # 6,000-token prompt held this engine's steps ~15 ms; docs/sim-engine.md)
+    tokenize_pool: Executor
     limits: proto.ServingLimits
     core: EngineCore
     model: ReplicaModel
@@ -96,13 +106,21 @@ class Routes:
         app.router.add_get("/debug/state", self.debug_state)
 
     # ------------------------------------------------------------------ vLLM API
+    async def _parsed(
+        self, request: web.Request, parse: Callable[[Any, EngineTokenizer, proto.ServingLimits], _T]
+    ) -> _T:
+        """``parse`` of the request's JSON body (validation and tokenization) on ``tokenize_pool``."""
+        body = await read_json(request)
+        d = self.d
+        return await asyncio.get_running_loop().run_in_executor(
+            d.tokenize_pool, parse, body, d.tokenizer, d.limits
+        )
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = proto.parse_completion(await read_json(request), self.d.tokenizer, self.d.limits)
-        return await self._generate(request, req, "cmpl-")
+        return await self._generate(request, await self._parsed(request, proto.parse_completion), "cmpl-")
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        req = proto.parse_chat(await read_json(request), self.d.tokenizer, self.d.limits)
-        return await self._generate(request, req, "chatcmpl-")
+        return await self._generate(request, await self._parsed(request, proto.parse_chat), "chatcmpl-")
 
     async def models(self, _request: web.Request) -> web.StreamResponse:
         d = self.d
@@ -122,7 +140,7 @@ class Routes:
         return web.Response(body=self.d.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def tokenize(self, request: web.Request) -> web.StreamResponse:
-        return json_response(proto.parse_tokenize(await read_json(request), self.d.tokenizer, self.d.limits))
+        return json_response(await self._parsed(request, proto.parse_tokenize))
 
     async def reset_prefix_cache(self, _request: web.Request) -> web.StreamResponse:
         if not await self.d.core.call(self.d.model.clear):

@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import signal
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -78,6 +79,9 @@ class SimEngine:
         )
         self._core: EngineCore | None = None
         self._runner: web.AppRunner | None = None
+        # the requests' tokenization (http_api.Deps.tokenize_pool); shut down after the HTTP
+        # site, which is the only one to submit to it
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
 
     async def start(self) -> BoundAddresses:
         opts = self.opts
@@ -99,6 +103,7 @@ class SimEngine:
         limits = proto.ServingLimits(opts.model, opts.max_model_len, opts.default_max_tokens)
         deps = Deps(
             tokenizer=self.tokenizer,
+            tokenize_pool=self._tokenize_pool,
             limits=limits,
             core=core,
             model=self.model,
@@ -127,6 +132,7 @@ class SimEngine:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        self._tokenize_pool.shutdown(wait=True, cancel_futures=True)
         await self.publisher.close()
 
 

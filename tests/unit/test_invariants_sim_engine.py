@@ -176,7 +176,8 @@ async def test_stop_fails_every_outstanding_request_and_call() -> None:
 
 
 async def test_sim_engine_stops_the_core_then_http_then_the_publisher() -> None:
-    """server.py: stop: the core first, then the HTTP runner, then the publisher."""
+    """server.py: stop: the core first, then the HTTP runner, then the tokenizer's thread (only
+    HTTP handlers submit to it), then the publisher."""
     order: list[str] = []
 
     class Part:
@@ -188,10 +189,15 @@ async def test_sim_engine_stops_the_core_then_http_then_the_publisher() -> None:
 
         cleanup = close = stop
 
+        def shutdown(self, wait: bool, cancel_futures: bool) -> None:
+            assert wait and cancel_futures
+            order.append(self.name)
+
     engine = cast(Any, SimEngine.__new__(SimEngine))
     engine._core, engine._runner, engine.publisher = Part("core"), Part("http"), Part("publisher")
+    engine._tokenize_pool = Part("tokenizer")
     await SimEngine.stop(engine)
-    assert order == ["core", "http", "publisher"]
+    assert order == ["core", "http", "tokenizer", "publisher"]
 
 
 @pytest.mark.parametrize("seed", SEEDS)
