@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import threading
+import time
 
 import aiohttp
 
@@ -31,10 +32,11 @@ def _options() -> EngineOptions:
 
 
 def test_prompts_are_tokenized_off_the_event_loop_thread() -> None:
-    async def main() -> tuple[set[int], int, int]:
+    async def main() -> tuple[set[int], list[bool], int]:
         engine = SimEngine(_options())
         threads: set[int] = set()
         ticks = 0
+        turned: list[bool] = []  # per encode: did the loop turn while it ran?
         encode = engine.tokenizer.encode_prompt
         loop = asyncio.get_running_loop()
         started = asyncio.Event()  # set from the tokenizing thread
@@ -44,11 +46,12 @@ def test_prompts_are_tokenized_off_the_event_loop_thread() -> None:
             loop.call_soon_threadsafe(started.set)
             ids = encode(prompt)
             # hold the thread (not the GIL) until the loop has turned, bounded: a tokenization
-            # on the loop's own thread would never see a tick and time out here
+            # on the loop's own thread sees no tick before it returns, and records False
             for _ in range(200):
                 if ticks >= 3:
                     break
-                threading.Event().wait(0.01)
+                time.sleep(0.01)
+            turned.append(ticks >= 3)
             return ids
 
         engine.tokenizer.encode_prompt = slow_encode  # type: ignore[method-assign]
@@ -71,9 +74,9 @@ def test_prompts_are_tokenized_off_the_event_loop_thread() -> None:
                 await asyncio.wait_for(t, 5)
         finally:
             await engine.stop()
-        return threads, ticks, status
+        return threads, turned, status
 
-    threads, ticks, status = asyncio.run(main())
+    threads, turned, status = asyncio.run(main())
     assert status == 200
     assert threads and threading.get_ident() not in threads  # never the loop's thread
-    assert ticks >= 3  # the loop turned while the prompt was being tokenized
+    assert turned == [True]  # the loop turned while the prompt was being tokenized
