@@ -100,6 +100,15 @@ class ProxyConfig(_Strict):
         4_000_000,
         description="Characters waiting to be encoded after routing; beyond it the oldest are dropped.",
     )
+    tokenize_defer_quiet_s: NonNegativeFloat = Field(
+        0.01,
+        description="A text encoded after routing waits until no request has arrived for this long "
+        "(a burst's requests first), at most tokenize_defer_max_wait_s (0: at once).",
+    )
+    tokenize_defer_max_wait_s: NonNegativeFloat = Field(
+        0.1,
+        description="The longest a text encoded after routing waits for arrivals to pause.",
+    )
     tokenize_defer_backlog_bytes: NonNegativeInt = Field(
         32 * 1024 * 1024,
         description="Bytes of text (as Python holds it: 1, 2 or 4 a character) waiting to be encoded "

@@ -65,6 +65,10 @@ class EncodeSettings:
     defer_chars: int = 0  # uncached new characters from which encoding waits for routing (0: never)
     seen_entries: int = 262144  # texts remembered as seen (they are encoded before routing)
     defer_backlog_chars: int = 4_000_000  # characters waiting to be encoded after routing
+    # a whole job waits for arrivals to pause this long, or until it has waited the second
+    # (``DeferredEncodes``' lull; 0: starts at once)
+    defer_quiet_s: float = 0.0
+    defer_max_wait_s: float = 0.0
     budgets: Budgets = Budgets()
 
 

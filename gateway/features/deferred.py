@@ -30,6 +30,17 @@ a queued job's head then finds it cached and keyed, on the first request's repli
 instead of taking the encode over on its own path. The job next in line is encoded whole, so with
 nothing queued behind it nothing changes.
 
+A lull before each whole job (``quiet_s``, ``max_wait_s``): the worker starts a job's remaining
+text only once no request has arrived for ``quiet_s`` (``arrival``, called by the featurizer for
+every request), or once that job has waited ``max_wait_s``. Requests come in bursts (Mooncake's
+traces: up to 16 prompts within ~20 ms), and every request of a burst brings its own new text; an
+encode started then takes a core from the burst's own requests and from the engines serving them
+on a host the gateway shares, whatever its niceness (the slice it was given runs out first), so
+the later requests of the burst waited for it. After the burst the same encodes cost nothing on
+anyone's path. A request needing a queued job's text meanwhile takes it over (``expedite``), as
+before; heads are not held (other requests are about to need them). Measured in
+docs/performance.md, "Background encodes wait for a lull".
+
 The backlog is bounded in characters and in bytes (the texts as held): when requests bring new text faster than it can be
 encoded, the oldest waiting jobs are dropped (their text is encoded on the request path if it
 ever comes back). Owned by the ``Featurizer``; ``close`` cancels the worker before the
@@ -42,6 +53,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -87,13 +99,19 @@ class DeferredEncodes:
         backlog_bytes: int | None = None,
         after_encode: Callable[[int], None] | None = None,
         checkpoints: PrefixCheckpoints | None = None,
+        lull: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         """``executor`` returns the pool of the background encodes, ``urgent_executor`` the one of
         encodes a waiting request takes over (default: the same); None encodes on the event loop.
         ``backlog_bytes``: the backlog's bound in bytes of text (None: characters only);
         ``after_encode(chars)`` runs on the encoding thread after each encode (memory release);
-        ``checkpoints``: where a whole text's encode records the exact tokens of its blocks."""
+        ``checkpoints``: where a whole text's encode records the exact tokens of its blocks;
+        ``lull``: (quiet_s, max_wait_s), the wait before a whole job (module docstring)."""
         non_negative(backlog_chars=backlog_chars, backlog_bytes=backlog_bytes)
+        if min(lull) < 0:
+            raise ValueError("lull times must be >= 0")
+        self.quiet_s, self.max_wait_s = lull
+        self._last_arrival = -math.inf  # event-loop time of the latest request (``arrival``)
         self.backlog_chars = backlog_chars
         self.backlog_bytes = backlog_bytes
         self.queued_chars = 0
@@ -116,6 +134,7 @@ class DeferredEncodes:
         self.expedited = 0  # jobs taken over by a request carrying the same text
         self.expedited_heads = 0  # of which only the shared leading segments were encoded then
         self.heads_first = 0  # heads the worker encoded ahead of the queue (module docstring)
+        self.lulls = 0  # times the worker waited for arrivals to pause before a job
         self.dropped = 0  # jobs dropped from a full backlog
         self.failed = 0  # jobs whose encode raised (a bug; logged)
         self.resumed = 0  # jobs encoded only after their head's checkpoints (``_resume_next``)
@@ -126,9 +145,14 @@ class DeferredEncodes:
     def __len__(self) -> int:
         return len(self._jobs)
 
+    def arrival(self) -> None:
+        """A request arrived (event loop thread): whole jobs wait for arrivals to pause."""
+        self._last_arrival = asyncio.get_running_loop().time()
+
     def submit(self, job: DeferredJob) -> None:
         """Queue ``job`` (event loop thread; never blocks)."""
         self.submitted += 1
+        job.queued_at = asyncio.get_running_loop().time()
         if not self._fits(job, 0, 0):
             self.dropped += 1
             job.end()  # never encoded, like a job dropped from the backlog (_forget)
@@ -217,6 +241,13 @@ class DeferredEncodes:
                 await self._wake.wait()
                 continue
             assert not self._heads  # heads go first
+            hold = self._hold(self._jobs[0])
+            if hold > 0:  # a submit (a head, or a later arrival) wakes the worker to look again
+                self.lulls += 1
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), hold)
+                continue
             job = self._jobs.popleft()
             self.queued_chars -= job.chars
             self.queued_bytes -= job.bytes
@@ -224,6 +255,14 @@ class DeferredEncodes:
                 await job.head_busy.wait()
             await self._run_job(job, self._executor)
             del job  # an idle worker holds no finished job
+
+    def _hold(self, job: DeferredJob) -> float:
+        """Seconds before the worker starts ``job``: until arrivals have paused for ``quiet_s``,
+        at most until the job has waited ``max_wait_s`` (<= 0: now)."""
+        if self.quiet_s <= 0:
+            return 0.0
+        until = min(self._last_arrival + self.quiet_s, job.queued_at + self.max_wait_s)
+        return until - asyncio.get_running_loop().time()
 
     async def _run_head(
         self, job: DeferredJob, head: EncodePlan, executor: Callable[[], Executor | None]

@@ -45,6 +45,7 @@ class DeferredJob:
     # whole and checks the head against it
     head_check: TokenArray | None = field(default=None, init=False)
     known: Known | None = field(default=None, init=False)
+    queued_at: float = field(default=0.0, init=False)  # event-loop time of ``submit``
     chars: int = field(init=False)
     bytes: int = field(init=False)
     finished: asyncio.Event = field(default_factory=asyncio.Event, init=False)

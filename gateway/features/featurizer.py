@@ -131,6 +131,7 @@ class Featurizer:
             backlog_bytes=b.defer_backlog_bytes,
             after_encode=self.executor.releaser.after_encode,
             checkpoints=self.checkpoints,
+            lull=(settings.defer_quiet_s, settings.defer_max_wait_s),
         )
         self.planner = EncodePlanner(settings.defer_chars, settings.seen_entries, self.deferred)
         self._remote = RemoteTokenizer(remote) if remote is not None else None
@@ -204,6 +205,7 @@ class Featurizer:
             with self.memo.read_only():  # the chat template's memo, used while reading
                 spec, prompt = self._read(req)
         else:
+            self.deferred.arrival()
             spec, prompt = self._read(req)
         if isinstance(prompt, Remote):
             prompt = await self._tokenize_remotely(req, spec)
