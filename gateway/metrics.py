@@ -163,6 +163,10 @@ class _StateCollector(Collector):
                 "deferred_heads_first",
                 "Leading new segments of queued deferred encodes encoded ahead of the queue.",
             ),
+            (
+                "deferred_lulls",
+                "Times the deferred encoder waited for arrivals to pause before starting a queued encode.",
+            ),
             ("deferred_dropped", "Deferred encodes dropped from a full backlog."),
             (
                 "deferred_resumed",

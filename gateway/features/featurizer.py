@@ -163,6 +163,7 @@ class Featurizer:
             "deferred_expedited": d.expedited,
             "deferred_expedited_heads": d.expedited_heads,
             "deferred_heads_first": d.heads_first,
+            "deferred_lulls": d.lulls,
             "deferred_dropped": d.dropped,
             "deferred_resumed": d.resumed,
             "deferred_backlog_chars": d.queued_chars,
