@@ -6,11 +6,14 @@ featurizes as an arrival, with the config's times."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+from collections.abc import AsyncIterator
 
 from gateway.config_http import ProxyConfig
 from gateway.features.deferred import DeferredEncodes
 from gateway.features.featurizer import encode_settings
+from gateway.features.segment_encoder import SegmentEncoder
 from gateway.request import request_of
 from tests.unit.test_features_deferred import chat, closing, make, text
 from tests.unit.test_features_heads_first import SEP, _encoder, _job
@@ -38,16 +41,30 @@ async def _arrivals(d: DeferredEncodes, seconds: float, every: float = 0.005) ->
     return last
 
 
+@contextlib.asynccontextmanager
+async def _watched(
+    lull: tuple[float, float], texts: list[str]
+) -> AsyncIterator[tuple[SegmentEncoder, DeferredEncodes, dict[str, float]]]:
+    """An encoder over the tiny tokenizer, deferred encodes on the event loop with ``lull``, and
+    when each of ``texts`` first reached the encoder (event-loop time), until the block ends."""
+    enc, seen = _encoder()
+    d = DeferredEncodes(1_000_000, lambda: None, lull=lull)
+    stamps: dict[str, float] = {}
+    stop = asyncio.Event()
+    watcher = asyncio.create_task(_watch(seen, stamps, texts, stop))
+    try:
+        yield enc, d, stamps
+    finally:
+        stop.set()
+        await watcher
+        await d.close()
+
+
 async def test_a_whole_job_waits_until_arrivals_pause() -> None:
     """Arrivals every 5 ms for 0.3 s: the job (submitted first) is not encoded meanwhile, and
     starts no sooner than ``quiet_s`` after the last one."""
-    enc, seen = _encoder()
-    d = DeferredEncodes(1_000_000, lambda: None, lull=(0.05, 10.0))
     body = text(1, 150)
-    stamps: dict[str, float] = {}
-    stop = asyncio.Event()
-    watcher = asyncio.create_task(_watch(seen, stamps, [body], stop))
-    try:
+    async with _watched((0.05, 10.0), [body]) as (enc, d, stamps):
         d.arrival()
         d.submit(_job(enc, body, 1))
         last = await _arrivals(d, 0.3)
@@ -56,23 +73,14 @@ async def test_a_whole_job_waits_until_arrivals_pause() -> None:
             await d.drain()
         await asyncio.sleep(0.005)
         assert d.encoded == 1 and stamps[body] >= last + 0.05
-    finally:
-        stop.set()
-        await watcher
-        await d.close()
 
 
 async def test_a_job_waits_no_longer_than_max_wait_under_steady_arrivals() -> None:
     """Arrivals never pause for ``quiet_s`` in 1.5 s: the job starts after ``max_wait_s`` of
     waiting, while they still come."""
-    enc, seen = _encoder()
-    d = DeferredEncodes(1_000_000, lambda: None, lull=(0.05, 0.2))
     body = text(2, 150)
-    stamps: dict[str, float] = {}
-    stop = asyncio.Event()
-    watcher = asyncio.create_task(_watch(seen, stamps, [body], stop))
     loop = asyncio.get_running_loop()
-    try:
+    async with _watched((0.05, 0.2), [body]) as (enc, d, stamps):
         d.arrival()
         job = _job(enc, body, 2)
         d.submit(job)
@@ -80,45 +88,35 @@ async def test_a_job_waits_no_longer_than_max_wait_under_steady_arrivals() -> No
         assert d.encoded == 1
         assert job.queued_at + 0.2 <= stamps[body] < last  # started while arrivals still came
         assert loop.time() - job.queued_at > 1.0  # (and they came long after it started)
-    finally:
-        stop.set()
-        await watcher
-        await d.close()
 
 
 async def test_heads_and_takeovers_are_not_held() -> None:
     """Under steady arrivals, a queued job's head (a new system prompt) is encoded at once, and a
     request taking a queued job over gets it encoded at once; a plain job still waits."""
-    enc, seen = _encoder()
-    d = DeferredEncodes(1_000_000, lambda: None, lull=(0.05, 10.0))
     plain, system, message, taken = text(3, 120), text(4, 120), text(5, 60), text(6, 120)
-    stamps: dict[str, float] = {}
-    stop = asyncio.Event()
-    watcher = asyncio.create_task(_watch(seen, stamps, [plain, system, message, taken], stop))
-    arrivals = asyncio.create_task(_arrivals(d, 0.6))
-    try:
-        await asyncio.sleep(0.01)
-        d.submit(_job(enc, plain, 3))
-        d.submit(_job(enc, system + SEP + message, 4))
-        d.submit(_job(enc, taken, 5))
-        await asyncio.sleep(0.1)
-        assert system in stamps and d.heads_first == 1  # the head, at once
-        assert plain not in stamps and message not in stamps and taken not in stamps
-        async with asyncio.timeout(1):
-            await d.expedite(5)  # a request carrying the third job's text
-        await asyncio.sleep(0.005)  # (the watcher's turn)
-        assert taken in stamps and not arrivals.done()
-        assert plain not in stamps and message not in stamps  # still waiting for a lull
-        last = await arrivals
-        async with asyncio.timeout(10):
-            await d.drain()
-        await asyncio.sleep(0.005)
-        assert min(stamps[plain], stamps[message]) >= last + 0.05 and d.encoded == 3
-    finally:
-        stop.set()
-        arrivals.cancel()
-        await watcher
-        await d.close()
+    async with _watched((0.05, 10.0), [plain, system, message, taken]) as (enc, d, stamps):
+        arrivals = asyncio.create_task(_arrivals(d, 0.6))
+        try:
+            await asyncio.sleep(0.01)
+            d.submit(_job(enc, plain, 3))
+            d.submit(_job(enc, system + SEP + message, 4))
+            d.submit(_job(enc, taken, 5))
+            await asyncio.sleep(0.1)
+            assert system in stamps and d.heads_first == 1  # the head, at once
+            assert plain not in stamps and message not in stamps and taken not in stamps
+            async with asyncio.timeout(1):
+                await d.expedite(5)  # a request carrying the third job's text
+            await asyncio.sleep(0.005)  # (the watcher's turn)
+            assert taken in stamps and not arrivals.done()
+            assert plain not in stamps and message not in stamps  # still waiting for a lull
+            last = await arrivals
+            async with asyncio.timeout(10):
+                await d.drain()
+            await asyncio.sleep(0.005)
+            assert min(stamps[plain], stamps[message]) >= last + 0.05 and d.encoded == 3
+
+        finally:
+            arrivals.cancel()
 
 
 async def test_every_request_featurized_is_an_arrival_with_the_configs_lull() -> None:
