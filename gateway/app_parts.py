@@ -37,6 +37,8 @@ def _featurizer_inputs(config: GatewayConfig) -> tuple[object, ...]:
         p.tokenize_defer_chars,
         p.tokenize_seen_entries,
         p.tokenize_defer_backlog_chars,
+        p.tokenize_defer_quiet_s,
+        p.tokenize_defer_max_wait_s,
         p.tokenize_cache_bytes,
         p.tokenize_checkpoint_bytes,
         p.tokenize_defer_backlog_bytes,

@@ -72,6 +72,22 @@ class EncodeSettings:
     budgets: Budgets = Budgets()
 
 
+@dataclass(frozen=True, slots=True)
+class DeferredLimits:
+    """The bounds of the deferred encodes' backlog, and the lull before each whole job
+    (``deferred.py:DeferredEncodes``, module docstring): ``proxy.tokenize_defer_*``."""
+
+    backlog_chars: int  # characters waiting to be encoded; beyond it the oldest jobs are dropped
+    backlog_bytes: int | None = None  # the same in bytes of text as held (None: characters only)
+    quiet_s: float = 0.0  # a whole job waits until no request has arrived for this long (0: never)
+    max_wait_s: float = 0.0  # ... and no longer than this after it was queued
+
+    def __post_init__(self) -> None:
+        non_negative(backlog_chars=self.backlog_chars, backlog_bytes=self.backlog_bytes)
+        if self.quiet_s < 0 or self.max_wait_s < 0:
+            raise ValueError("quiet_s and max_wait_s must be >= 0")
+
+
 def non_negative(**bounds: int | None) -> None:
     """Raise ``ValueError`` naming the first bound below zero (None: unbounded, accepted)."""
     for name, value in bounds.items():

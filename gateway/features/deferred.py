@@ -61,7 +61,7 @@ from typing import TypeVar
 
 from tokenizers import Encoding
 
-from gateway.features.budgets import non_negative
+from gateway.features.budgets import DeferredLimits
 from gateway.features.deferred_job import DeferredJob
 from gateway.features.novelty import PROBE_CHARS
 from gateway.features.prefix_checkpoints import (
@@ -93,27 +93,19 @@ def _same_first(planned: EncodePlan, now: EncodePlan) -> bool:
 class DeferredEncodes:
     def __init__(
         self,
-        backlog_chars: int,
+        limits: DeferredLimits,
         executor: Callable[[], Executor | None],
         urgent_executor: Callable[[], Executor | None] | None = None,
-        backlog_bytes: int | None = None,
         after_encode: Callable[[int], None] | None = None,
         checkpoints: PrefixCheckpoints | None = None,
-        lull: tuple[float, float] = (0.0, 0.0),
     ) -> None:
-        """``executor`` returns the pool of the background encodes, ``urgent_executor`` the one of
+        """``limits``: the backlog's bounds and the lull before a whole job (module docstring);
+        ``executor`` returns the pool of the background encodes, ``urgent_executor`` the one of
         encodes a waiting request takes over (default: the same); None encodes on the event loop.
-        ``backlog_bytes``: the backlog's bound in bytes of text (None: characters only);
         ``after_encode(chars)`` runs on the encoding thread after each encode (memory release);
-        ``checkpoints``: where a whole text's encode records the exact tokens of its blocks;
-        ``lull``: (quiet_s, max_wait_s), the wait before a whole job (module docstring)."""
-        non_negative(backlog_chars=backlog_chars, backlog_bytes=backlog_bytes)
-        if min(lull) < 0:
-            raise ValueError("lull times must be >= 0")
-        self.quiet_s, self.max_wait_s = lull
+        ``checkpoints``: where a whole text's encode records the exact tokens of its blocks."""
+        self.limits = limits
         self._last_arrival = -math.inf  # event-loop time of the latest request (``arrival``)
-        self.backlog_chars = backlog_chars
-        self.backlog_bytes = backlog_bytes
         self.queued_chars = 0
         self.queued_bytes = 0
         self._executor = executor
@@ -173,8 +165,9 @@ class DeferredEncodes:
 
     def _fits(self, job: DeferredJob, chars: int, nbytes: int) -> bool:
         """Whether ``job`` fits in a backlog already holding ``chars`` and ``nbytes``."""
-        limit = self.backlog_bytes
-        return chars + job.chars <= self.backlog_chars and (limit is None or nbytes + job.bytes <= limit)
+        lim = self.limits
+        fits_bytes = lim.backlog_bytes is None or nbytes + job.bytes <= lim.backlog_bytes
+        return chars + job.chars <= lim.backlog_chars and fits_bytes
 
     def pending(self, fingerprint: int) -> bool:
         return fingerprint in self._pending
@@ -259,9 +252,10 @@ class DeferredEncodes:
     def _hold(self, job: DeferredJob) -> float:
         """Seconds before the worker starts ``job``: until arrivals have paused for ``quiet_s``,
         at most until the job has waited ``max_wait_s`` (<= 0: now)."""
-        if self.quiet_s <= 0:
+        lim = self.limits
+        if lim.quiet_s <= 0:
             return 0.0
-        until = min(self._last_arrival + self.quiet_s, job.queued_at + self.max_wait_s)
+        until = min(self._last_arrival + lim.quiet_s, job.queued_at + lim.max_wait_s)
         return until - asyncio.get_running_loop().time()
 
     async def _run_head(

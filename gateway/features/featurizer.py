@@ -35,7 +35,7 @@ import numpy as np
 
 from gateway.config import GatewayConfig, ModelConfig
 from gateway.config_http import ProxyConfig
-from gateway.features.budgets import SEEN_ENTRY_BYTES, Budgets, EncodeSettings, text_bytes
+from gateway.features.budgets import SEEN_ENTRY_BYTES, Budgets, DeferredLimits, EncodeSettings, text_bytes
 from gateway.features.deferred import DeferredEncodes
 from gateway.features.deferred_job import DeferredJob
 from gateway.features.encode_executor import BACKGROUND_THREAD_NAME, EncodeExecutor, mark_background_thread
@@ -124,14 +124,18 @@ class Featurizer:
         self._cache = BoundedLRU(settings.cache_entries, b.cache_bytes)
         self.executor = EncodeExecutor(settings.threads, settings.offload_chars, b.inflight_bytes)
         self.checkpoints = PrefixCheckpoints(b.checkpoint_bytes)
-        self.deferred = DeferredEncodes(
+        limits = DeferredLimits(
             settings.defer_backlog_chars,
+            b.defer_backlog_bytes,
+            settings.defer_quiet_s,
+            settings.defer_max_wait_s,
+        )
+        self.deferred = DeferredEncodes(
+            limits,
             self.executor.background_pool,
             self.executor.pool,
-            backlog_bytes=b.defer_backlog_bytes,
             after_encode=self.executor.releaser.after_encode,
             checkpoints=self.checkpoints,
-            lull=(settings.defer_quiet_s, settings.defer_max_wait_s),
         )
         self.planner = EncodePlanner(settings.defer_chars, settings.seen_entries, self.deferred)
         self._remote = RemoteTokenizer(remote) if remote is not None else None

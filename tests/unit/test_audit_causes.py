@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gateway.config import parse_config
+from gateway.features.budgets import DeferredLimits
 from gateway.features.deferred import DeferredEncodes
 from gateway.features.deferred_job import DeferredJob
 from gateway.features.feature_info import FeatureInfo
@@ -163,7 +164,7 @@ async def test_an_attempt_audit_waits_for_the_deferred_encodes_keys() -> None:
     proxy's ``on_keys`` still runs); the audit of an inexact prediction can wait for them."""
     tok = load_tokenizer_files(TINY, where="t").tokenizer
     enc = SegmentEncoder(tok, BoundedLRU(100), "t")
-    deferred = DeferredEncodes(100_000, lambda: None)  # encoded on the event loop
+    deferred = DeferredEncodes(DeferredLimits(100_000), lambda: None)  # encoded on the event loop
 
     def attempt(fingerprint: int) -> tuple[DeferredJob, AttemptAudit, list[list[int]]]:
         prompt = " ".join(f"word{i}" for i in range(200 + fingerprint))
@@ -186,7 +187,7 @@ async def test_an_attempt_audit_waits_for_the_deferred_encodes_keys() -> None:
         assert audit.full_keys[0] > 200  # the keys_of of the whole prompt's tokens
         # a job the backlog drops never brings keys: the audit stops waiting for them
         dropped, audit2, _ = attempt(2)
-        small = DeferredEncodes(10, lambda: None)
+        small = DeferredEncodes(DeferredLimits(10), lambda: None)
         small.submit(dropped)
         assert small.dropped == 1 and not audit2.waiting() and audit2.full_keys is None
         exact = FeatureInfo("t", "t", None, "local", False, 100)

@@ -17,6 +17,7 @@ from gateway.features.budgets import (
     SEGMENT_ENTRY_OVERHEAD,
     Budgets,
     ByteBudget,
+    DeferredLimits,
     MemoryReleaser,
     non_negative,
     text_bytes,
@@ -75,7 +76,7 @@ async def test_deferred_backlog_is_bounded_in_bytes() -> None:
         jobs.append(DeferredJob(enc, plan, False, i, lambda tokens: [len(tokens)]))
     per_job = jobs[0].bytes
     assert per_job > 2 * jobs[0].chars
-    deferred = DeferredEncodes(10**9, lambda: None, backlog_bytes=int(2.5 * per_job))
+    deferred = DeferredEncodes(DeferredLimits(10**9, int(2.5 * per_job)), lambda: None)
     try:
         for j in jobs:
             deferred.submit(j)
@@ -258,7 +259,7 @@ def test_negative_bounds_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="capacity must be >= 0"):
         BoundedLRU(-1)
     with pytest.raises(ValueError, match="backlog_bytes must be >= 0"):
-        DeferredEncodes(0, lambda: None, backlog_bytes=-1)
+        DeferredEncodes(DeferredLimits(0, -1), lambda: None)
 
 
 def test_a_template_renders_once_for_the_same_inputs() -> None:

@@ -14,7 +14,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tokenizers import processors
 
-from gateway.features.budgets import text_bytes
+from gateway.features.budgets import DeferredLimits, text_bytes
 from gateway.features.deferred import CHECK_EVERY, DeferredEncodes
 from gateway.features.feature_info import keys_after, keys_of
 from gateway.features.featurizer import Featurizer
@@ -205,7 +205,7 @@ def test_a_whole_text_resumed_with_the_post_processors_tokens_is_its_whole_encod
 def test_each_tokenizers_first_head_from_checkpoints_and_every_sixteenth_are_checked() -> None:
     """The whole encodes that check composed heads are counted per tokenizer: a second model's
     tokenizer has its own first head checked, however many heads the first one had."""
-    deferred = DeferredEncodes(1000, lambda: None)
+    deferred = DeferredEncodes(DeferredLimits(1000), lambda: None)
     order = ["a", "a", "b"] + ["a"] * (CHECK_EVERY - 1) + ["b"]
     resumes = [deferred._resume_next(ns) for ns in order]
     checked = [i for i, r in enumerate(resumes) if not r]

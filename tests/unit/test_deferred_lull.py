@@ -11,6 +11,7 @@ import math
 from collections.abc import AsyncIterator
 
 from gateway.config_http import ProxyConfig
+from gateway.features.budgets import DeferredLimits
 from gateway.features.deferred import DeferredEncodes
 from gateway.features.featurizer import encode_settings
 from gateway.features.segment_encoder import SegmentEncoder
@@ -48,7 +49,7 @@ async def _watched(
     """An encoder over the tiny tokenizer, deferred encodes on the event loop with ``lull``, and
     when each of ``texts`` first reached the encoder (event-loop time), until the block ends."""
     enc, seen = _encoder()
-    d = DeferredEncodes(1_000_000, lambda: None, lull=lull)
+    d = DeferredEncodes(DeferredLimits(1_000_000, None, *lull), lambda: None)
     stamps: dict[str, float] = {}
     stop = asyncio.Event()
     watcher = asyncio.create_task(_watch(seen, stamps, texts, stop))
@@ -128,7 +129,7 @@ async def test_every_request_featurized_is_an_arrival_with_the_configs_lull() ->
     assert defaults.tokenize_defer_quiet_s > 0 and defaults.tokenize_defer_max_wait_s > 0
     async with closing(make(defer_quiet_s=0.02, defer_max_wait_s=0.3)) as (fz,):
         d = fz.deferred
-        assert (d.quiet_s, d.max_wait_s) == (0.02, 0.3) and d._last_arrival == -math.inf
+        assert (d.limits.quiet_s, d.limits.max_wait_s) == (0.02, 0.3) and d._last_arrival == -math.inf
         await fz.features("chat", chat("hi there"))
         first = d._last_arrival
         assert first > -math.inf

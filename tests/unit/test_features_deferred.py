@@ -21,6 +21,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 
 from gateway.config import ModelConfig
 from gateway.features import EncodeSettings, Featurizer
+from gateway.features.budgets import DeferredLimits
 from gateway.features.deferred import DeferredEncodes
 from gateway.features.deferred_job import DeferredJob
 from gateway.features.novelty import SeenTexts
@@ -236,7 +237,7 @@ async def test_backlog_is_bounded_in_characters_and_drops_the_oldest() -> None:
     tok = load_tokenizer_files(Path(TINY), where="t").tokenizer
     cache = BoundedLRU(100)
     enc = SegmentEncoder(tok, cache, "t")
-    deferred = DeferredEncodes(2500, lambda: None)
+    deferred = DeferredEncodes(DeferredLimits(2500), lambda: None)
 
     def job(plan_text: str, fingerprint: int) -> DeferredJob:
         plan = enc.plan(plan_text, add_special_tokens=False)
@@ -284,7 +285,7 @@ async def test_an_ended_job_lets_its_callbacks_go_so_refcounting_frees_it() -> N
     off, dropping the last reference frees the job."""
     tok = load_tokenizer_files(Path(TINY), where="t").tokenizer
     enc = SegmentEncoder(tok, BoundedLRU(100), "t")
-    deferred = DeferredEncodes(2500, lambda: None)
+    deferred = DeferredEncodes(DeferredLimits(2500), lambda: None)
     got: list[list[int]] = []
 
     def job(seed: int, words: int) -> weakref.ref[DeferredJob]:

@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from gateway.features.budgets import DeferredLimits
 from gateway.features.deferred import DeferredEncodes
 from gateway.features.deferred_job import DeferredJob
 from gateway.features.segment_encoder import BoundedLRU, SegmentEncoder
@@ -55,7 +56,7 @@ async def test_queued_heads_are_encoded_before_any_queued_tail() -> None:
     background = ThreadPoolExecutor(1, thread_name_prefix="bg")
     free = threading.Event()
     background.submit(free.wait, 30)  # the worker's first job waits behind older work
-    d = DeferredEncodes(1_000_000, lambda: background)
+    d = DeferredEncodes(DeferredLimits(1_000_000), lambda: background)
     first, a, system, b_msg, c = (text(i, 120) for i in range(90, 95))
     jobs = [_job(enc, first, 1), _job(enc, a, 2), _job(enc, system + SEP + b_msg, 3), _job(enc, c, 4)]
     prefix: list[list[int]] = []
@@ -89,7 +90,7 @@ async def test_a_head_another_job_cached_meanwhile_is_not_encoded_again() -> Non
     background = ThreadPoolExecutor(1, thread_name_prefix="bg")
     free = threading.Event()
     background.submit(free.wait, 30)
-    d = DeferredEncodes(1_000_000, lambda: background)
+    d = DeferredEncodes(DeferredLimits(1_000_000), lambda: background)
     system = text(100, 150)
     try:
         d.submit(_job(enc, text(101, 50), 1))
@@ -118,7 +119,9 @@ async def test_the_heads_queue_only_holds_queued_jobs() -> None:
     background.submit(free.wait, 30)
     bodies = [text(110 + i, 60) + SEP + text(120 + i, 60) for i in range(3)]
     jobs = [_job(enc, b, 10 + i) for i, b in enumerate(bodies)]
-    d = DeferredEncodes(jobs[1].chars + jobs[2].chars + 10, lambda: background, lambda: urgent)
+    d = DeferredEncodes(
+        DeferredLimits(jobs[1].chars + jobs[2].chars + 10), lambda: background, lambda: urgent
+    )
     try:
         d.submit(_job(enc, text(130, 10), 1))
         await asyncio.sleep(0.05)  # the worker holds this one

@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from gateway.features.budgets import DeferredLimits
 from gateway.features.deferred import DeferredEncodes
 from gateway.features.deferred_job import DeferredJob
 from gateway.features.segment_encoder import BoundedLRU, EncodePlan, SegmentEncoder
@@ -51,7 +52,7 @@ async def test_an_expedited_encode_runs_on_the_urgent_pool_not_the_background_on
     urgent = ThreadPoolExecutor(1, thread_name_prefix="urgent")
     release = threading.Event()
     background.submit(release.wait, 30)  # the background thread is busy with older work
-    deferred = DeferredEncodes(100_000, lambda: background, lambda: urgent)
+    deferred = DeferredEncodes(DeferredLimits(100_000), lambda: background, lambda: urgent)
     keys: list[list[int]] = []
     job = DeferredJob(enc, enc.plan(text(50, 300), add_special_tokens=False), False, 7, lambda t: [len(t)])
     job.on_keys = keys.append
@@ -125,7 +126,7 @@ async def test_takeovers_of_one_head_at_once_encode_it_once_and_the_worker_waits
     bg_free, urgent_free = threading.Event(), threading.Event()
     background.submit(bg_free.wait, 30)  # both pools busy with older work at first
     urgent.submit(urgent_free.wait, 30)
-    deferred = DeferredEncodes(100_000, lambda: background, lambda: urgent)
+    deferred = DeferredEncodes(DeferredLimits(100_000), lambda: background, lambda: urgent)
     head, tail = text(70, 300), text(71, 200)
     prefix: list[list[int]] = []
     whole: list[list[int]] = []
