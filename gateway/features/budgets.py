@@ -79,7 +79,7 @@ class DeferredLimits:
 
     backlog_chars: int  # characters waiting to be encoded; beyond it the oldest jobs are dropped
     backlog_bytes: int | None = None  # the same in bytes of text as held (None: characters only)
-    quiet_s: float = 0.0  # a whole job waits until no request has arrived for this long (0: never)
+    quiet_s: float = 0.0  # a whole job waits until no request has arrived for this long (0: no wait)
     max_wait_s: float = 0.0  # ... and no longer than this after it was queued
 
     def __post_init__(self) -> None:
