@@ -115,7 +115,6 @@ async def test_heads_and_takeovers_are_not_held() -> None:
                 await d.drain()
             await asyncio.sleep(0.005)
             assert min(stamps[plain], stamps[message]) >= last + 0.05 and d.encoded == 3
-
         finally:
             arrivals.cancel()
 
