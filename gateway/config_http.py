@@ -103,11 +103,12 @@ class ProxyConfig(_Strict):
     tokenize_defer_quiet_s: NonNegativeFloat = Field(
         0.01,
         description="A text encoded after routing waits until no request has arrived for this long "
-        "(a burst's requests first), at most tokenize_defer_max_wait_s (0: at once).",
+        "(a burst's requests first; 0: at once), and is not encoded after tokenize_defer_max_wait_s.",
     )
     tokenize_defer_max_wait_s: NonNegativeFloat = Field(
         0.1,
-        description="The longest a text encoded after routing waits for arrivals to pause.",
+        description="The longest a text encoded after routing waits for arrivals to pause; past it "
+        "the text is not encoded (it is encoded on its request's path if it comes back).",
     )
     tokenize_defer_backlog_bytes: NonNegativeInt = Field(
         32 * 1024 * 1024,

@@ -169,6 +169,10 @@ class _StateCollector(Collector):
             ),
             ("deferred_dropped", "Deferred encodes dropped from a full backlog."),
             (
+                "deferred_expired",
+                "Deferred encodes not done: arrivals did not pause within tokenize_defer_max_wait_s.",
+            ),
+            (
                 "deferred_resumed",
                 "Deferred encodes of a text whose head came from prefix checkpoints that encoded only the text after them.",
             ),

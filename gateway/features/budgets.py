@@ -65,8 +65,8 @@ class EncodeSettings:
     defer_chars: int = 0  # uncached new characters from which encoding waits for routing (0: never)
     seen_entries: int = 262144  # texts remembered as seen (they are encoded before routing)
     defer_backlog_chars: int = 4_000_000  # characters waiting to be encoded after routing
-    # a whole job waits for arrivals to pause this long, or until it has waited the second
-    # (``DeferredEncodes``' lull; 0: starts at once)
+    # a whole job waits for arrivals to pause this long, and is not encoded once it has waited
+    # the second (``DeferredEncodes``' lull; 0: starts at once)
     defer_quiet_s: float = 0.0
     defer_max_wait_s: float = 0.0
     budgets: Budgets = Budgets()
@@ -80,7 +80,7 @@ class DeferredLimits:
     backlog_chars: int  # characters waiting to be encoded; beyond it the oldest jobs are dropped
     backlog_bytes: int | None = None  # the same in bytes of text as held (None: characters only)
     quiet_s: float = 0.0  # a whole job waits until no request has arrived for this long (0: no wait)
-    max_wait_s: float = 0.0  # ... and no longer than this after it was queued
+    max_wait_s: float = 0.0  # ... and is not encoded once it has waited this long without one
 
     def __post_init__(self) -> None:
         non_negative(backlog_chars=self.backlog_chars, backlog_bytes=self.backlog_bytes)

@@ -32,18 +32,20 @@ nothing queued behind it nothing changes.
 
 A lull before each whole job (``quiet_s``, ``max_wait_s``): the worker starts a job's remaining
 text only once no request has arrived for ``quiet_s`` (``arrival``, called by the featurizer for
-every request), or once that job has waited ``max_wait_s``. Requests come in bursts (Mooncake's
-traces: up to 16 prompts within ~20 ms), and every request of a burst brings its own new text; an
-encode started then takes a core from the burst's own requests and from the engines serving them
-on a host the gateway shares, whatever its niceness (the slice it was given runs out first), so
-the later requests of the burst waited for it. After the burst the same encodes cost nothing on
-anyone's path. A request needing a queued job's text meanwhile takes it over (``expedite``), as
-before; heads are not held (other requests are about to need them). Measured in
-docs/performance.md, "Background encodes wait for a lull".
+every request). Requests come in bursts (Mooncake's traces: up to 16 prompts within ~20 ms), and
+every request of a burst brings its own new text; an encode started then takes a core from the
+burst's own requests and from the engines serving them on a host the gateway shares, whatever its
+niceness (the slice it was given runs out first), so the later requests of the burst waited for
+it. After the burst the same encodes cost nothing on anyone's path. A request needing a queued
+job's text meanwhile takes it over (``expedite``); heads are not held (other requests are about
+to need them). A job that waited ``max_wait_s`` without a lull is not encoded (``expired``):
+arrivals that never pause leave no idle time for text that may never come back (an encode then
+lengthens every request's path); text that does is encoded on its request's path, as after a
+drop from the backlog. Measured in docs/performance.md, "Background encodes wait for a lull" and
+"Encodes no lull reaches".
 
-The backlog is bounded in characters and in bytes (the texts as held): when requests bring new text faster than it can be
-encoded, the oldest waiting jobs are dropped (their text is encoded on the request path if it
-ever comes back). Owned by the ``Featurizer``; ``close`` cancels the worker before the
+The backlog is bounded in characters and in bytes (the texts as held): beyond it the oldest jobs
+are dropped (``dropped``). Owned by the ``Featurizer``; ``close`` cancels the worker before the
 featurizer's threads shut down.
 """
 
@@ -106,8 +108,7 @@ class DeferredEncodes:
         ``checkpoints``: where a whole text's encode records the exact tokens of its blocks."""
         self.limits = limits
         self._last_arrival = -math.inf  # event-loop time of the latest request (``arrival``)
-        self.queued_chars = 0
-        self.queued_bytes = 0
+        self.queued_chars = self.queued_bytes = 0
         self._executor = executor
         self._after_encode = after_encode
         self.checkpoints = checkpoints
@@ -128,6 +129,7 @@ class DeferredEncodes:
         self.heads_first = 0  # heads the worker encoded ahead of the queue (module docstring)
         self.lulls = 0  # times the worker waited for arrivals to pause before a job
         self.dropped = 0  # jobs dropped from a full backlog
+        self.expired = 0  # jobs not encoded: no lull came within ``max_wait_s`` (module docstring)
         self.failed = 0  # jobs whose encode raised (a bug; logged)
         self.resumed = 0  # jobs encoded only after their head's checkpoints (``_resume_next``)
         # jobs routed on a head from checkpoints, per tokenizer (one per model: bounded by the
@@ -235,6 +237,10 @@ class DeferredEncodes:
                 continue
             assert not self._heads  # heads go first
             hold = self._hold(self._jobs[0])
+            if hold is None:  # no lull came in time: not encoded (module docstring)
+                self._forget(self._jobs.popleft())
+                self.expired += 1
+                continue
             if hold > 0:  # a submit (a head, or a later arrival) wakes the worker to look again
                 self.lulls += 1
                 self._wake.clear()
@@ -249,14 +255,16 @@ class DeferredEncodes:
             await self._run_job(job, self._executor)
             del job  # an idle worker holds no finished job
 
-    def _hold(self, job: DeferredJob) -> float:
-        """Seconds before the worker starts ``job``: until arrivals have paused for ``quiet_s``,
-        at most until the job has waited ``max_wait_s`` (<= 0: now)."""
+    def _hold(self, job: DeferredJob) -> float | None:
+        """Seconds before the worker starts ``job``: until arrivals have paused for ``quiet_s``
+        (<= 0: now); None once it has waited ``max_wait_s`` without a lull (it is not encoded)."""
         lim = self.limits
-        if lim.quiet_s <= 0:
+        now = asyncio.get_running_loop().time()
+        lull = self._last_arrival + lim.quiet_s
+        if lim.quiet_s <= 0 or lull <= now:
             return 0.0
-        until = min(self._last_arrival + lim.quiet_s, job.queued_at + lim.max_wait_s)
-        return until - asyncio.get_running_loop().time()
+        expires = job.queued_at + lim.max_wait_s
+        return None if expires <= now else min(lull, expires) - now
 
     async def _run_head(
         self, job: DeferredJob, head: EncodePlan, executor: Callable[[], Executor | None]

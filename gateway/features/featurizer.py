@@ -169,6 +169,7 @@ class Featurizer:
             "deferred_heads_first": d.heads_first,
             "deferred_lulls": d.lulls,
             "deferred_dropped": d.dropped,
+            "deferred_expired": d.expired,
             "deferred_resumed": d.resumed,
             "deferred_backlog_chars": d.queued_chars,
             "seen_entries": len(self.planner.seen),

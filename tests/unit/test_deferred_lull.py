@@ -1,7 +1,7 @@
 """A lull before each whole deferred job (gateway/features/deferred.py): the worker starts a job's
-remaining text only once no request has arrived for ``quiet_s``, or once the job has waited
-``max_wait_s``; heads and takeovers are not held; the featurizer reports every request it
-featurizes as an arrival, with the config's times."""
+remaining text only once no request has arrived for ``quiet_s``, and drops it unencoded once it
+has waited ``max_wait_s`` without one; heads and takeovers are not held; the featurizer reports
+every request it featurizes as an arrival, with the config's times."""
 
 from __future__ import annotations
 
@@ -76,19 +76,30 @@ async def test_a_whole_job_waits_until_arrivals_pause() -> None:
         assert d.encoded == 1 and stamps[body] >= last + 0.05
 
 
-async def test_a_job_waits_no_longer_than_max_wait_under_steady_arrivals() -> None:
-    """Arrivals never pause for ``quiet_s`` in 1.5 s: the job starts after ``max_wait_s`` of
-    waiting, while they still come."""
-    body = text(2, 150)
-    loop = asyncio.get_running_loop()
-    async with _watched((0.05, 0.2), [body]) as (enc, d, stamps):
+async def test_a_job_no_lull_reaches_within_max_wait_is_not_encoded() -> None:
+    """Arrivals never pause for ``quiet_s`` in 0.6 s: the first job, submitted at the start, is
+    dropped unencoded once it has waited ``max_wait_s`` (no segment cached, no keys recorded, the
+    backlog empty of it), while a job submitted near the end is encoded in the lull after them."""
+    early, late = text(2, 150), text(7, 150)
+    async with _watched((0.05, 0.2), [early, late]) as (enc, d, stamps):
+        keys: list[list[int]] = []
+        first = _job(enc, early, 2)
+        first.on_keys = keys.append  # as the proxy, once routed
         d.arrival()
-        job = _job(enc, body, 2)
-        d.submit(job)
-        last = await _arrivals(d, 1.5)
-        assert d.encoded == 1
-        assert job.queued_at + 0.2 <= stamps[body] < last  # started while arrivals still came
-        assert loop.time() - job.queued_at > 1.0  # (and they came long after it started)
+        d.submit(first)
+        arrivals = asyncio.create_task(_arrivals(d, 0.6))
+        await asyncio.sleep(0.5)
+        assert d.expired == 1 and d.encoded == 0 and not d.pending(2) and d.queued_chars == 0
+        second = _job(enc, late, 7)
+        d.submit(second)
+        last = await arrivals
+        async with asyncio.timeout(10):
+            await d.drain()
+        await asyncio.sleep(0.005)
+        assert early not in stamps and keys == [] and first.finished.is_set()
+        assert enc.still_missing(first.plan).missing  # nothing of it cached
+        assert d.encoded == 1 and d.expired == 1 and stamps[late] >= last + 0.05
+        assert not enc.still_missing(second.plan).missing
 
 
 async def test_heads_and_takeovers_are_not_held() -> None:
