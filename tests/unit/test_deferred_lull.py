@@ -77,18 +77,19 @@ async def test_a_whole_job_waits_until_arrivals_pause() -> None:
 
 
 async def test_a_job_no_lull_reaches_within_max_wait_is_not_encoded() -> None:
-    """Arrivals never pause for ``quiet_s`` in 0.6 s: the first job, submitted at the start, is
-    dropped unencoded once it has waited ``max_wait_s`` (no segment cached, no keys recorded, the
-    backlog empty of it), while a job submitted near the end is encoded in the lull after them."""
+    """Arrivals never pause for ``quiet_s`` (0.1 s) in 0.7 s: the first job, submitted at the
+    start, is dropped unencoded once it has waited ``max_wait_s`` (0.3 s; no segment cached, no
+    keys recorded, the backlog empty of it), while a job submitted at 0.6 s is encoded in the lull
+    after them (0.8 s, before its own 0.9 s)."""
     early, late = text(2, 150), text(7, 150)
-    async with _watched((0.05, 0.2), [early, late]) as (enc, d, stamps):
+    async with _watched((0.1, 0.3), [early, late]) as (enc, d, stamps):
         keys: list[list[int]] = []
         first = _job(enc, early, 2)
         first.on_keys = keys.append  # as the proxy, once routed
         d.arrival()
         d.submit(first)
-        arrivals = asyncio.create_task(_arrivals(d, 0.6))
-        await asyncio.sleep(0.5)
+        arrivals = asyncio.create_task(_arrivals(d, 0.7))
+        await asyncio.sleep(0.6)
         assert d.expired == 1 and d.encoded == 0 and not d.pending(2) and d.queued_chars == 0
         second = _job(enc, late, 7)
         d.submit(second)
@@ -98,7 +99,7 @@ async def test_a_job_no_lull_reaches_within_max_wait_is_not_encoded() -> None:
         await asyncio.sleep(0.005)
         assert early not in stamps and keys == [] and first.finished.is_set()
         assert enc.still_missing(first.plan).missing  # nothing of it cached
-        assert d.encoded == 1 and d.expired == 1 and stamps[late] >= last + 0.05
+        assert d.encoded == 1 and d.expired == 1 and stamps[late] >= last + 0.1
         assert not enc.still_missing(second.plan).missing
 
 
