@@ -165,7 +165,7 @@ class _StateCollector(Collector):
             ),
             (
                 "deferred_lulls",
-                "Times the deferred encoder waited for arrivals to pause before starting a queued encode.",
+                "Times the deferred encoder waited for arrivals to pause before a queued encode (started or expired).",
             ),
             ("deferred_dropped", "Deferred encodes dropped from a full backlog."),
             (
