@@ -94,7 +94,7 @@ class ProxyConfig(_Strict):
     tokenize_seen_entries: NonNegativeInt = Field(
         262144,
         description="Bound of the record of new texts seen (one fingerprint per 256 characters; "
-        "about 80 bytes each).",
+        "at most 80 bytes each; the most recent half are always remembered).",
     )
     tokenize_defer_backlog_chars: NonNegativeInt = Field(
         4_000_000,

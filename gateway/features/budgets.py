@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-SEEN_ENTRY_BYTES = 80  # one fingerprint in the seen-text record: dict slot + int object
+SEEN_ENTRY_BYTES = 80  # a fingerprint of the seen-text record's capacity: dict slots + int objects, at peak
 SEGMENT_ENTRY_OVERHEAD = (
     240  # one segment cache entry beyond its text and ids: key tuple, array header, LRU node
 )

@@ -9,14 +9,16 @@ covers the text up to the end of its block, seeded per tokenizer and by the text
 part), and the featurizer encodes before routing only the leading blocks seen before; the rest is
 routed on an estimate and encoded in the background.
 
-The record is a bounded set of fingerprints, least recently seen dropped first. Forgetting only
-ever makes text look new: the request is then routed on less of its prefix, which is still a
-correct, if shorter, match.
+The record is bounded, and forgetting only ever makes text look new: the request is then routed on
+less of its prefix, which is still a correct, if shorter, match. It is kept as two generations of
+fingerprints rather than one least-recently-seen order: a ``dict`` whose oldest keys are deleted
+one by one leaves the deleted slots at the front of its table, and every eviction scanned them
+again (~0.2 ms a request once a gateway had seen ``capacity`` fingerprints of new text, plus a
+table rebuild of ~20 ms every few thousand requests; docs/performance.md, "The seen-text
+record"). A generation is dropped whole, in O(1), when the newer one is full.
 """
 
 from __future__ import annotations
-
-import itertools
 
 import xxhash
 
@@ -27,16 +29,24 @@ _xxh3 = xxhash.xxh3_64_intdigest
 
 class SeenTexts:
     """At most ``capacity`` fingerprints (0: nothing is ever seen, so new text is always
-    routed before it is encoded)."""
+    routed before it is encoded), in two generations of at most ``gen = ceil(capacity / 2)``.
+
+    Invariants (tests/unit/test_features_deferred.py): the last ``gen`` distinct fingerprints
+    recorded are all remembered; ``len(self) <= capacity``; every fingerprint only in the older
+    generation was last recorded before every one in the newer, so what is forgotten is the least
+    recently seen."""
 
     def __init__(self, capacity: int) -> None:
         if capacity < 0:
             raise ValueError("capacity must be >= 0")
         self.capacity = capacity
-        self._seen: dict[int, None] = {}  # insertion order = recency
+        self._gen = (capacity + 1) // 2
+        self._new: dict[int, None] = {}  # < gen entries between calls
+        self._old: dict[int, None] = {}  # <= gen entries: the generation before ``_new``
 
     def __len__(self) -> int:
-        return len(self._seen)
+        """Entries held (a fingerprint recorded again since its generation ended is in both)."""
+        return len(self._new) + len(self._old)
 
     @staticmethod
     def fingerprints(seed: int, text: str, start: int) -> list[int]:
@@ -53,22 +63,23 @@ class SeenTexts:
         """How many leading ``fingerprints`` were seen before (a pure read: ``record`` is
         separate, so that a caller may plan the same text twice and ``/admin/explain`` changes
         nothing)."""
-        seen = self._seen
+        new, old = self._new, self._old
         run = 0
-        while run < len(fingerprints) and fingerprints[run] in seen:
+        while run < len(fingerprints) and (fingerprints[run] in new or fingerprints[run] in old):
             run += 1
         return run
 
     def record(self, fingerprints: list[int]) -> None:
-        """Remember ``fingerprints`` as the most recently seen, forgetting the oldest beyond
-        ``capacity``."""
-        if not self.capacity:
+        """Remember ``fingerprints`` as the most recently seen: into the newer generation, which
+        becomes the older one (the older one dropped) each time it reaches ``gen`` entries."""
+        gen = self._gen
+        if not gen:
             return
-        seen = self._seen
-        for fp in fingerprints:
-            seen.pop(fp, None)  # re-inserted as the most recent
-            seen[fp] = None
-        excess = len(seen) - self.capacity
-        if excess > 0:  # one pass over the oldest, not one iterator per key
-            for fp in list(itertools.islice(seen, excess)):
-                del seen[fp]
+        new, i = self._new, 0
+        while i < len(fingerprints):
+            room = gen - len(new)  # >= 1: ``_new`` never stays at ``gen``
+            new.update(dict.fromkeys(fingerprints[i : i + room]))
+            i += room
+            if len(new) >= gen:
+                self._old, self._new = new, {}
+                new = self._new

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import gc
 import random
+import tracemalloc
 import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,7 +22,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 
 from gateway.config import ModelConfig
 from gateway.features import EncodeSettings, Featurizer
-from gateway.features.budgets import DeferredLimits
+from gateway.features.budgets import SEEN_ENTRY_BYTES, DeferredLimits
 from gateway.features.deferred import DeferredEncodes
 from gateway.features.deferred_job import DeferredJob
 from gateway.features.novelty import SeenTexts
@@ -231,6 +232,45 @@ def test_seen_texts_are_bounded_and_refreshed() -> None:
     assert len(a) == len(b) == 2 and a[0] == b[0] and a[1] != b[1]  # chained per PROBE_CHARS
     assert a[0] != SeenTexts.fingerprints(2, "abc" + "x" * 300, 3)[0]  # seeded per tokenizer
     assert a[0] != SeenTexts.fingerprints(1, "abd" + "x" * 300, 3)[0]  # and by the text before
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 9), st.lists(st.lists(st.integers(0, 30), max_size=12), max_size=40))
+def test_seen_texts_remember_the_most_recent_within_their_bound(
+    capacity: int, batches: list[list[int]]
+) -> None:
+    """novelty.py's invariants against a reference order of last records: at most ``capacity``
+    entries; the last ``ceil(capacity / 2)`` distinct fingerprints remembered; what is remembered
+    is a most recent run of that order (only the least recently seen is ever forgotten)."""
+    seen = SeenTexts(capacity)
+    order: list[int] = []  # distinct fingerprints, the most recently recorded last
+    for fps in batches:
+        seen.record(fps)
+        for fp in fps:
+            if fp in order:
+                order.remove(fp)
+            order.append(fp)
+        assert len(seen) <= capacity
+        kept = [fp for fp in order if seen.seen_run([fp]) == 1]
+        assert len(kept) >= min(len(order), (capacity + 1) // 2)
+        assert kept == order[len(order) - len(kept) :]
+
+
+def test_seen_texts_hold_at_most_their_budget_in_bytes() -> None:
+    """``SEEN_ENTRY_BYTES`` a fingerprint of capacity bounds the record's memory at its peak (a
+    generation dropped, a table resized), over many generations of new fingerprints."""
+    capacity, rng = 20_000, random.Random(3)
+    batches = [[rng.getrandbits(64) for _ in range(32)] for _ in range(4 * capacity // 32)]
+    tracemalloc.start()
+    try:
+        seen = SeenTexts(capacity)
+        for fps in batches:
+            seen.record(fps)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(seen) >= capacity // 2
+    assert peak <= capacity * SEEN_ENTRY_BYTES, peak / capacity
 
 
 async def test_backlog_is_bounded_in_characters_and_drops_the_oldest() -> None:
