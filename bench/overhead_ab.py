@@ -7,8 +7,11 @@ between rounds, all on the same fake backends, and takes ``bench/overhead.py``'s
 times ``--requests``: CPU of the gateway's process tree per request), then unique 8 KB chats at
 concurrency 1 (``--c1`` requests, the same seeded bodies for every tree of a round: the added
 latency against the backend measured directly just before, and kvgate's deferred-encode counters
-over that run: takeovers of a queued job's head, heads the worker encoded first). One JSON line per run, and a summary
-per tree at the end (CPU ms per request min / median, c=1 added p99 median / min / max).
+over that run: takeovers of a queued job's head, heads the worker encoded first); with ``--unique N``,
+N unique 8 KB chats at c=32 that fill the gateway's records of new text, then the CPU per unique
+chat over ``--requests`` more (docs/performance.md, "The seen-text record"). One JSON line per
+run, and a summary per tree at the end (CPU ms per request min / median, c=1 added p99 median /
+min / max).
 
     .venv/bin/python -m bench.overhead_ab --trees base=/path/to/base branch=. [--rounds 8] [--out ab.jsonl]
 """
@@ -41,11 +44,14 @@ def _one(
     procs: ProcessGroup,
     tree: Path,
     cfg: Path,
-    bodies: tuple[list[bytes], list[bytes]],
+    bodies: tuple[list[bytes], list[bytes], list[bytes]],
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    """One gateway start from ``tree``: warm CPU per request (``args.reps`` runs) and the c=1 run."""
-    warm, unique = bodies
+    """One gateway start from ``tree``: warm CPU per request (``args.reps`` runs), the c=1 run,
+    and with ``args.unique`` the CPU per unique chat at c=32 once that many have filled the
+    gateway's records of new text (a long-running gateway's state: the fresh one's records are
+    empty)."""
+    warm, unique, fill = bodies
     procs.cwd = tree
     proc, m = procs.start(
         f"kvgate_{tree.name}",
@@ -68,7 +74,12 @@ def _one(
         # the new chats' deferred encodes: takeovers of a queued job's head on a request's path,
         # and heads the background worker encoded first (counters absent from an older tree: 0)
         c1_deferred = {k: round(after[k] - before[k]) for k in after}
-        return {"cpu_ms": [round(c, 4) for c in cpu], "c1": c1, "c1_deferred": c1_deferred}
+        row: dict[str, Any] = {"cpu_ms": [round(c, 4) for c in cpu], "c1": c1, "c1_deferred": c1_deferred}
+        if args.unique:
+            overhead.measure(port, proc.pid, fill[: args.unique], args.unique, 32, 300.0)
+            full = overhead.measure(port, proc.pid, fill[args.unique :], args.requests, 32, 120.0)
+            row["unique_full_cpu_ms"] = round(full["cpu_s_per_1000"], 4)
+        return row
     finally:
         procs.stop(proc)
 
@@ -102,9 +113,18 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 seed=5000 + r,
                 model=overhead.MODEL,
             )
+            fill = loadgen.chat_bodies(
+                args.unique + args.requests + overhead.warmup_requests(args.requests, 32)
+                if args.unique
+                else 0,
+                8192,
+                False,
+                seed=9000 + r,
+                model=overhead.MODEL,
+            )
             direct = overhead.measure(backends[0], None, unique, args.c1, 1, 120.0)
             for name in names:
-                res = _one(procs, trees[name], cfg, (warm, unique), args)
+                res = _one(procs, trees[name], cfg, (warm, unique, fill), args)
                 c1 = res.pop("c1")
                 row = {
                     "round": r,
@@ -127,10 +147,16 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
         cpu = [c for r in rows if r["tree"] == tree for c in r["cpu_ms"]]
         p99 = [r["c1_added_p99"] for r in rows if r["tree"] == tree]
         heads = [r["c1_deferred"]["expedited_heads"] for r in rows if r["tree"] == tree]
+        full = [r["unique_full_cpu_ms"] for r in rows if r["tree"] == tree and "unique_full_cpu_ms" in r]
         lines.append(
             f"{tree}: CPU ms/request min {min(cpu):.3f} median {statistics.median(cpu):.3f} ({len(cpu)} runs); "
             f"c=1 added p99 median {statistics.median(p99):.2f} (min {min(p99):.2f}, max {max(p99):.2f}); "
             f"c=1 takeovers of a head {min(heads)}-{max(heads)} per run"
+            + (
+                f"; unique chats, records full: CPU ms/request median {statistics.median(full):.3f}"
+                if full
+                else ""
+            )
         )
     return lines
 
@@ -143,6 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="warm c=32 measurements per gateway start")
     ap.add_argument("--requests", type=int, default=3000, help="requests per warm measurement")
     ap.add_argument("--c1", type=int, default=800, help="unique chats in the c=1 run")
+    ap.add_argument(
+        "--unique",
+        type=int,
+        default=0,
+        help="unique chats at c=32 that fill the gateway's records of new text before a measurement of "
+        "--requests more (0: none)",
+    )
     ap.add_argument("--out", type=Path, default=overhead.ROOT / "bench/results/tmp/overhead_ab.jsonl")
     args = ap.parse_args(argv)
     print("\n".join(summary(run(args))))
