@@ -13,7 +13,7 @@ The record is bounded, and forgetting only ever makes text look new: the request
 less of its prefix, which is still a correct, if shorter, match. It is kept as two generations of
 fingerprints rather than one least-recently-seen order: a ``dict`` whose oldest keys are deleted
 one by one leaves the deleted slots at the front of its table, and every eviction scanned them
-again (~0.2 ms a request once a gateway had seen ``capacity`` fingerprints of new text, plus a
+again (0.1-0.2 ms a request once a gateway had seen ``capacity`` fingerprints of new text, plus a
 table rebuild of ~20 ms every few thousand requests; docs/performance.md, "The seen-text
 record"). A generation is dropped whole, in O(1), when the newer one is full.
 """
