@@ -15,7 +15,9 @@ fingerprints rather than one least-recently-seen order: a ``dict`` whose oldest 
 one by one leaves the deleted slots at the front of its table, and every eviction scanned them
 again (0.1-0.2 ms a request once a gateway had seen ``capacity`` fingerprints of new text, plus a
 table rebuild of ~20 ms every few thousand requests; docs/performance.md, "The seen-text
-record"). A generation is dropped whole, in O(1), when the newer one is full.
+record"). A generation is dropped whole when the newer one is full: nothing is scanned, only its
+entries freed (~1 ms for 131,072 of them). The project's ``OrderedDict`` LRU (``ByteLRU``) was
+measured for this too: exact, but 22-28 us a call and table rebuilds of 33-42 ms.
 """
 
 from __future__ import annotations
@@ -83,3 +85,4 @@ class SeenTexts:
             if len(new) >= gen:
                 self._old, self._new = new, {}
                 new = self._new
+        assert len(new) < gen  # so that len(self) <= 2 * gen - 1 <= capacity
