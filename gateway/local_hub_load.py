@@ -1,7 +1,10 @@
 """The in-flight load the HTTP workers exchange through the parent (``kvgate serve --workers N``;
 docs/architecture.md, "Workers"), so that every worker's fleet snapshot carries what one process
-routing every request would see: requests, tokens, pending prefill and its attention pairs, the
-cached tokens the flights share, and the age of the oldest request without a first byte.
+routing every request would have seen at the last reports: requests, tokens, pending prefill and
+its attention pairs, the cached tokens the flights share, and the age of the oldest request
+without a first byte. Not within a burst: a worker decides the requests that reach its loop
+together before it reads the next relay (docs/performance.md, "Why two workers place a burst
+worse").
 
 * ``LoadReporter`` (worker): this worker's figures per replica, and the changes of the set of
   block keys its flights hold (predicted cached; ``FlightCounters.held_keys``) since its last
