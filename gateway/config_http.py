@@ -153,6 +153,14 @@ class ServerConfig(_Strict):
         "workers refuse); 1: one process, as before. "
         "`kvgate serve --workers N` overrides it.",
     )
+    workers_decide_in_turn: bool = Field(
+        True,
+        description="With several workers, a decision waits while another worker decides (up to "
+        "2 ms, its loop running meanwhile), so that it sees every dispatch decided before it: a "
+        "burst is placed as one process places it. Off: it never waits and sees the dispatches "
+        "already published (less CPU at thousands of requests a second, bursts placed worse; "
+        "docs/performance.md, 'Why two workers place a burst worse').",
+    )
     drain_delay_s: NonNegativeFloat = Field(
         0.0,
         description="On SIGTERM, /ready answers 503 this long before the listener closes (so load "

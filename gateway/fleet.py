@@ -244,6 +244,7 @@ class Fleet:
         exclude: frozenset[str] = frozenset(),
     ) -> FleetSnapshot:
         now = self._clock()
+        candidates = self._with_remote_now(candidates)
         view = IndexView(
             match.blocks,
             match.scores,
@@ -291,6 +292,19 @@ class Fleet:
         evicted = dispatch.state.evicted_blocks
         flight.at_dispatch = IndexAtDispatch.of(self._index, record.id, dispatch.keys, (blocks, evicted))
         return flight
+
+    def _with_remote_now(self, candidates: Iterable[ReplicaRecord]) -> Iterable[ReplicaRecord]:
+        """The candidates of a decision, each ``remote`` as fresh as this fleet knows it (a
+        worker's fleet reads the other workers' from their shared table)."""
+        return candidates
+
+    async def decision_turn(self) -> None:
+        """Wait for this process's turn to decide: at once, but in a worker of several, until
+        no other worker is deciding (gateway/workers_shared_load.py)."""
+
+    def flights_changed(self, record: ReplicaRecord) -> None:
+        """A flight on ``record`` reached its first byte or ended (a worker's fleet publishes its
+        figures to the other workers: gateway/workers_shared_load.py)."""
 
     @property
     def index(self) -> PrefixIndex:

@@ -23,7 +23,8 @@ import contextlib
 import itertools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -31,7 +32,7 @@ from prometheus_client import generate_latest
 
 from gateway.asyncio_tasks import cancel_and_wait
 from gateway.config import GatewayConfig
-from gateway.fleet import Fleet
+from gateway.fleet import Fleet, ReplicaRecord
 from gateway.inventory_ops import IndexReplica, apply_ops
 from gateway.inventory_sink import AgentEngine, AgentLoad
 from gateway.inventory_stream import InventoryObserver
@@ -51,10 +52,13 @@ from gateway.local_hub_codec import (
 )
 from gateway.local_hub_load import LoadReporter, remote_loads
 from gateway.local_hub_touch import Touch, TouchBatcher
+from gateway.replica_load import NO_REMOTE_LOAD, RemoteLoad
 from gateway.shared_state_codec import CodecError, decode_hello, decode_ops, decode_snapshot
 from gateway.workers_metrics import merge_expositions
+from gateway.workers_shared_load import LOAD_TABLE, SharedLoad, own_figures, with_figures
 from gateway.workers_ttft import RelayedTtftModel
 from router_policies import placement
+from router_policies.flights import Dispatch, Flight
 from router_policies.placement import TtftFeed
 from router_policies.prefix_index import IndexBoundError, PrefixIndex
 from router_policies.ttft.params import TtftParams
@@ -81,6 +85,45 @@ class WorkerFleet(Fleet):
     def __init__(self, config: GatewayConfig, index: PrefixIndex, link: HubClient) -> None:
         self._link = link  # before the fleet's TTFT feed is made (_new_ttft)
         super().__init__(config, index)
+        self._relayed: dict[str, RemoteLoad] = {}  # the parent's last relay (frame R)
+        self._in_turn = config.server.workers_decide_in_turn  # read at start, as server.*
+
+    def apply_remote_load(self, loads: Mapping[str, RemoteLoad]) -> None:
+        """The parent's relay: its overlap of held blocks is kept with the table's figures, and
+        it is routed on whole where the table cannot say (``_with_remote_now``)."""
+        self._relayed = dict(loads)
+        super().apply_remote_load(loads)
+
+    def _with_remote_now(self, candidates: Iterable[ReplicaRecord]) -> Iterable[ReplicaRecord]:
+        """Each candidate's ``remote`` with the other workers' figures read from the shared table
+        now, under its lock until the dispatch that follows is published: no other worker
+        decides in between (gateway/workers_shared_load.py)."""
+        table = self._link.shared_load
+        if table is None:
+            return candidates
+        records = list(candidates)
+        table.begin_decision()  # until this decision's dispatch is published (``dispatch``)
+        for rec, figures in zip(records, table.others([r.id for r in records]), strict=True):
+            if figures is not None:
+                rec.remote = with_figures(self._relayed.get(rec.id, NO_REMOTE_LOAD), figures)
+        return records
+
+    async def decision_turn(self) -> None:
+        table = self._link.shared_load
+        if table is not None and self._in_turn:
+            await table.decision_turn()
+
+    def dispatch(self, record: ReplicaRecord, dispatch: Dispatch, start: float | None = None) -> Flight:
+        flight = super().dispatch(record, dispatch, start)
+        self.flights_changed(record)
+        if self._link.shared_load is not None:
+            self._link.shared_load.end_decision()
+        return flight
+
+    def flights_changed(self, record: ReplicaRecord) -> None:
+        table = self._link.shared_load
+        if table is not None:
+            table.publish(record.id, own_figures(record.flights))
 
     def _new_ttft(self, prior: TtftParams) -> TtftFeed:
         """First tokens are fitted by the parent, which publishes the fits (gateway/workers_ttft.py)."""
@@ -118,6 +161,7 @@ class HubClient:
         self._tags = itertools.count(1)
         self._metrics: dict[int, asyncio.Future[bytes]] = {}
         self._touches: TouchBatcher | None = None  # the other workers' touches (start)
+        self.shared_load: SharedLoad | None = None  # the workers' load table (start; None: none)
 
     # ------------------------------------------------------------------ AppLink
     def make_fleet(self, config: GatewayConfig, index: PrefixIndex) -> Fleet:
@@ -159,6 +203,9 @@ class HubClient:
         bound = frame_bound(self._app.index)
         fleet = self._app.fleet
         self._touches = TouchBatcher(self._app.index, lambda r: fleet.get(r) is not None)
+        table = Path(self.path).parent / LOAD_TABLE
+        if table.exists():
+            self.shared_load = SharedLoad(table, self.worker)
         reader, writer = await asyncio.open_unix_connection(self.path, limit=1 << 20)
         self._out = FrameWriter(writer, MAX_PENDING_BYTES, f"worker {self.worker}", SEND_WINDOW_S)
         self.send(encode_json(b"W", [self.worker, os.getpid()]))
@@ -181,6 +228,9 @@ class HubClient:
             self._touches.cancel()
         if self._out is not None:
             self._out.abort()
+        if self.shared_load is not None:
+            self.shared_load.close()
+            self.shared_load = None
 
     # ------------------------------------------------------------------ to the parent
     def send(self, data: bytes) -> None:

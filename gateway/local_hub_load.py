@@ -217,14 +217,16 @@ class LoadTable:
 def remote_loads(doc: Mapping[str, Any], block_size: Callable[[str], int]) -> dict[str, RemoteLoad]:
     """The parent's ``others`` for this worker as each replica's ``RemoteLoad`` (``block_size``:
     the tokens of one of the replica's blocks, which the overlap is counted in)."""
-    return {
-        str(r): RemoteLoad(
+    out = {}
+    for r, f in doc.items():
+        overlap = int(f[6]) * block_size(str(r)) if f[6] else 0
+        out[str(r)] = RemoteLoad(
             int(f[0]),
             int(f[1]),
             int(f[2]),
             prefill_pairs=float(f[3]),
-            shared_tokens=int(f[4]) + (int(f[6]) * block_size(str(r)) if f[6] else 0),
+            shared_tokens=int(f[4]) + overlap,
             oldest_pending=None if f[5] is None else float(f[5]),
+            overlap_tokens=overlap,
         )
-        for r, f in doc.items()
-    }
+    return out

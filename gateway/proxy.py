@@ -235,6 +235,7 @@ class Proxy:
         tried: list[str] = []
         last_error = ""
         for attempt in range(pcfg.retries + 1):
+            await self._router.turn()  # several workers: one decides at a time
             try:
                 choice = self._router.decide(ctx.state, features, match, frozenset(tried))
             except NoReplicaError:

@@ -40,6 +40,9 @@ class RemoteLoad:
     prefill_pairs: float = 0.0
     shared_tokens: int = 0
     oldest_pending: float | None = None
+    # of shared_tokens, the blocks two processes' flights both hold (the workers' relay says it;
+    # gateway/workers_shared_load.py keeps it when it replaces the other figures)
+    overlap_tokens: int = 0
 
 
 NO_REMOTE_LOAD = RemoteLoad(0, 0, 0)

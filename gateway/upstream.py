@@ -148,8 +148,7 @@ class Upstream:
             self._fleet.proxy_failure(rec, f"{type(exc).__name__} before the first byte: {exc}")
             raise Retry("disconnect", f"{rec.id}: {type(exc).__name__} before the first byte") from None
 
-    @staticmethod
-    def _fit(ctx: RequestContext, flight: Flight, at: float | None) -> None:
+    def _fit(self, ctx: RequestContext, rec: ReplicaRecord, flight: Flight, at: float | None) -> None:
         """The first byte arrived at ``at`` (the TTFT model's clock): the flight's prefill is done
         and the replica's model fitted. Run once the first bytes are on their way to the client
         (the fit and the headers took ~0.3 ms at idle before they were). Until it runs the
@@ -157,6 +156,7 @@ class Upstream:
         the first write waits for the client to drain, aiohttp buffering headers and a chunk
         below 64 KiB) sees one prefill more than the replica has."""
         sample = flight.first_byte(at)
+        self._fleet.flights_changed(rec)
         if sample is not None:  # the TTFT model's prediction at dispatch, and what came
             ctx.log["predicted_first_byte_ms"] = round(sample.predicted_ms, 3)
             ctx.log["first_byte_ms"] = round(sample.observed_ms, 3)
@@ -248,7 +248,7 @@ class Upstream:
                     first, complete = await self._first(a, up, is_sse)
                     ttft = ctx.elapsed()
                     # the TTFT model learns from this time once the first bytes are out (_fit)
-                    fit = functools.partial(self._fit, ctx, flight, self._fleet.ttft.now())
+                    fit = functools.partial(self._fit, ctx, rec, flight, self._fleet.ttft.now())
             except TimeoutError:  # the first-byte wait ended (``_first`` turns its own into RequestError)
                 assert wait is not None
                 self._no_first_byte(a, wait)  # raises Retry or RequestError
@@ -280,6 +280,7 @@ class Upstream:
             # a stream read to its end measures the replica's pace of output tokens; a body's
             # first byte came with its last, and a cut stream's end says nothing of it
             flight.end(self._fleet.ttft.now() if done and is_sse else None)
+            self._fleet.flights_changed(rec)
             if up is not None:
                 if done:
                     up.release()  # read to the end: the connection goes back to the pool

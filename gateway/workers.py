@@ -49,6 +49,7 @@ from gateway.fleet import Fleet
 from gateway.local_hub import Hub, HubHooks, OwnerFleet
 from gateway.local_hub_codec import frame
 from gateway.operator_view import with_observer
+from gateway.workers_shared_load import LOAD_TABLE, SharedLoad, create_table
 from router_policies.errors import UserInputError
 from router_policies.gc_settings import freeze_startup_heap
 from router_policies.prefix_index import PrefixIndex
@@ -176,6 +177,10 @@ class Supervisor:
         self._procs: dict[int, asyncio.subprocess.Process] = {}
         self._stopping = False
         self._listen = ""
+        # the workers' load table (gateway/workers_shared_load.py): made before they start, a
+        # worker's rows zeroed when it exits
+        create_table(self._dir / LOAD_TABLE, count)
+        self._load_table = SharedLoad(self._dir / LOAD_TABLE, None)
 
     def _command(self, number: int) -> Sequence[str]:
         return [
@@ -199,6 +204,7 @@ class Supervisor:
                 return
             self._listening.discard(number)
             self._count_listening()
+            self._load_table.clear(number)  # its flights ended with it
             if time.monotonic() - started > RESTART_RESET_S:
                 attempt = 0
             delay = min(RESTART_MAX_S, RESTART_BASE_S * 2**attempt)
@@ -260,6 +266,7 @@ class Supervisor:
             self._count_listening()
             await app.stop()
             reserved.close()
+            self._load_table.close()
             shutil.rmtree(self._dir, ignore_errors=True)
         return 0
 

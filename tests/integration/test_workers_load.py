@@ -15,10 +15,11 @@ from gateway.replica_identity import ReplicaIdentity
 from gateway.replica_load import NO_REMOTE_LOAD, combined_queue
 from gateway.replica_record import ReplicaRecord
 from gateway.workers_ttft import RelayedTtftModel, decode_observation, fit_frame
-from router_policies.flights import Flight, FlightCounters
+from router_policies.flights import FlightCounters
 from router_policies.ttft.features import TtftInputs
 from router_policies.ttft.model import TtftModel
 from router_policies.ttft.params import DEFAULT_PRIOR
+from tests.flight_walk import walk
 
 BLOCK = 16
 
@@ -28,33 +29,11 @@ def _record() -> ReplicaRecord:
 
 
 def test_each_worker_sees_the_queue_one_process_would() -> None:
-    rng = random.Random(7)
     workers = [_record(), _record(), _record()]
     reporters = [LoadReporter() for _ in workers]
     whole = FlightCounters()  # one process routing every flight
     table = LoadTable()
-    prefixes = [[1000 * p + i for i in range(rng.randint(1, 12))] for p in range(6)]
-    flights: list[tuple[Flight, Flight]] = []
-    now = 0.0
-    for step in range(400):
-        now += 0.01
-        if flights and rng.random() < 0.45:
-            mine, ref = flights.pop(rng.randrange(len(flights)))
-            if rng.random() < 0.5:
-                mine.first_byte()
-                ref.first_byte()
-            mine.end()
-            ref.end()
-        else:
-            keys = rng.choice(prefixes)[: rng.randint(0, 12)]
-            w = rng.randrange(len(workers))
-            args = (rng.randint(1, 900), rng.randint(0, 300), float(rng.randint(0, 9999)))
-            flights.append(
-                (
-                    Flight(workers[w].flights, *args, cached_keys=keys, block_size=BLOCK, start=now),
-                    Flight(whole, *args, cached_keys=keys, block_size=BLOCK, start=now),
-                )
-            )
+    for step, _, now in walk(7, workers, whole):
         for w, (rec, reporter) in enumerate(zip(workers, reporters, strict=True)):
             table.update(w, decode_json(orjson.dumps(reporter.report([rec]))))  # as framed
         for w, rec in enumerate(workers):
