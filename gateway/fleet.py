@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 
 from gateway.config import GatewayConfig, ReplicaConfig
 from gateway.inventory_sink import AgentEngine, AgentHello, AgentLoad
@@ -294,17 +294,17 @@ class Fleet:
         return flight
 
     def _with_remote_now(self, candidates: Iterable[ReplicaRecord]) -> Iterable[ReplicaRecord]:
-        """The candidates of a decision, each ``remote`` as fresh as this fleet knows it (a
-        worker's fleet reads the other workers' from their shared table)."""
+        """A decision's candidates, ``remote`` as fresh as known (a worker's: ``WorkerFleet``)."""
         return candidates
 
-    async def decision_turn(self) -> None:
-        """Wait for this process's turn to decide: at once, but in a worker of several, until
-        no other worker is deciding (gateway/workers_shared_load.py)."""
+    def decision_turn(self) -> Awaitable[None] | None:
+        """What to await before a decision: None (decide at once), but in a worker of several,
+        the wait until no other worker is deciding (gateway/workers_shared_load.py). Awaited by
+        the proxy before ``Router.decide``, never inside a mutation of the fleet or the index."""
+        return None
 
     def flights_changed(self, record: ReplicaRecord) -> None:
-        """A flight on ``record`` reached its first byte or ended (a worker's fleet publishes its
-        figures to the other workers: gateway/workers_shared_load.py)."""
+        """A flight on ``record`` reached its first byte or ended (a worker publishes it)."""
 
     @property
     def index(self) -> PrefixIndex:

@@ -23,7 +23,7 @@ import contextlib
 import itertools
 import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -108,10 +108,9 @@ class WorkerFleet(Fleet):
                 rec.remote = with_figures(self._relayed.get(rec.id, NO_REMOTE_LOAD), figures)
         return records
 
-    async def decision_turn(self) -> None:
+    def decision_turn(self) -> Awaitable[None] | None:
         table = self._link.shared_load
-        if table is not None and self._in_turn:
-            await table.decision_turn()
+        return table.decision_turn() if table is not None and self._in_turn else None
 
     def dispatch(self, record: ReplicaRecord, dispatch: Dispatch, start: float | None = None) -> Flight:
         flight = super().dispatch(record, dispatch, start)

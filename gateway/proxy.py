@@ -235,7 +235,8 @@ class Proxy:
         tried: list[str] = []
         last_error = ""
         for attempt in range(pcfg.retries + 1):
-            await self._router.turn()  # several workers: one decides at a time
+            if (turn := self._fleet.decision_turn()) is not None:
+                await turn  # several workers: one decides at a time (no await until the dispatch)
             try:
                 choice = self._router.decide(ctx.state, features, match, frozenset(tried))
             except NoReplicaError:

@@ -67,11 +67,6 @@ class Router:
         bound = (features.prompt_tokens - 1) // features.block_size if features.prompt_tokens > 0 else None
         return self._index.match(features.block_keys, bound)
 
-    async def turn(self) -> None:
-        """Wait for this process's turn to decide (``Fleet.decision_turn``; at once in one
-        process): call right before ``decide``, with no await between them."""
-        await self._fleet.decision_turn()
-
     def decide(
         self,
         state: RoutingState,

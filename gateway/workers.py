@@ -177,10 +177,9 @@ class Supervisor:
         self._procs: dict[int, asyncio.subprocess.Process] = {}
         self._stopping = False
         self._listen = ""
-        # the workers' load table (gateway/workers_shared_load.py): made before they start, a
-        # worker's rows zeroed when it exits
-        create_table(self._dir / LOAD_TABLE, count)
-        self._load_table = SharedLoad(self._dir / LOAD_TABLE, None)
+        # the workers' load table (gateway/workers_shared_load.py): made by ``run`` before they
+        # start, a worker's rows zeroed when it exits
+        self._load_table: SharedLoad | None = None
 
     def _command(self, number: int) -> Sequence[str]:
         return [
@@ -204,7 +203,8 @@ class Supervisor:
                 return
             self._listening.discard(number)
             self._count_listening()
-            self._load_table.clear(number)  # its flights ended with it
+            if self._load_table is not None:
+                self._load_table.clear(number)  # its flights ended with it
             if time.monotonic() - started > RESTART_RESET_S:
                 attempt = 0
             delay = min(RESTART_MAX_S, RESTART_BASE_S * 2**attempt)
@@ -245,6 +245,8 @@ class Supervisor:
                 await app.start(inventory=args.inventory)
             except OSError as exc:
                 raise UserInputError(f"cannot listen: {exc.strerror or exc}") from None
+            create_table(self._dir / LOAD_TABLE, self._count)
+            self._load_table = SharedLoad(self._dir / LOAD_TABLE, None)
             for number in range(self._count):
                 await self._spawn(number)
             await self._wait_ready(stop)
@@ -266,7 +268,8 @@ class Supervisor:
             self._count_listening()
             await app.stop()
             reserved.close()
-            self._load_table.close()
+            if self._load_table is not None:
+                self._load_table.close()
             shutil.rmtree(self._dir, ignore_errors=True)
         return 0
 

@@ -11,7 +11,8 @@ workers place a burst worse"). The relay still carries what this table does not:
 that several workers' flights hold (``RemoteLoad.overlap_tokens``).
 
 Layout: a file in the workers' socket directory, mapped by every process, little-endian.
-    header  4 x uint64: MAGIC, workers, slots, overflow (1 once a replica found no slot)
+    header  5 x uint64: MAGIC, workers, slots, overflow (1 once a replica found no slot),
+            claims (slots claimed so far: a replica found in none is looked for again after one)
     keys    slots x uint64: a slot's replica, as ``replica_key`` of its id (0: free)
     rows    workers x slots x FIELDS float64: requests, tokens, pending prefill tokens, their
             attention pairs, shared cached tokens, the oldest pending start (CLOCK_MONOTONIC,
@@ -66,8 +67,9 @@ MAGIC = 0x6B76676174654C31  # "kvgateL1"
 SLOTS = 4096  # replicas with flights at once (as TtftModel's max_replicas)
 FIELDS = 6
 TURN_WAIT_S = 0.002  # the longest a decision waits for another worker's (~0.3 ms each)
-_HEADER = 4
+_HEADER = 5
 _OVERFLOW = 3
+_CLAIMS = 4
 _OLDEST = 5
 
 Figures = tuple[float, float, float, float, float, float]
@@ -86,7 +88,7 @@ def create_table(path: Path, workers: int, slots: int = SLOTS) -> None:
     """The parent, before it starts the workers: an empty table (a sparse file of zeros)."""
     with open(path, "wb") as f:
         f.truncate(table_bytes(workers, slots))
-        f.write(np.array([MAGIC, workers, slots, 0], dtype="<u8").tobytes())
+        f.write(np.array([MAGIC, workers, slots, 0, 0], dtype="<u8").tobytes())
 
 
 def own_figures(c: FlightCounters) -> Figures:
@@ -118,7 +120,7 @@ class SharedLoad:
     def __init__(self, path: Path, worker: int | None) -> None:
         self._fd = os.open(path, os.O_RDWR)
         try:
-            magic, workers, slots, _ = np.fromfile(path, dtype="<u8", count=_HEADER)
+            magic, workers, slots, _, _ = np.fromfile(path, dtype="<u8", count=_HEADER)
             if magic != MAGIC or os.fstat(self._fd).st_size != table_bytes(int(workers), int(slots)):
                 raise OSError(f"{path}: not a workers' load table")
             if worker is not None and not 0 <= worker < workers:
@@ -140,6 +142,9 @@ class SharedLoad:
         self._cells = memoryview(self._map)[rows_at:].cast("d")
         self._others = [w for w in range(self.workers) if w != worker]
         self._slot_of: dict[str, tuple[int, int]] = {}  # replica -> (slot, key), checked at each use
+        # replica -> the claims count when it was found in no slot: not looked for again (a scan of
+        # every key) until a slot is claimed; at most ``slots`` entries, as ``_slot_of``
+        self._absent: dict[str, int] = {}
         self._held = False
         if worker is not None:
             self.clear(worker)
@@ -195,8 +200,16 @@ class SharedLoad:
             return known[0]
         key = known[1] if known is not None else replica_key(replica)
         if not claim:
+            claims = int(self._header[_CLAIMS])
+            if self._absent.get(replica) == claims:
+                return None
             found = np.flatnonzero(self._keys == key)
-            return self._remember(replica, int(found[0]), key) if len(found) else None
+            if len(found):
+                return self._remember(replica, int(found[0]), key)
+            if len(self._absent) >= self.slots:
+                self._absent.clear()
+            self._absent[replica] = claims
+            return None
         with self._locked():
             found = np.flatnonzero(self._keys == key)
             if len(found):
@@ -208,6 +221,7 @@ class SharedLoad:
                 self._header[_OVERFLOW] = 1
                 return None
             self._keys[free[0]] = key
+            self._header[_CLAIMS] += 1
             return self._remember(replica, int(free[0]), key)
 
     def _remember(self, replica: str, slot: int, key: int) -> int:

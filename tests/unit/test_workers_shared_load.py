@@ -134,6 +134,16 @@ def test_slots_are_claimed_reused_when_idle_and_checked_at_each_use(tmp_path: Pa
     d.close()
 
 
+def test_a_replica_in_no_slot_is_looked_for_again_once_a_slot_is_claimed(tmp_path: Path) -> None:
+    a, b = _tables(tmp_path, 2)
+    busy = (1.0, 64.0, 32.0, 2.0, 0.0, 3.0)
+    assert b.others(["q"]) == [IDLE]  # no worker has flights there: remembered as absent
+    a.publish("q", busy)  # a claims a slot for it
+    assert b.others(["q"]) == [busy]
+    a.close()
+    b.close()
+
+
 def test_a_workers_rows_are_zeroed_when_it_starts_or_exits(tmp_path: Path) -> None:
     a, b = _tables(tmp_path, 2)
     a.publish("r", (3.0, 30.0, 20.0, 5.0, 0.0, 7.0))
@@ -151,7 +161,7 @@ def test_the_table_holds_its_bound_in_bytes(tmp_path: Path) -> None:
     """The file is sized at creation and never grows, however many replicas come and go."""
     tables = _tables(tmp_path, 3, slots=16)
     bound = table_bytes(3, 16)
-    assert bound == 8 * (4 + 16 + 3 * 16 * FIELDS)
+    assert bound == 8 * (5 + 16 + 3 * 16 * FIELDS)
     for i in range(500):
         tables[i % 3].publish(f"r{i}", (1.0, 1.0, 1.0, 1.0, 0.0, 1.0))
         tables[i % 3].publish(f"r{i}", IDLE)
