@@ -104,8 +104,8 @@ class WorkerFleet(Fleet):
         records = list(candidates)
         table.begin_decision()  # until this decision's dispatch is published (``dispatch``)
         for rec, figures in zip(records, table.others([r.id for r in records]), strict=True):
-            if figures is not None:
-                rec.remote = with_figures(self._relayed.get(rec.id, NO_REMOTE_LOAD), figures)
+            relayed = self._relayed.get(rec.id, NO_REMOTE_LOAD)
+            rec.remote = relayed if figures is None else with_figures(relayed, figures)
         return records
 
     def decision_turn(self) -> Awaitable[None] | None:

@@ -36,9 +36,25 @@ from typing import Any
 
 from gateway.replica_load import RemoteLoad
 from gateway.replica_record import ReplicaRecord
+from router_policies.flights import FlightCounters
 
 # figures a worker reports per replica: requests, tokens, prefill, pairs, shared, oldest start
 _SUMMED = 5
+
+
+def flight_figures(c: FlightCounters) -> tuple[int, int, int, float, int, float | None]:
+    """What a worker tells the others of its flights on one replica: requests, tokens, pending
+    prefill, its attention pairs, shared cached tokens, the oldest pending start (None: none).
+    Reported to the parent here, published in the workers' shared table too
+    (gateway/workers_shared_load.py)."""
+    return (
+        c.requests,
+        c.tokens,
+        c.pending_prefill_tokens,
+        c.pending_prefill_pairs,
+        c.shared_tokens,
+        c.oldest_pending_start(),
+    )
 
 
 class LoadReporter:
@@ -60,8 +76,7 @@ class LoadReporter:
             c, rid = rec.flights, rec.id
             seen.add(rid)
             if c.requests or c.pending_prefill_tokens:
-                figures = [c.requests, c.tokens, c.pending_prefill_tokens, c.pending_prefill_pairs]
-                load[rid] = [*figures, c.shared_tokens, c.oldest_pending_start()]
+                load[rid] = list(flight_figures(c))
             mark = self._marks.get(rid)
             if mark is None or mark[0] is not c or mark[1] != c.started or mark[2] != c.requests:
                 self._marks[rid] = (c, c.started, c.requests)

@@ -59,6 +59,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gateway.local_hub_load import flight_figures
 from gateway.replica_load import RemoteLoad
 from router_policies.flights import FlightCounters
 
@@ -92,15 +93,9 @@ def create_table(path: Path, workers: int, slots: int = SLOTS) -> None:
 
 
 def own_figures(c: FlightCounters) -> Figures:
-    oldest = c.oldest_pending_start()
-    return (
-        float(c.requests),
-        float(c.tokens),
-        float(c.pending_prefill_tokens),
-        float(c.pending_prefill_pairs),
-        float(c.shared_tokens),
-        0.0 if oldest is None else oldest,
-    )
+    """``flight_figures`` as the table holds them (floats; no pending start: 0)."""
+    requests, tokens, prefill, pairs, shared, oldest = flight_figures(c)
+    return (float(requests), float(tokens), float(prefill), pairs, float(shared), oldest or 0.0)
 
 
 def with_figures(relayed: RemoteLoad, f: Figures) -> RemoteLoad:
@@ -120,7 +115,10 @@ class SharedLoad:
     def __init__(self, path: Path, worker: int | None) -> None:
         self._fd = os.open(path, os.O_RDWR)
         try:
-            magic, workers, slots, _, _ = np.fromfile(path, dtype="<u8", count=_HEADER)
+            header = np.frombuffer(os.pread(self._fd, 8 * _HEADER, 0), dtype="<u8")
+            if len(header) < _HEADER:
+                raise OSError(f"{path}: not a workers' load table")
+            magic, workers, slots = header[:3]
             if magic != MAGIC or os.fstat(self._fd).st_size != table_bytes(int(workers), int(slots)):
                 raise OSError(f"{path}: not a workers' load table")
             if worker is not None and not 0 <= worker < workers:

@@ -14,7 +14,7 @@ from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry
 
 from gateway.config import parse_config
-from gateway.fleet import Fleet
+from gateway.fleet import Fleet, ReplicaRecord
 from gateway.metrics import GatewayMetrics
 from gateway.request import request_of
 from gateway.request_context import Attempt, RequestContext
@@ -42,7 +42,17 @@ class _Replica(asyncio.Protocol):
             self.transport.write(head % len(ANSWER) + ANSWER)
 
 
-async def _first_byte_ms(pooled: bool) -> float:
+class _HearingFleet(Fleet):
+    """A fleet recording r0's requests and pending prefill each time ``Upstream`` says a flight
+    changed (what a worker's fleet publishes to the other workers, gateway/local_hub_client.py)."""
+
+    heard: list[tuple[int, int]]
+
+    def flights_changed(self, record: ReplicaRecord) -> None:
+        self.heard.append((record.flights.requests, record.flights.pending_prefill_tokens))
+
+
+async def _first_byte_ms(pooled: bool, heard: list[tuple[int, int]] | None = None) -> float:
     """The access log's observed first byte of one attempt whose ``send`` runs ``COMMIT_S`` of
     the TTFT clock after its write; ``pooled``: the request is written on an idle pooled
     connection (else ``send`` connects first)."""
@@ -57,7 +67,8 @@ async def _first_byte_ms(pooled: bool) -> float:
     )
     now = [100.0]
     index = PrefixIndex()
-    fleet = Fleet(config, index, clock=lambda: now[0])
+    fleet = _HearingFleet(config, index, clock=lambda: now[0])
+    fleet.heard = heard if heard is not None else []
     fleet.check_result("r0", True)
     client = UpstreamClient()
     upstream = Upstream(client, fleet, GatewayMetrics(CollectorRegistry(), index, fleet, dict))
@@ -98,3 +109,9 @@ async def test_the_flight_starts_when_the_request_is_written() -> None:
 async def test_the_flight_starts_before_a_new_connection_is_made() -> None:
     # no idle connection: send connects and writes, still within the flight
     assert await _first_byte_ms(pooled=False) == COMMIT_S * 1000
+
+
+async def test_the_fleet_hears_a_flights_first_byte_and_its_end() -> None:
+    heard: list[tuple[int, int]] = []
+    await _first_byte_ms(pooled=True, heard=heard)
+    assert heard == [(1, 0), (0, 0)]  # the prefill done at the first byte; the flight gone at its end

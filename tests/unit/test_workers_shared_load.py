@@ -16,7 +16,7 @@ from gateway.local_hub_client import WorkerFleet
 from gateway.local_hub_codec import decode_json
 from gateway.local_hub_load import LoadReporter, LoadTable, remote_loads
 from gateway.replica_identity import ReplicaIdentity
-from gateway.replica_load import NO_REMOTE_LOAD, combined_queue
+from gateway.replica_load import NO_REMOTE_LOAD, RemoteLoad, combined_queue
 from gateway.replica_record import ReplicaRecord
 from gateway.workers_shared_load import (
     FIELDS,
@@ -191,9 +191,11 @@ class _Link:
         self.sent.append(data)
 
 
-def test_a_workers_decision_sees_the_other_workers_dispatch_before_any_relay(tmp_path: Path) -> None:
-    """Worker 1's snapshot counts worker 0's flight from its dispatch to its first byte and end,
-    with no frame from the parent in between (the relay is what a burst never waits for)."""
+REQUEST = RequestFeatures(model="m", block_keys=(), prompt_tokens=700, block_size=BLOCK)
+
+
+def _fleets(tmp_path: Path, slots: int = 64) -> tuple[list[_Link], list[WorkerFleet]]:
+    """Two workers' fleets of one replica, r0, on one table of ``slots``."""
     cfg = parse_config(
         {
             "models": [{"name": "m", "block_size": BLOCK}],
@@ -201,22 +203,32 @@ def test_a_workers_decision_sees_the_other_workers_dispatch_before_any_relay(tmp
             "inventory": {"allow_registration": False},
         }
     )
-    create_table(tmp_path / "load", 2)
+    create_table(tmp_path / "load", 2, slots)
     links = [_Link(SharedLoad(tmp_path / "load", w)) for w in range(2)]
-    fleets = [WorkerFleet(cfg, PrefixIndex(IndexConfig()), link) for link in links]  # type: ignore[arg-type]
-    request = RequestFeatures(model="m", block_keys=(), prompt_tokens=700, block_size=BLOCK)
+    return links, [WorkerFleet(cfg, PrefixIndex(IndexConfig()), link) for link in links]  # type: ignore[arg-type]
+
+
+def _seen(link: _Link, fleet: WorkerFleet) -> tuple[int, int]:
+    """r0's requests and pending prefill in a decision's snapshot (one that sends nothing)."""
+    state = fleet.snapshot(fleet.candidates("m"), REQUEST, MatchResult(blocks={}, scores={})).replicas[0]
+    link.shared_load.end_decision()  # as at the end of its turn of the loop
+    return state.in_flight_requests, state.pending_prefill_tokens
+
+
+def test_a_workers_decision_sees_the_other_workers_dispatch_before_any_relay(tmp_path: Path) -> None:
+    """Worker 1's snapshot counts worker 0's flight from its dispatch to its first byte and end,
+    with no frame from the parent in between (the relay is what a burst never waits for)."""
+    links, fleets = _fleets(tmp_path)
     nothing = MatchResult(blocks={}, scores={})
 
     def seen_by(n: int) -> tuple[int, int]:
-        state = fleets[n].snapshot(fleets[n].candidates("m"), request, nothing).replicas[0]
-        links[n].shared_load.end_decision()  # a decision that sends nothing, at its turn's end
-        return state.in_flight_requests, state.pending_prefill_tokens
+        return _seen(links[n], fleets[n])
 
     assert seen_by(1) == (0, 0)
     rec = fleets[0].get("r0")
     assert rec is not None
-    state = fleets[0].snapshot(fleets[0].candidates("m"), request, nothing).replicas[0]
-    flight = fleets[0].dispatch(rec, Dispatch.of(state, request, 0, 10))
+    state = fleets[0].snapshot(fleets[0].candidates("m"), REQUEST, nothing).replicas[0]
+    flight = fleets[0].dispatch(rec, Dispatch.of(state, REQUEST, 0, 10))
     assert seen_by(1) == (1, 700)
     flight.first_byte()
     fleets[0].flights_changed(rec)  # as gateway/upstream.py does at the first byte
@@ -224,5 +236,21 @@ def test_a_workers_decision_sees_the_other_workers_dispatch_before_any_relay(tmp
     flight.end()
     fleets[0].flights_changed(rec)
     assert seen_by(1) == (0, 0)
+    for link in links:
+        link.shared_load.close()
+
+
+def test_a_replica_the_table_cannot_say_is_routed_on_the_relay(tmp_path: Path) -> None:
+    """Once the table has no slot for r0 (its one slot taken by another replica's flights), worker
+    1 routes on the parent's last relay for r0, not on what the table said before."""
+    links, fleets = _fleets(tmp_path, slots=1)
+    table = links[0].shared_load
+    fleets[1].apply_remote_load({"r0": RemoteLoad(3, 1200, 1000)})
+    table.publish("r0", (2.0, 900.0, 800.0, 1.0, 0.0, 1.0))
+    assert _seen(links[1], fleets[1]) == (2, 800)  # the table's, fresher than the relay
+    table.publish("r0", IDLE)
+    table.publish("elsewhere", (1.0, 10.0, 10.0, 1.0, 0.0, 1.0))  # takes r0's idle slot
+    table.publish("r0", (2.0, 900.0, 800.0, 1.0, 0.0, 1.0))  # no slot left: overflow
+    assert _seen(links[1], fleets[1]) == (3, 1000)
     for link in links:
         link.shared_load.close()
