@@ -21,10 +21,10 @@ from tests.unit.test_features_deferred import TINY, text
 SEP = "<|im_end|>"  # an added token of the tiny tokenizer: a segment boundary
 
 
-def _encoder() -> tuple[SegmentEncoder, list[str]]:
+def spied_encoder(entries: int = 1000) -> tuple[SegmentEncoder, list[str]]:
     """An encoder over the tiny tokenizer, and the list of every text it is given, in order."""
     tok = load_tokenizer_files(Path(TINY), where="t").tokenizer
-    enc = SegmentEncoder(tok, BoundedLRU(1000), "t")
+    enc = SegmentEncoder(tok, BoundedLRU(entries), "t")
     seen: list[str] = []
 
     def encode_batch(texts: list[str], **kw: Any) -> Any:
@@ -52,7 +52,7 @@ async def test_queued_heads_are_encoded_before_any_queued_tail() -> None:
     """Three jobs wait behind a busy worker: one new message (a), a new system prompt and its
     message (b), another new message (c). The worker encodes b's system prompt first, records its
     leading keys on b's replica, then a, b's message and c in arrival order."""
-    enc, seen = _encoder()
+    enc, seen = spied_encoder()
     background = ThreadPoolExecutor(1, thread_name_prefix="bg")
     free = threading.Event()
     background.submit(free.wait, 30)  # the worker's first job waits behind older work
@@ -86,7 +86,7 @@ async def test_queued_heads_are_encoded_before_any_queued_tail() -> None:
 async def test_a_head_another_job_cached_meanwhile_is_not_encoded_again() -> None:
     """Two queued jobs with the same new system prompt: the worker encodes it once (for the older
     job); the younger's head is then cached, so it is skipped, not encoded twice."""
-    enc, seen = _encoder()
+    enc, seen = spied_encoder()
     background = ThreadPoolExecutor(1, thread_name_prefix="bg")
     free = threading.Event()
     background.submit(free.wait, 30)
@@ -112,7 +112,7 @@ async def test_the_heads_queue_only_holds_queued_jobs() -> None:
     """A job dropped from a full backlog, or taken over whole, leaves the heads queue with it
     (its text is not held beyond the backlog's bounds, and its head is not encoded twice); the
     job next in line is encoded whole, its head not apart."""
-    enc, _ = _encoder()
+    enc, _ = spied_encoder()
     background = ThreadPoolExecutor(1, thread_name_prefix="bg")
     urgent = ThreadPoolExecutor(1, thread_name_prefix="urgent")
     free = threading.Event()

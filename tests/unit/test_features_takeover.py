@@ -9,8 +9,6 @@ import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 from gateway.features.budgets import DeferredLimits
 from gateway.features.deferred import DeferredEncodes
@@ -18,6 +16,7 @@ from gateway.features.deferred_job import DeferredJob
 from gateway.features.segment_encoder import BoundedLRU, EncodePlan, SegmentEncoder
 from gateway.features.tokenizer_files import load_tokenizer_files
 from tests.unit.test_features_deferred import SYSTEM, TINY, chat, closing, make, text
+from tests.unit.test_features_heads_first import spied_encoder
 
 
 async def test_a_burst_on_new_text_finds_the_first_requests_entries() -> None:
@@ -109,18 +108,7 @@ async def test_takeovers_of_one_head_at_once_encode_it_once_and_the_worker_waits
     the urgent pool), the other waits for it, and so does the background worker when it reaches
     the job meanwhile; the head is encoded once, the job's own tail after it, by the worker."""
     tok = load_tokenizer_files(Path(TINY), where="t").tokenizer
-    enc = SegmentEncoder(tok, BoundedLRU(100), "t")
-    encoded: list[str] = []  # every text given to the tokenizer
-
-    def encode_batch(texts: list[str], **kw: Any) -> Any:
-        encoded.extend(texts)
-        return tok.encode_batch(texts, **kw)
-
-    def encode(text: str, **kw: Any) -> Any:
-        encoded.append(text)
-        return tok.encode(text, **kw)
-
-    enc.tokenizer = SimpleNamespace(encode_batch=encode_batch, encode=encode)  # type: ignore[assignment]
+    enc, encoded = spied_encoder(100)  # encoded: every text given to the tokenizer
     background = ThreadPoolExecutor(1, thread_name_prefix="bg")
     urgent = ThreadPoolExecutor(1, thread_name_prefix="urgent")
     bg_free, urgent_free = threading.Event(), threading.Event()
