@@ -17,7 +17,7 @@ from gateway.features.featurizer import encode_settings
 from gateway.features.segment_encoder import SegmentEncoder
 from gateway.request import request_of
 from tests.unit.test_features_deferred import chat, closing, make, text
-from tests.unit.test_features_heads_first import SEP, _encoder, _job
+from tests.unit.test_features_heads_first import SEP, _job, spied_encoder
 
 
 async def _watch(seen: list[str], stamps: dict[str, float], texts: list[str], until: asyncio.Event) -> None:
@@ -48,7 +48,7 @@ async def _watched(
 ) -> AsyncIterator[tuple[SegmentEncoder, DeferredEncodes, dict[str, float]]]:
     """An encoder over the tiny tokenizer, deferred encodes on the event loop with ``lull``, and
     when each of ``texts`` first reached the encoder (event-loop time), until the block ends."""
-    enc, seen = _encoder()
+    enc, seen = spied_encoder()
     d = DeferredEncodes(DeferredLimits(1_000_000, None, *lull), lambda: None)
     stamps: dict[str, float] = {}
     stop = asyncio.Event()
