@@ -24,8 +24,10 @@ published (``end_decision``). Nothing awaits between ``Router.decide``, the comm
 ``Fleet.dispatch`` (gateway/proxy.py, ``_attempt``): one synchronous stretch of ~0.3 ms. So the
 decisions that hold it are serialized, and each reads every dispatch decided before it. Before
 deciding, a worker waits for it (``decision_turn``, ``server.workers_decide_in_turn``): its loop
-runs meanwhile, and after ``TURN_WAIT_S`` it decides without it (the holder may be descheduled on
-a busy host). ``begin_decision`` never waits. A decision that sends nothing (no replica,
+runs meanwhile, trying the lock once a turn, and once ``TURN_WAIT_S`` has passed it decides
+without it (the holder may be descheduled on a busy host). A wait lasts at least a turn of the
+loop, so under load it outlasts ``TURN_WAIT_S`` (docs/performance.md, "How long a decision waits
+for its turn with two workers": 2-6 ms at the median at c=32). ``begin_decision`` never waits. A decision that sends nothing (no replica,
 ``/admin/explain``, an error) lets go at the end of its turn of the loop. A process that dies
 holding the lock loses it (the kernel releases it).
 
@@ -67,7 +69,7 @@ LOAD_TABLE = "load"  # the table's file name in the workers' socket directory
 MAGIC = 0x6B76676174654C31  # "kvgateL1"
 SLOTS = 4096  # replicas with flights at once (as TtftModel's max_replicas)
 FIELDS = 6
-TURN_WAIT_S = 0.002  # the longest a decision waits for another worker's (~0.3 ms each)
+TURN_WAIT_S = 0.002  # after this, a decision stops trying for another worker's turn (~0.3 ms each)
 _HEADER = 5
 _OVERFLOW = 3
 _CLAIMS = 4
@@ -164,8 +166,9 @@ class SharedLoad:
         return True
 
     async def decision_turn(self) -> None:
-        """Wait for the lock, letting the loop run meanwhile, at most ``TURN_WAIT_S`` (then the
-        decision goes on without it: its holder may be descheduled on a busy host)."""
+        """Wait for the lock, letting the loop run meanwhile and trying it once a turn of the loop,
+        until ``TURN_WAIT_S`` has passed (then the decision goes on without it: its holder may be
+        descheduled on a busy host); the last turn may end well past it."""
         if self.begin_decision():
             return
         deadline = time.monotonic() + TURN_WAIT_S

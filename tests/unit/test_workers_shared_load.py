@@ -192,6 +192,7 @@ class _Link:
 
 
 REQUEST = RequestFeatures(model="m", block_keys=(), prompt_tokens=700, block_size=BLOCK)
+NOTHING = MatchResult(blocks={}, scores={})  # no block of the request held anywhere
 
 
 def _fleets(tmp_path: Path, slots: int = 64) -> tuple[list[_Link], list[WorkerFleet]]:
@@ -210,7 +211,7 @@ def _fleets(tmp_path: Path, slots: int = 64) -> tuple[list[_Link], list[WorkerFl
 
 def _seen(link: _Link, fleet: WorkerFleet) -> tuple[int, int]:
     """r0's requests and pending prefill in a decision's snapshot (one that sends nothing)."""
-    state = fleet.snapshot(fleet.candidates("m"), REQUEST, MatchResult(blocks={}, scores={})).replicas[0]
+    state = fleet.snapshot(fleet.candidates("m"), REQUEST, NOTHING).replicas[0]
     link.shared_load.end_decision()  # as at the end of its turn of the loop
     return state.in_flight_requests, state.pending_prefill_tokens
 
@@ -219,23 +220,18 @@ def test_a_workers_decision_sees_the_other_workers_dispatch_before_any_relay(tmp
     """Worker 1's snapshot counts worker 0's flight from its dispatch to its first byte and end,
     with no frame from the parent in between (the relay is what a burst never waits for)."""
     links, fleets = _fleets(tmp_path)
-    nothing = MatchResult(blocks={}, scores={})
-
-    def seen_by(n: int) -> tuple[int, int]:
-        return _seen(links[n], fleets[n])
-
-    assert seen_by(1) == (0, 0)
+    assert _seen(links[1], fleets[1]) == (0, 0)
     rec = fleets[0].get("r0")
     assert rec is not None
-    state = fleets[0].snapshot(fleets[0].candidates("m"), REQUEST, nothing).replicas[0]
+    state = fleets[0].snapshot(fleets[0].candidates("m"), REQUEST, NOTHING).replicas[0]
     flight = fleets[0].dispatch(rec, Dispatch.of(state, REQUEST, 0, 10))
-    assert seen_by(1) == (1, 700)
+    assert _seen(links[1], fleets[1]) == (1, 700)
     flight.first_byte()
     fleets[0].flights_changed(rec)  # as gateway/upstream.py does at the first byte
-    assert seen_by(1) == (1, 0)
+    assert _seen(links[1], fleets[1]) == (1, 0)
     flight.end()
     fleets[0].flights_changed(rec)
-    assert seen_by(1) == (0, 0)
+    assert _seen(links[1], fleets[1]) == (0, 0)
     for link in links:
         link.shared_load.close()
 
