@@ -157,9 +157,10 @@ class ServerConfig(_Strict):
         True,
         description="With several workers, a decision waits while another worker decides (its "
         "loop running meanwhile, the lock tried once a turn of the loop, no longer after 2 ms; "
-        "under load a wait outlasts that turn: 2-6 ms at the median at c=32), so that it sees every "
-        "dispatch decided before it: a burst is placed as one process places it. Off: it never waits and sees the dispatches "
-        "already published (less CPU at thousands of requests a second, bursts placed worse; "
+        "under load a wait outlasts that turn: 2-6 ms at the median at c=32, for a fifth of the "
+        "decisions), so that it sees every attempt decided before it: a burst is placed as one "
+        "process places it. Off: it never waits and sees the attempts already published (less "
+        "CPU at thousands of requests a second, bursts placed worse; "
         "docs/performance.md, 'Why two workers place a burst worse').",
     )
     drain_delay_s: NonNegativeFloat = Field(

@@ -303,8 +303,9 @@ class Fleet:
         the proxy before ``Router.decide``, never inside a mutation of the fleet or the index."""
         return None
 
-    def flights_changed(self, record: ReplicaRecord) -> None:
-        """A flight on ``record`` reached its first byte or ended (a worker publishes it)."""
+    def flights_changed(self, record: ReplicaRecord, adding: Dispatch | None = None) -> None:
+        """A flight on ``record`` reached its first byte or ended, or (``adding``) an attempt was
+        decided for it, its flight not open yet: a worker of several publishes it."""
 
     @property
     def index(self) -> PrefixIndex:

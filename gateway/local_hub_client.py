@@ -55,7 +55,7 @@ from gateway.local_hub_touch import Touch, TouchBatcher
 from gateway.replica_load import NO_REMOTE_LOAD, RemoteLoad
 from gateway.shared_state_codec import CodecError, decode_hello, decode_ops, decode_snapshot
 from gateway.workers_metrics import merge_expositions
-from gateway.workers_shared_load import LOAD_TABLE, SharedLoad, own_figures, with_figures
+from gateway.workers_shared_load import LOAD_TABLE, SharedLoad, own_figures, with_decided, with_figures
 from gateway.workers_ttft import RelayedTtftModel
 from router_policies import placement
 from router_policies.flights import Dispatch, Flight
@@ -102,7 +102,7 @@ class WorkerFleet(Fleet):
         if table is None:
             return candidates
         records = list(candidates)
-        table.begin_decision()  # until this decision's dispatch is published (``dispatch``)
+        table.begin_decision()  # until this decision's load is published (``flights_changed``)
         for rec, figures in zip(records, table.others([r.id for r in records]), strict=True):
             relayed = self._relayed.get(rec.id, NO_REMOTE_LOAD)
             rec.remote = relayed if figures is None else with_figures(relayed, figures)
@@ -114,15 +114,20 @@ class WorkerFleet(Fleet):
 
     def dispatch(self, record: ReplicaRecord, dispatch: Dispatch, start: float | None = None) -> Flight:
         flight = super().dispatch(record, dispatch, start)
-        self.flights_changed(record)
-        if self._link.shared_load is not None:
-            self._link.shared_load.end_decision()
+        self.flights_changed(record)  # its exact figures replace those published at the decision
         return flight
 
-    def flights_changed(self, record: ReplicaRecord) -> None:
+    def flights_changed(self, record: ReplicaRecord, adding: Dispatch | None = None) -> None:
+        """This worker's figures for ``record`` into the shared table (with ``adding``'s load, an
+        attempt decided whose flight is not open yet), and the decision's turn ends: the others
+        see what it decided (gateway/workers_shared_load.py)."""
         table = self._link.shared_load
         if table is not None:
-            table.publish(record.id, own_figures(record.flights))
+            figures = own_figures(record.flights)
+            table.publish(
+                record.id, figures if adding is None else with_decided(figures, adding, self._clock())
+            )
+            table.end_decision()
 
     def _new_ttft(self, prior: TtftParams) -> TtftFeed:
         """First tokens are fitted by the parent, which publishes the fits (gateway/workers_ttft.py)."""

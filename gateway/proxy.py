@@ -42,6 +42,7 @@ from gateway.routing import Choice, Router, RoutingState
 from gateway.tracing import Tracing
 from gateway.upstream import Retry, Upstream
 from gateway.upstream_client import UpstreamClient
+from router_policies.flights import Dispatch
 from router_policies.policy import NoReplicaError, RequestFeatures
 
 __all__ = ["BodyTooLarge", "Proxy", "ProxyParts", "read_body"]
@@ -269,15 +270,19 @@ class Proxy:
         may_retry: bool,
     ) -> web.StreamResponse:
         """Send the request to ``choice``'s replica and answer the client; a ``Retry`` undoes the
-        attempt's speculative entries. The request is written first (``Upstream.start``: on an idle
-        pooled connection, with no await), then the decision committed: the replica starts on it
-        while the commit and the dispatch's accounting run, and, as nothing awaits in between, no
-        other request decides before the commit (decide, then commit, still holds)."""
+        attempt's speculative entries. The attempt's load is published first (a worker of several:
+        the other workers decide on it from now, and this decision's turn ends). The request is
+        written next (``Upstream.start``: on an idle pooled connection, with no await), then the
+        decision committed: the replica starts on it while the commit and the dispatch's
+        accounting run, and, as nothing awaits in between, no other request of this process
+        decides before the commit (decide, then commit, still holds)."""
+        assert ctx.parsed is not None
+        dispatch = Dispatch.of(choice.state, features, choice.predicted_tokens, ctx.parsed.max_output_tokens)
+        self._fleet.flights_changed(choice.record, dispatch)  # until its flight opens (Upstream.send)
         sending = self._upstream.start(ctx, choice.record)
         try:
-            a = Attempt(
-                ctx, features, info, choice, self._router.commit(ctx.state, features, choice), may_retry
-            )
+            speculation = self._router.commit(ctx.state, features, choice)
+            a = Attempt(ctx, features, info, choice, dispatch, speculation, may_retry)
             if info.deferred is not None and not info.deferred.finished.is_set():
                 # the prompt's full keys become this attempt's speculative entries once encoded,
                 # its leading ones sooner if a takeover encodes them first (a job that finished
@@ -286,11 +291,15 @@ class Proxy:
                 info.deferred.on_keys = info.deferred.on_prefix = record
                 if self._upstream.outcomes is not None:
                     self._upstream.outcomes.deferred(a)
-            try:
-                return await self._upstream.send(a, sending)
-            except Retry:
-                self._router.undo(a.speculation)
-                raise
+        except BaseException:  # no flight will open: the load published for it goes
+            self._fleet.flights_changed(choice.record)
+            sending.abandon()
+            raise
+        try:
+            return await self._upstream.send(a, sending)
+        except Retry:
+            self._router.undo(a.speculation)
+            raise
         finally:
             sending.abandon()  # nothing once send finished it; else its connection closes
 

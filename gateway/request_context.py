@@ -19,6 +19,7 @@ from gateway.fleet import ReplicaRecord
 from gateway.openai_errors import RequestError, error_response_of
 from gateway.request import ParsedRequest
 from gateway.routing import Choice, RoutingState, Speculation
+from router_policies.flights import Dispatch
 from router_policies.policy import RequestFeatures
 
 HOP_BY_HOP = frozenset(
@@ -99,6 +100,7 @@ class Attempt:
     features: RequestFeatures
     info: FeatureInfo
     choice: Choice
+    dispatch: Dispatch  # as placement accounts for it (its flight opens in ``Upstream.send``)
     speculation: Speculation  # the committed entries, undone if this attempt is retried
     may_retry: bool  # a failure before the first byte may go to another replica
 

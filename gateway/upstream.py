@@ -40,7 +40,6 @@ from gateway.stream_relay import ChunkRelay, ClientGone, DirectRelay, IdleWatch,
 from gateway.upstream_client import ConnectError, ConnectTimeout, Outgoing, UpstreamClient, UpstreamResponse
 from gateway.upstream_watch import EjectionWatch, FirstByteWait
 from router_policies.flights import Flight
-from router_policies.placement import Dispatch
 
 UPSTREAM_READ_ERRORS = (aiohttp.ClientError, OSError)
 LATE_AUDIT_S = 30.0  # longest an audit waits for a deferred encode's keys (then audited without)
@@ -223,11 +222,8 @@ class Upstream:
         """Finish sending the request to the attempt's replica (``sending``: ``start``) and answer
         the client (raises ``Retry``, or ``RequestError`` for a replica too slow to answer)."""
         ctx, rec, features = a.ctx, a.record, a.features
-        assert ctx.parsed is not None
-        out_tokens = ctx.parsed.max_output_tokens
         predicted = a.choice.predicted_tokens
-        dispatch = Dispatch.of(a.choice.state, features, predicted, out_tokens)
-        flight = self._fleet.dispatch(rec, dispatch, sending.at)
+        flight = self._fleet.dispatch(rec, a.dispatch, sending.at)
         out = sending.out
         assert flight.at_dispatch is not None  # Fleet.dispatch records it
         audit = AttemptAudit(a.info, flight.at_dispatch)  # before any await (its docstring)

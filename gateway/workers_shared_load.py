@@ -19,16 +19,20 @@ Layout: a file in the workers' socket directory, mapped by every process, little
             one clock for the host; 0: none)
 
 Locking: one exclusive ``flock`` on the file, for decisions and for claiming slots. A worker's
-decision takes it at its snapshot (``begin_decision``) and lets it go once its dispatch is
-published (``end_decision``). Nothing awaits between ``Router.decide``, the commit and
-``Fleet.dispatch`` (gateway/proxy.py, ``_attempt``): one synchronous stretch of ~0.3 ms. So the
-decisions that hold it are serialized, and each reads every dispatch decided before it. Before
+decision takes it at its snapshot (``begin_decision``) and lets it go once the decided attempt's
+load is published (``WorkerFleet.flights_changed`` with its ``Dispatch``, which ends the turn),
+before the request is written (gateway/proxy.py, ``_attempt``). Nothing awaits between
+``Router.decide`` and that publication: one synchronous stretch with no I/O in it, 0.10-0.18
+ms at the median at c=32 (0.27-0.46 while it also spanned the write, the commit and the flight's
+accounting). So the decisions that hold it are serialized, and each reads the load of every
+attempt decided before it (the flight's own figures replace the decision's once it opens). Before
 deciding, a worker waits for it (``decision_turn``, ``server.workers_decide_in_turn``): its loop
 runs meanwhile, trying the lock once a turn, and once ``TURN_WAIT_S`` has passed it decides
 without it (the holder may be descheduled on a busy host). A wait lasts at least a turn of the
 loop, so under load it outlasts ``TURN_WAIT_S`` (docs/performance.md, "How long a decision waits
-for its turn with two workers": 2-6 ms at the median at c=32). ``begin_decision`` never waits. A decision that sends nothing (no replica,
-``/admin/explain``, an error) lets go at the end of its turn of the loop. A process that dies
+for its turn with two workers": 2-6 ms at the median at c=32, for a fifth of the decisions).
+``begin_decision`` never waits. A decision that sends nothing (no replica, ``/admin/explain``,
+an error) lets go at the end of its turn of the loop. A process that dies
 holding the lock loses it (the kernel releases it).
 
 Measured (docs/performance.md, "Why two workers place a burst worse"), the Mooncake slice with
@@ -63,13 +67,13 @@ import numpy as np
 
 from gateway.local_hub_load import flight_figures
 from gateway.replica_load import RemoteLoad
-from router_policies.flights import FlightCounters
+from router_policies.flights import Dispatch, FlightCounters
 
 LOAD_TABLE = "load"  # the table's file name in the workers' socket directory
 MAGIC = 0x6B76676174654C31  # "kvgateL1"
 SLOTS = 4096  # replicas with flights at once (as TtftModel's max_replicas)
 FIELDS = 6
-TURN_WAIT_S = 0.002  # after this, a decision stops trying for another worker's turn (~0.3 ms each)
+TURN_WAIT_S = 0.002  # after this, a decision stops trying for another worker's turn (~0.15 ms each)
 _HEADER = 5
 _OVERFLOW = 3
 _CLAIMS = 4
@@ -98,6 +102,15 @@ def own_figures(c: FlightCounters) -> Figures:
     """``flight_figures`` as the table holds them (floats; no pending start: 0)."""
     requests, tokens, prefill, pairs, shared, oldest = flight_figures(c)
     return (float(requests), float(tokens), float(prefill), pairs, float(shared), oldest or 0.0)
+
+
+def with_decided(f: Figures, d: Dispatch, now: float) -> Figures:
+    """``f`` (``own_figures``) with a decided attempt's load (``Dispatch.load``: as its flight will
+    count it) and, if none was pending, ``now`` as the oldest start. Its cached blocks count as
+    held by it alone: until its flight opens (~0.2 ms later) the shared tokens are short by those
+    the flights there already hold, so the KV the replica's flights pin reads a little high."""
+    tokens, prefill, pairs = d.load()
+    return (f[0] + 1, f[1] + tokens, f[2] + prefill, f[3] + pairs, f[4], f[_OLDEST] or now)
 
 
 def with_figures(relayed: RemoteLoad, f: Figures) -> RemoteLoad:
@@ -152,7 +165,7 @@ class SharedLoad:
     # ------------------------------------------------------------------ the lock
     def begin_decision(self) -> bool:
         """Take the lock for a decision if no other worker holds it (whether this process holds
-        it now): until ``end_decision`` (its dispatch published), at the latest until the end of
+        it now): until ``end_decision`` (its decided load published), at the latest until the end of
         this turn of the running loop (a decision that sends nothing). Never waits."""
         if self._held:
             return True
@@ -173,7 +186,7 @@ class SharedLoad:
             return
         deadline = time.monotonic() + TURN_WAIT_S
         while time.monotonic() < deadline:
-            await asyncio.sleep(0)  # the other worker's decision (~0.3 ms); the loop runs meanwhile
+            await asyncio.sleep(0)  # the other worker's decision (~0.15 ms); the loop runs meanwhile
             if self.begin_decision():
                 return
 

@@ -24,8 +24,10 @@ from collections.abc import KeysView, Sequence, ValuesView
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from router_policies.cache_prediction import uncached_prompt_tokens
 from router_policies.policy import ReplicaState, RequestFeatures
 from router_policies.prefix_index import PrefixIndex
+from router_policies.ttft.features import attention_pairs
 
 if TYPE_CHECKING:  # the feed makes flights; a flight only calls back its probe's feed
     from router_policies.ttft_feed import TtftProbe, TtftSample
@@ -264,6 +266,15 @@ class Dispatch:
         return Dispatch(
             state, request.prompt_tokens, cached, request.block_size, output_tokens, request.block_keys
         )
+
+    def load(self) -> tuple[int, int, float]:
+        """What its flight adds to the replica's counters: tokens (prompt and expected output),
+        the uncached prompt tokens pending prefill, and their attention pairs. ``TtftFeed.flight``
+        opens the flight with these; a worker of several publishes them at the decision, before
+        the flight opens (gateway/workers_shared_load.py)."""
+        prefill = uncached_prompt_tokens(self.prompt_tokens, self.cached_tokens)
+        pairs = attention_pairs(prefill, self.prompt_tokens - prefill)
+        return self.prompt_tokens + self.output_tokens, prefill, pairs
 
 
 @dataclass(frozen=True, slots=True)

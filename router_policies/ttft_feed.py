@@ -26,9 +26,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from router_policies.cache_prediction import uncached_prompt_tokens
 from router_policies.flights import Dispatch, Flight, FlightCounters, int_keys
-from router_policies.ttft.features import REFERENCE_INPUTS, TtftInputs, attention_pairs, predict
+from router_policies.ttft.features import REFERENCE_INPUTS, TtftInputs, predict
 from router_policies.ttft.freshness import Freshness
 from router_policies.ttft.model import TtftModel
 from router_policies.ttft.params import TtftParams
@@ -187,7 +186,7 @@ class TtftFeed:
 
     def flight(self, counters: FlightCounters, d: Dispatch, start: float | None = None) -> Flight:
         """The flight of a routed attempt (started at ``start``, default the clock's now)."""
-        prefill = uncached_prompt_tokens(d.prompt_tokens, d.cached_tokens)
+        tokens, prefill, pairs = d.load()
         cached = d.prompt_tokens - prefill
         probe = None
         when = start if start is not None else self.now()
@@ -196,8 +195,6 @@ class TtftFeed:
             inputs = inputs_for(d.state, d.prompt_tokens, cached, d.block_size, params)
             fit = self.budget.take(d.state.id, when)
             probe = TtftProbe(self, d.state.id, inputs, predict(params, inputs).total_ms, when, fit)
-        tokens = d.prompt_tokens + d.output_tokens
-        pairs = attention_pairs(prefill, cached)
         keys = int_keys(d.keys[: cached // d.block_size] if d.block_size else ())
         return Flight(
             counters,

@@ -1,7 +1,9 @@
-"""``Proxy._attempt``'s order (docs/architecture.md, "Request path", step 6): the request is
-written to the replica (``Upstream.start``, no await) before the decision is committed, nothing
-else runs on the event loop between the write and the end of the commit, and an attempt that
-fails before ``send`` finishes its POST closes the connection it wrote on."""
+"""``Proxy._attempt``'s order (docs/architecture.md, "Request path", step 6): the decided
+attempt's load is published (``Fleet.flights_changed`` with its ``Dispatch``: a worker of several
+ends its decision's turn there), the request is written to the replica (``Upstream.start``, no
+await) before the decision is committed, nothing else runs on the event loop between the
+publication and the end of the commit, and an attempt that fails before ``send`` republishes the
+load without it and closes the connection it wrote on."""
 
 from __future__ import annotations
 
@@ -14,6 +16,9 @@ import pytest
 from gateway.proxy import Proxy
 from gateway.routing import Speculation
 from gateway.upstream import Retry
+from router_policies.flights import Dispatch
+
+FEATURES = SimpleNamespace(prompt_tokens=100, block_size=16, block_keys=())
 
 
 class _Out:
@@ -50,7 +55,7 @@ class _Router:
         self.log, self.fail = log, fail
 
     def commit(self, state: Any, features: Any, choice: Any) -> Speculation:
-        assert state is None and features is None
+        assert state is None and features is FEATURES
         self.log.append(f"commit {choice.record.id}")
         if self.fail:
             raise RuntimeError("a bug in the commit")
@@ -62,10 +67,21 @@ class _Router:
         self.log.append("undo")
 
 
+class _Fleet:
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def flights_changed(self, record: Any, adding: Dispatch | None = None) -> None:
+        if adding is not None:
+            assert (adding.prompt_tokens, adding.cached_tokens, adding.output_tokens) == (100, 32, 8)
+        self.log.append(f"load {record.id}" + (" decided" if adding is not None else ""))
+
+
 def _proxy(upstream: _Upstream, router: _Router) -> Proxy:
-    p = object.__new__(Proxy)  # only _attempt's two collaborators
+    p = object.__new__(Proxy)  # only _attempt's three collaborators
     p._upstream = upstream  # type: ignore[assignment]
     p._router = router  # type: ignore[assignment]
+    p._fleet = _Fleet(upstream.log)  # type: ignore[assignment]
     return p
 
 
@@ -74,10 +90,11 @@ async def _attempt(p: Proxy, log: list[str]) -> Any:
         log.append("other")
 
     task = asyncio.get_running_loop().create_task(other_request())
-    choice = SimpleNamespace(record=SimpleNamespace(id="r0"))
+    choice = SimpleNamespace(record=SimpleNamespace(id="r0"), state=None, predicted_tokens=32)
     info = SimpleNamespace(deferred=None)
+    ctx = SimpleNamespace(state=None, parsed=SimpleNamespace(max_output_tokens=8))
     try:
-        return await p._attempt(SimpleNamespace(state=None), None, info, choice, True)  # type: ignore[arg-type]
+        return await p._attempt(ctx, FEATURES, info, choice, True)  # type: ignore[arg-type]
     finally:
         await task
 
@@ -85,18 +102,18 @@ async def _attempt(p: Proxy, log: list[str]) -> Any:
 async def test_the_request_is_written_before_the_commit_and_nothing_runs_between() -> None:
     log: list[str] = []
     assert await _attempt(_proxy(_Upstream(log), _Router(log)), log) == "answer"
-    assert log == ["write r0", "commit r0", "send", "other", "abandon"]
+    assert log == ["load r0 decided", "write r0", "commit r0", "send", "other", "abandon"]
 
 
 async def test_a_retry_undoes_the_commit() -> None:
     log: list[str] = []
     with pytest.raises(Retry):
         await _attempt(_proxy(_Upstream(log, Retry("503", "r0: 503")), _Router(log)), log)
-    assert log == ["write r0", "commit r0", "send", "other", "undo", "abandon"]
+    assert log == ["load r0 decided", "write r0", "commit r0", "send", "other", "undo", "abandon"]
 
 
-async def test_a_failed_commit_abandons_the_written_request() -> None:
+async def test_a_failed_commit_republishes_the_load_and_abandons_the_written_request() -> None:
     log: list[str] = []
     with pytest.raises(RuntimeError):
         await _attempt(_proxy(_Upstream(log), _Router(log, fail=True)), log)
-    assert log == ["write r0", "commit r0", "abandon", "other"]
+    assert log == ["load r0 decided", "write r0", "commit r0", "load r0", "abandon", "other"]

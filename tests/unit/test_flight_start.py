@@ -21,6 +21,7 @@ from gateway.request_context import Attempt, RequestContext
 from gateway.routing import Router, RoutingState
 from gateway.upstream import Upstream
 from gateway.upstream_client import UpstreamClient
+from router_policies.flights import Dispatch
 from router_policies.policy import RequestFeatures
 from router_policies.prefix_index import PrefixIndex
 from router_policies.registry import build_policy
@@ -48,7 +49,8 @@ class _HearingFleet(Fleet):
 
     heard: list[tuple[int, int]]
 
-    def flights_changed(self, record: ReplicaRecord) -> None:
+    def flights_changed(self, record: ReplicaRecord, adding: Dispatch | None = None) -> None:
+        assert adding is None  # Upstream publishes flights; the decision's load is the proxy's
         self.heard.append((record.flights.requests, record.flights.pending_prefill_tokens))
 
 
@@ -91,7 +93,8 @@ async def _first_byte_ms(pooled: bool, heard: list[tuple[int, int]] | None = Non
         assert (sending.out.sent is not None) is pooled
         now[0] += COMMIT_S
         info = SimpleNamespace(approximate=False, deferred_chars=0, deferred=None)
-        a = Attempt(ctx, features, info, choice, router.commit(state, features, choice), True)  # type: ignore[arg-type]
+        dispatch = Dispatch.of(choice.state, features, choice.predicted_tokens, 1)
+        a = Attempt(ctx, features, info, choice, dispatch, router.commit(state, features, choice), True)  # type: ignore[arg-type]
         resp = await upstream.send(a, sending)
         assert resp.status == 200 and client.opened == 1
         return float(ctx.log["first_byte_ms"])

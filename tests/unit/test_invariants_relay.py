@@ -26,6 +26,7 @@ from gateway.routing import Router, RoutingState, Speculation
 from gateway.stream_relay import CLIENT_HIGH_WATER, ClientGone, DirectRelay, IdleWatch
 from gateway.upstream import Retry, Upstream
 from gateway.upstream_client import ConnectError
+from router_policies.flights import Dispatch
 from router_policies.policy import RequestFeatures
 from router_policies.prefix_index import PrefixIndex
 from router_policies.registry import build_policy
@@ -307,6 +308,7 @@ async def test_every_flight_ends_and_every_upstream_response_is_let_go(seed: int
     state = RoutingState(config, build_policy("round_robin", {}, seed=0), None)  # type: ignore[arg-type]
     features = RequestFeatures("m", [], 64, 16)
     choice = router.decide(state, features, router.match(features))
+    dispatch = Dispatch.of(choice.state, features, choice.predicted_tokens, 1)
     rec = choice.record
     info = SimpleNamespace(approximate=False, deferred_chars=0, deferred=None)
     hows = ["json", "big", "503", "connect_error", "fail_first", "sse", "sse_fail", "hang_head", "hang_first"]
@@ -317,7 +319,7 @@ async def test_every_flight_ends_and_every_upstream_response_is_let_go(seed: int
         request = make_mocked_request("POST", "/v1/completions", writer=_ClientWriter())
         ctx = RequestContext(request, state, None)
         ctx.parsed = request_of("completions", body, raw=b"{}")
-        a = Attempt(ctx, features, info, choice, Speculation("r0", 0), rng.random() < 0.8)  # type: ignore[arg-type]
+        a = Attempt(ctx, features, info, choice, dispatch, Speculation("r0", 0), rng.random() < 0.8)  # type: ignore[arg-type]
         task = asyncio.get_running_loop().create_task(upstream.send(a, upstream.start(ctx, rec)))
         for _ in range(5):
             await asyncio.sleep(0)

@@ -40,6 +40,7 @@ from gateway.request_context import Attempt, RequestContext
 from gateway.request_outcome import Usage, outcome_of, usage_of
 from gateway.routing import Router, RoutingState, Speculation
 from gateway.upstream import Retry, Upstream
+from router_policies.flights import Dispatch
 from router_policies.policy import RequestFeatures
 from router_policies.prefix_index import PrefixIndex
 from router_policies.registry import build_policy
@@ -211,6 +212,7 @@ async def _answered_calls(hows: list[str]) -> dict[str, list[bool]]:
     upstream = Upstream(client, fleet, GatewayMetrics(CollectorRegistry(), index, fleet, dict))  # type: ignore[arg-type]
     features = RequestFeatures("m", [], 64, 16)
     choice = router.decide(state, features, router.match(features))
+    dispatch = Dispatch.of(choice.state, features, choice.predicted_tokens, 1)
     info = SimpleNamespace(approximate=False, deferred_chars=0, deferred=None)
     out: dict[str, list[bool]] = {}
     for how in hows:
@@ -219,7 +221,7 @@ async def _answered_calls(hows: list[str]) -> dict[str, list[bool]]:
         ctx = RequestContext(make_mocked_request("POST", "/v1/completions", writer=sink), state, None)
         body = {"model": "m", "prompt": "x", "max_tokens": 1, "stream": how.startswith("sse")}
         ctx.parsed = request_of("completions", body, raw=b"{}")
-        a = Attempt(ctx, features, info, choice, Speculation(choice.record.id, 0), False)  # type: ignore[arg-type]
+        a = Attempt(ctx, features, info, choice, dispatch, Speculation(choice.record.id, 0), False)  # type: ignore[arg-type]
         with contextlib.suppress(Retry, RequestError):
             await upstream.send(a, upstream.start(ctx, choice.record))
         out[how] = sink.calls

@@ -76,7 +76,7 @@ def test_each_worker_reads_the_others_flights_as_one_process_counts_them(tmp_pat
         t.close()
 
 
-def test_a_decision_holds_the_lock_until_its_dispatch_or_the_end_of_its_turn(tmp_path: Path) -> None:
+def test_a_decision_holds_the_lock_until_its_load_is_published_or_the_end_of_its_turn(tmp_path: Path) -> None:
     first, second = _tables(tmp_path, 2)
     probe = os.open(tmp_path / "load", os.O_RDWR)
 
@@ -93,7 +93,7 @@ def test_a_decision_holds_the_lock_until_its_dispatch_or_the_end_of_its_turn(tmp
         assert not free()
         second.begin_decision()  # never waits: decides without the lock
         assert not second._held
-        first.end_decision()  # its dispatch is published
+        first.end_decision()  # its decided attempt's load is published
         assert free()
         first.begin_decision()  # a decision that sends nothing ...
         assert not free()
@@ -232,6 +232,30 @@ def test_a_workers_decision_sees_the_other_workers_dispatch_before_any_relay(tmp
     flight.end()
     fleets[0].flights_changed(rec)
     assert _seen(links[1], fleets[1]) == (0, 0)
+    for link in links:
+        link.shared_load.close()
+
+
+def test_a_decision_ends_its_turn_with_its_load_published_before_its_flight_opens(tmp_path: Path) -> None:
+    """The proxy publishes a decided attempt's load (``flights_changed`` with its ``Dispatch``)
+    before it writes the request: the lock is free from there, worker 1 already counts the attempt
+    as its flight will, and the flight's own figures, once it opens, are the same but for the
+    blocks it shares with other flights (none here)."""
+    links, fleets = _fleets(tmp_path)
+    rec = fleets[0].get("r0")
+    assert rec is not None
+    state = fleets[0].snapshot(fleets[0].candidates("m"), REQUEST, NOTHING).replicas[0]
+    assert links[0].shared_load._held  # the decision's turn
+    dispatch = Dispatch.of(state, REQUEST, 320, 10)
+    fleets[0].flights_changed(rec, dispatch)
+    assert not links[0].shared_load._held  # ended with the publication
+    decided = links[1].shared_load.others(["r0"])[0]
+    assert _seen(links[1], fleets[1]) == (1, 700 - 320)
+    fleets[0].dispatch(rec, dispatch)
+    opened = links[1].shared_load.others(["r0"])[0]
+    assert decided is not None and opened is not None
+    assert decided[:5] == opened[:5] == own_figures(rec.flights)[:5]
+    assert decided[5] > 0 and opened[5] > 0  # a prefill pending since the decision, then the flight
     for link in links:
         link.shared_load.close()
 
