@@ -62,6 +62,7 @@ from router_policies.flights import Dispatch, Flight
 from router_policies.placement import TtftFeed
 from router_policies.prefix_index import IndexBoundError, PrefixIndex
 from router_policies.ttft.params import TtftParams
+from router_policies.ttft_feed import FIT_BURST, FITS_PER_S, FitBudget
 
 if TYPE_CHECKING:
     from gateway.app import GatewayApp
@@ -130,8 +131,13 @@ class WorkerFleet(Fleet):
             table.end_decision()
 
     def _new_ttft(self, prior: TtftParams) -> TtftFeed:
-        """First tokens are fitted by the parent, which publishes the fits (gateway/workers_ttft.py)."""
-        return TtftFeed(RelayedTtftModel(prior, self._link.send), self._clock, self._ttft_sample)
+        """First tokens are fitted by the parent, which publishes the fits (gateway/workers_ttft.py).
+        Each worker's fit budget is its share of one process's: a replica's model is fitted as
+        often whatever the workers, and the parent does not fit N times as many first tokens."""
+        n = max(1, self._link.workers)
+        budget = FitBudget(FITS_PER_S / n, max(1.0, FIT_BURST / n))
+        model = RelayedTtftModel(prior, self._link.send)
+        return TtftFeed(model, self._clock, self._ttft_sample, budget=budget)
 
     def publish_ttft(self, payload: bytes) -> None:
         """The parent's fit of a replica (frame ``U``): routed on from now."""
@@ -152,9 +158,10 @@ class WorkerFleet(Fleet):
 class HubClient:
     """The worker's link to the parent (see the module docstring)."""
 
-    def __init__(self, path: str, number: int) -> None:
+    def __init__(self, path: str, number: int, count: int = 1) -> None:
         self.path = path
         self.worker = number
+        self.workers = count  # of the parent, this one included
         self.lost = asyncio.Event()  # the parent went away: the worker stops
         self._synced = asyncio.Event()
         self._app: GatewayApp | None = None

@@ -46,12 +46,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--worker-of", default=None, help=argparse.SUPPRESS)  # the parent's socket
     parser.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-count", type=int, default=1, help=argparse.SUPPRESS)  # its parent's workers
 
 
 async def _serve(args: argparse.Namespace, config: GatewayConfig | None = None) -> int:
     """Serve as one process, or as a worker of ``--worker-of`` (``config``: already loaded)."""
     config = config if config is not None else load_config(args.config)
-    link = HubClient(args.worker_of, args.worker_index) if args.worker_of else None
+    link = HubClient(args.worker_of, args.worker_index, args.worker_count) if args.worker_of else None
     app = GatewayApp(config, config_path=args.config, link=link)
     if link is None:  # one process fits its own TTFT model (the parent of workers fits theirs)
         warm_up()  # the first fit's one-time kernel load: before the freeze, not on a request

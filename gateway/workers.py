@@ -185,7 +185,7 @@ class Supervisor:
         return [
             sys.executable, "-m", "gateway.cli", "serve", "--config", self._args.config,
             "--listen", self._listen, "--worker-of", str(self._dir / "hub.sock"),
-            "--worker-index", str(number),
+            "--worker-index", str(number), "--worker-count", str(self._count),
         ]  # fmt: skip
 
     async def _spawn(self, number: int) -> asyncio.subprocess.Process:

@@ -31,6 +31,7 @@ from router_policies.flights import Dispatch, FlightCounters
 from router_policies.index_types import MatchResult
 from router_policies.policy import RequestFeatures
 from router_policies.prefix_index import IndexConfig, PrefixIndex
+from router_policies.ttft_feed import FIT_BURST, FITS_PER_S
 from tests.flight_walk import BLOCK, walk
 
 IDLE: Figures = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
@@ -185,6 +186,7 @@ class _Link:
 
     def __init__(self, table: SharedLoad) -> None:
         self.shared_load = table
+        self.workers = table.workers
         self.sent: list[bytes] = []
 
     def send(self, data: bytes) -> None:
@@ -256,6 +258,17 @@ def test_a_decision_ends_its_turn_with_its_load_published_before_its_flight_open
     assert decided is not None and opened is not None
     assert decided[:5] == opened[:5] == own_figures(rec.flights)[:5]
     assert decided[5] > 0 and opened[5] > 0  # a prefill pending since the decision, then the flight
+    for link in links:
+        link.shared_load.close()
+
+
+def test_the_workers_fit_as_many_first_tokens_of_a_replica_as_one_process(tmp_path: Path) -> None:
+    """Each worker's fit budget is its share of one process's: two workers each dispatching to r0
+    far above the rate for 10 s leave the parent as many fits to make as one process would."""
+    links, fleets = _fleets(tmp_path)
+    seconds, rate = 10, 1000
+    taken = sum(f.ttft.budget.take("r0", i / rate) for f in fleets for i in range(seconds * rate))
+    assert FITS_PER_S * seconds <= taken <= FITS_PER_S * seconds + FIT_BURST + 2
     for link in links:
         link.shared_load.close()
 
