@@ -69,7 +69,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvgate.workers")
 
-LOAD_INTERVAL_S = 0.02  # in-flight load sent to the other workers at most this often
+# in-flight load sent to the other workers at most this often: what decisions read comes from the
+# shared table (workers_shared_load.py); the relay's own use is the blocks two workers hold
+LOAD_INTERVAL_S = 0.1
 # a worker's frames to the parent (a first token's observation per request, touches, load) go out
 # together within this window: one write and one wake-up of the parent for all of them rather
 # than one a request (measured: the parent's loop woken per first token took ~1/5 of the gateway's
