@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from functools import partial
 
 from gateway.config import GatewayConfig, ReplicaConfig
 from gateway.inventory_sink import AgentEngine, AgentHello, AgentLoad
@@ -245,13 +246,8 @@ class Fleet:
     ) -> FleetSnapshot:
         now = self._clock()
         candidates = self._with_remote_now(candidates)
-        view = IndexView(
-            match.blocks,
-            match.scores,
-            self._index,
-            request.block_keys,
-            request.block_size,
-        )
+        r = request
+        view = IndexView(match.blocks, match.scores, self._index, r.block_keys, r.block_size, r.prompt_tokens)
         return placement.snapshot(
             (
                 Candidate(
@@ -261,6 +257,7 @@ class Fleet:
                     *combined_queue(rec.flights, rec.remote, now),
                     rec.flights.prompt_keys(),
                     rec.flights.unproduced_tokens(now),
+                    partial(rec.flights.room_schedule, now),
                 )
                 for rec in candidates
             ),

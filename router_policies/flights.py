@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from router_policies.cache_prediction import uncached_prompt_tokens
-from router_policies.policy import ReplicaState, RequestFeatures
+from router_policies.policy import ReplicaState, RequestFeatures, RoomSchedule
 from router_policies.prefix_index import PrefixIndex
 from router_policies.ttft.features import attention_pairs
 
@@ -47,6 +47,7 @@ class FlightCounters:
         "_decoding",
         "_decoding_output",
         "_decoding_since",
+        "_flights",
         "_pending_starts",
         "_prompts",
         "output_tokens",
@@ -79,6 +80,8 @@ class FlightCounters:
         # each flight's prompt block keys (a reference, not a copy), keyed by the flight's id:
         # what the flights in progress hold in use or will (cache_prediction's pinned blocks)
         self._prompts: dict[int, Sequence[int]] = {}
+        # the flights in progress, keyed by id (``room_schedule``); bounded by them
+        self._flights: dict[int, Flight] = {}
         # Decode progress (``unproduced_tokens``): of ``tokens``, the expected output tokens; the
         # flights decoding (first byte seen at a known time), their expected outputs and the sum
         # of their first-byte times; and the replica's seconds per output token, a moving average
@@ -139,6 +142,24 @@ class FlightCounters:
         """The block keys predicted cached for at least one flight in progress (each once)."""
         return self._cached_refs.keys()
 
+    def room_schedule(self, now: float) -> RoomSchedule:
+        """This replica's flights as its KV cache will see them free room (``RoomSchedule``;
+        kv_aware's room soonest, router_policies/policies/kv_stall.py). A flight without an
+        expected output (no max_tokens) has no known end: it is left out, and its KV is never
+        taken as freed. A flight's end frees its prompt and output less the leading cached
+        blocks another flight also holds."""
+        running: list[tuple[float, int, int]] = []
+        waiting: list[tuple[int, int, int]] = []
+        for f in self._flights.values():  # in the order they were sent
+            if f.output <= 0:
+                continue
+            kv = max(0, f.tokens - _run_held_twice(self._cached_refs, f.cached_keys) * f.block_size)
+            if f._first_at is not None:
+                running.append(((now - f._first_at) * 1000.0, f.output, kv))
+            elif f._prefill_open:
+                waiting.append((f.output, kv, f.prefill))
+        return RoomSchedule(self.s_per_output_token * 1000.0, tuple(running), tuple(waiting))
+
     def _hold(self, keys: Sequence[int], block_size: int) -> None:
         refs = self._cached_refs
         for k in keys:
@@ -191,6 +212,7 @@ class Flight:
         c.pending_prefill_tokens += self.prefill
         c.pending_prefill_pairs += self.pairs
         c.started += 1
+        c._flights[id(self)] = self
         if self.start is not None:
             c._pending_starts[id(self)] = self.start
 
@@ -236,8 +258,23 @@ class Flight:
             self.counters.tokens -= self.tokens
             self.counters.output_tokens -= self.output
             self.counters._prompts.pop(id(self), None)
+            self.counters._flights.pop(id(self), None)
             if self.cached_keys:
                 self.counters._release(self.cached_keys, self.block_size)
+
+
+def _run_held_twice(refs: dict[int, int], keys: Sequence[int]) -> int:
+    """How many leading ``keys`` (a flight's cached keys, all held) another flight holds too. A
+    cached prefix is a chain and every flight holds a whole leading run of its chain, so the
+    counts never grow along ``keys``: the run is found by bisection."""
+    lo, hi = 0, len(keys)  # invariant: refs of keys[:lo] > 1; the run is <= hi
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if refs.get(keys[mid - 1], 0) > 1:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def int_keys(keys: Sequence[int]) -> Sequence[int]:

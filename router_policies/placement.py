@@ -36,7 +36,7 @@ from router_policies.flights import Dispatch as Dispatch
 from router_policies.flights import Flight as Flight
 from router_policies.flights import FlightCounters as FlightCounters
 from router_policies.flights import IndexAtDispatch as IndexAtDispatch
-from router_policies.policy import FleetSnapshot, ReplicaState
+from router_policies.policy import FleetSnapshot, ReplicaState, RoomSchedule
 from router_policies.prefix_index import PrefixIndex
 from router_policies.ttft.params import TtftParams
 from router_policies.ttft_feed import MAX_ERROR_RATIO as MAX_ERROR_RATIO
@@ -81,19 +81,26 @@ class Candidate(NamedTuple):
     # of load.in_flight_tokens, the expected outputs not decoded yet (this router's flights:
     # FlightCounters.unproduced_tokens at the decision's time; 0: every output counted as held)
     unproduced_tokens: int = 0
+    # FlightCounters.room_schedule at the decision's time, asked only when the request may not
+    # fit beside the flights (None: not known)
+    room_schedule: Callable[[], RoomSchedule] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class IndexView:
     """The index's answer for one request: each replica's matched leading blocks and their
     medium-weighted score, and the index (for how full it believes each replica is); the
-    request's keys and block size (for ``evicted_before_prefill``; none: nothing evicted)."""
+    request's keys and block size (for ``evicted_before_prefill``; none: nothing evicted) and
+    its prompt tokens (for ``room_short``)."""
 
     blocks: Mapping[str, int]
     scores: Mapping[str, float]
     index: PrefixIndex
     keys: Sequence[int] = ()
     block_size: int = 0
+    # the request's prompt tokens (its keys may cover only the head: the tail is encoded after
+    # the decision, gateway/features/deferred.py); 0: as many as the keys
+    prompt_tokens: int = 0
 
     def evicted(self, c: Candidate, capacity_tokens: int, pinned: int | None = None) -> int:
         """Of ``c``'s matched blocks, those expected evicted before the request's prefill;
@@ -124,6 +131,14 @@ class IndexView:
         if not matched:
             return 0
         return max((_shared_run(self.keys, p, matched) for p in c.flight_prompts), default=0)
+
+    def room_short(self, c: Candidate, capacity_tokens: int) -> bool:
+        """Whether the flights on ``c`` with their whole outputs (each shared block once) and
+        this whole prompt may exceed ``capacity_tokens`` (kv_stall's room_q may fail): a bound,
+        the prompt's tail block counted whole."""
+        held = c.load.in_flight_tokens - c.in_flight_shared_tokens
+        prompt = max(self.prompt_tokens, (len(self.keys) + 1) * self.block_size)
+        return capacity_tokens > 0 and held + prompt > capacity_tokens
 
     def kv_over(self, c: Candidate, capacity_tokens: int) -> bool:
         """Whether the KV the flights on ``c`` hold now (their prompts, each shared block once,
@@ -186,6 +201,9 @@ def _state(c: Candidate, view: IndexView, exclude: frozenset[str], model: TtftPa
         in_flight_shared_tokens=max(0, c.in_flight_shared_tokens),
         pending_age_ms=c.pending_age_ms,
         in_flight_unproduced_tokens=max(0, c.unproduced_tokens),
+        room_schedule=c.room_schedule()
+        if c.room_schedule is not None and view.room_short(c, capacity)
+        else None,
         ttft=model,
     )
 

@@ -31,6 +31,20 @@ class RequestFeatures:
 
 
 @dataclass(frozen=True, slots=True)
+class RoomSchedule:
+    """A replica's flights (this router's) as its KV cache will see them free room: ``running``,
+    (ms since its first token, expected output tokens, KV tokens its end frees) of each flight
+    decoding; ``waiting``, (expected output tokens, KV tokens it takes, uncached prompt tokens)
+    of each flight still awaiting its first token, in the order they were sent (the engine
+    admits them first come, first served); ``pace_ms``, the replica's measured milliseconds per
+    output token (0: none measured yet)."""
+
+    pace_ms: float = 0.0
+    running: tuple[tuple[float, int, int], ...] = ()
+    waiting: tuple[tuple[int, int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class ReplicaState:
     """One replica as the router sees it at decision time."""
 
@@ -67,6 +81,9 @@ class ReplicaState:
     # of matched_blocks, the leading ones a request in flight there holds (its prompt leads with
     # them): the engine holds them once; counted only when the KV could be short (else 0)
     pinned_blocks: int = 0
+    # this router's flights there, for kv_aware's room soonest: worked out only when the
+    # request may not fit beside them (else None; FlightCounters.room_schedule)
+    room_schedule: RoomSchedule | None = None
     ttft: TtftParams | None = None  # the replica's fitted TTFT model (None: the policy's prior)
 
     @property

@@ -152,10 +152,12 @@ where load is the requests ahead of a new one (``load_of``) and the mean is over
 replicas. Cache affinity therefore can never pile traffic onto one replica. If every replica is
 excluded (impossible while the mean is a mean, kept for safety) the least loaded one wins.
 
-Room first (``room_first``, on by default; router_policies/policies/kv_stall.py, "Room first"):
-a prompt no replica holds (matched_r 0 on every replica) is priced only on the replicas within
-the guard whose KV cache holds it beside their requests in flight (room_r), when there is one
-(reason ``kv_aware:room`` when it passes over a cheaper replica within the guard).
+Room first and room soonest (``room_first``, ``room_soonest``; router_policies/policies/
+kv_stall.py): a prompt no replica holds (matched_r 0 on every replica) is priced only on the
+replicas within the guard whose KV cache holds it beside their requests in flight (room_r), when
+there is one; else on those where room comes soonest, within ``soonest_band`` x the least wait_r
+(``room_wait_ms`` in the terms). Reason ``kv_aware:room`` when either passes over a cheaper
+replica within the guard.
 
 Stall relief (``stall_ms``, ``stall_factor``; router_policies/policies/kv_stall.py): when the
 replica of least cost is stalled (its oldest routed request has waited for its first token at
@@ -171,12 +173,13 @@ wait_ms, prefill_ms, read_ms, fetch_ms, added_ms and cost (the token rule: cost 
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import NamedTuple
 
 from router_policies.policies.kv_aware_params import KvAwareParams
 from router_policies.policies.kv_speed import speed_groups, speed_size
-from router_policies.policies.kv_stall import has_room, quiet_cheapest, stalled
+from router_policies.policies.kv_stall import has_room, quiet_cheapest, room_wait_ms, stalled
 from router_policies.policy import (
     Decision,
     FleetSnapshot,
@@ -298,6 +301,17 @@ class KvAware:
             return 0.0
         return r.pending_age_ms / ms_per_token if p.rule == "tokens" else r.pending_age_ms
 
+    def _room_waits(
+        self, healthy: list[ReplicaState], guarded: list[bool], prompt_tokens: int
+    ) -> list[float]:
+        """wait_r of room soonest (kv_stall.room_wait_ms) for the replicas within the guard (inf
+        for the others), each priced with its own model's prefill speed."""
+        size = speed_size(prompt_tokens)
+        return [
+            room_wait_ms(r, prompt_tokens, m, self._reference_ms(m, size) / size) if ok else math.inf
+            for ok, r, m in zip(guarded, healthy, map(self._model_of, healthy), strict=True)
+        ]
+
     def _behind_scale(self, refs: list[float], loads: list[int]) -> list[float]:
         """Per replica, the multiple of (miss_weight - 1) requests expected behind (docstring)."""
         n = len(refs)
@@ -336,12 +350,18 @@ class KvAware:
             shares, times = self._behind_scale(refs, loads), [1.0] * n
         guarded = [x <= limit for x in loads]
         eligible = guarded
+        waits: list[float] = []
         if p.room_first and not any(matches):  # room first (docstring)
             roomy = [
                 ok and has_room(r, prompt, self._model_of(r)) for ok, r in zip(guarded, healthy, strict=True)
             ]
             if any(roomy):
                 eligible = roomy
+            elif p.room_soonest:  # room soonest (docstring)
+                waits = self._room_waits(healthy, guarded, prompt)
+                first = min(waits)
+                if first < math.inf:
+                    eligible = [w <= p.soonest_band * first for w in waits]
         best: int | None = None
         best_cost = 0.0
         scores: dict[str, float] = {}
@@ -356,6 +376,9 @@ class KvAware:
             scores[r.id] = cost
             if eligible[idx] and (best is None or cost < best_cost):
                 best, best_cost = idx, cost
+        for r, w in zip(healthy, waits, strict=False):  # room soonest's, for explain
+            if w < math.inf:
+                terms[r.id]["room_wait_ms"] = round(w, 3)
         if best is None:
             hot = min(healthy, key=load_of)
             return Decision(hot.id, "kv_aware:all_hot", hot.matched_blocks, scores, terms)

@@ -71,6 +71,18 @@ class KvAwareParams(BaseModel):
         "its requests in flight, when one within the hot-spot guard does (kv_aware's docstring, "
         '"Room first").',
     )
+    room_soonest: bool = Field(
+        True,
+        description="With room_first, when no replica within the hot-spot guard has room for a prompt "
+        "no replica holds, it goes where its requests in flight are expected to free the room soonest "
+        '(within soonest_band; router_policies/policies/kv_stall.py, "Room soonest").',
+    )
+    soonest_band: float = Field(
+        1.2,
+        ge=1.0,
+        description="Room soonest takes every replica whose expected wait for room is within this "
+        "multiple of the least one, and the rule's cost chooses among them.",
+    )
     stall_ms: float = Field(
         500.0,
         ge=0.0,

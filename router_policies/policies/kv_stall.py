@@ -1,6 +1,6 @@
-"""kv_aware's stall relief and room first (kv_aware's docstring): a replica whose queue does not
-move is left for one where nothing waits and KV has room; a prompt no replica holds goes where
-KV has room for it.
+"""kv_aware's stall relief, room first and room soonest (kv_aware's docstring): a replica whose
+queue does not move is left for one where nothing waits and KV has room; a prompt no replica
+holds goes where KV has room for it, or where room comes soonest.
 
     age_r      = how long the oldest request routed to r and still without a first token has
                  waited (ReplicaState.pending_age_ms)
@@ -65,10 +65,35 @@ run before: p99 881 against 692); decode_heavy seeds 5-7 p99 954 against 684 ms,
 acceptance workloads) a replica short of room is rare: the same choices but for the
 conversation window (hit rate / oracle at load 1.0 0.859 against 0.847, p99 9.9 against
 10.3 s).
+
+Room soonest (``room_soonest``, ``soonest_band``). When room first finds no replica within the
+guard with room for a prompt no replica holds, the prompt is priced only on the replicas within
+the guard whose wait_r is at most soonest_band x the least wait_r, when that is finite (else on
+all within the guard):
+
+    wait_r = when r's KV cache has room for the prompt, played forward from r.room_schedule:
+             free = capacity - (in-flight KV, shared blocks once, less what the waiting take);
+             each flight decoding ends at max(pace, (output - 1) x pace - its time since its
+             first token) and frees its KV; each flight waiting is admitted, first come first
+             served, once free covers its KV, and ends its prefill (uncached tokens at r's ms per
+             token) and its output at the pace later; the prompt is admitted once free covers it
+    pace   = r's measured ms per output token (FlightCounters.s_per_output_token), or its
+             model's step_ms + decoding x decode_ms_per_seq while none is measured
+    inf    when the schedule never frees enough: KV held by other routers' requests or by
+             flights without max_tokens (no known end)
+
+Why. Where no replica has room, a new long prompt waits for one to free room, and which one
+frees first is set by the decodes and queued prefills already there, not by the queued tokens
+the rule prices nor by how full the index believes each cache is: the rule sent such prompts
+behind a decode of hundreds of tokens while another replica's last decode was ending. A prompt
+held nowhere has no hit to lose by going where it is admitted first. Only this router's flights
+are in the schedule: KV that others' requests hold is never taken as freed.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 from router_policies.policy import ReplicaState
@@ -89,6 +114,41 @@ def has_room(r: ReplicaState, prompt_tokens: int, model: TtftParams) -> bool:
     return (
         kv_excess(r.in_flight_tokens, r.in_flight_shared_tokens, prompt_tokens, model.kv_capacity_tokens) == 0
     )
+
+
+def room_wait_ms(r: ReplicaState, prompt_tokens: int, model: TtftParams, ms_per_token: float) -> float:
+    """wait_r (module docstring, "Room soonest"): 0 when room_r holds; else when r's KV cache,
+    freed as its flights end (``r.room_schedule``) and taken by those waiting ahead, first come
+    first served, each once admitted running its prefill (``ms_per_token``) and its output, has
+    room for the prompt; inf when it never has (other routers' requests, flights without a known
+    end) or r has no schedule. A decoding flight ends ``output - 1`` tokens at r's pace after its
+    first token, one token's time from now at the least (a stream past its expected end still
+    runs); the pace is r's measured one, or its model's step with the flights decoding."""
+    capacity = model.kv_capacity_tokens
+    held = r.in_flight_tokens - min(r.in_flight_shared_tokens, r.in_flight_tokens)
+    if held + prompt_tokens <= capacity:
+        return 0.0
+    plan = r.room_schedule
+    if plan is None:
+        return math.inf
+    pace = plan.pace_ms or model.calibration * (model.step_ms + len(plan.running) * model.decode_ms_per_seq)
+    ends = [(max(pace, (out - 1) * pace - since), kv) for since, out, kv in plan.running]
+    heapq.heapify(ends)
+    free = capacity - held + sum(kv for _out, kv, _u in plan.waiting)  # the waiting hold nothing yet
+    now = 0.0
+    for need, runs in (
+        *((kv, u * ms_per_token + out * pace) for out, kv, u in plan.waiting),
+        (prompt_tokens, None),
+    ):
+        while free < need and ends:
+            at, frees = heapq.heappop(ends)
+            now, free = max(now, at), free + frees
+        if free < need:
+            return math.inf
+        if runs is not None:
+            free -= need
+            heapq.heappush(ends, (now + runs, need))
+    return now
 
 
 def quiet_cheapest(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from router_policies import placement
 from router_policies.placement import (
@@ -106,6 +107,7 @@ class SimGateway:
                     age,
                     f.prompt_keys(),
                     f.unproduced_tokens(now),
+                    partial(f.room_schedule, now),
                 )
             )
         return out
@@ -121,7 +123,7 @@ class SimGateway:
         if keys is None:
             keys = features.block_keys
         m = index.match(keys)
-        view = IndexView(m.blocks, m.scores, index, keys, features.block_size)
+        view = IndexView(m.blocks, m.scores, index, keys, features.block_size, features.prompt_tokens)
         snap = placement.snapshot(self._candidates(now), view, ttft=self.ttft.params)
         decision = self._policy.choose(features, snap)
         self._policy.commit(decision)
