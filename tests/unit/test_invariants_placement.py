@@ -21,7 +21,7 @@ from router_policies import placement, ttft_feed
 from router_policies.cache_prediction import evicted_before_prefill
 from router_policies.flights import Flight, FlightCounters
 from router_policies.placement import Candidate, Dispatch, IndexView, ReplicaLoad, TtftFeed
-from router_policies.policy import ReplicaState, RequestFeatures
+from router_policies.policy import ReplicaState, RequestFeatures, RoomSchedule
 from router_policies.prefix_index import IndexConfig, PrefixIndex
 from router_policies.registry import build_policy
 from router_policies.sim.sim_gateway import SimGateway
@@ -119,6 +119,13 @@ def test_flights_release_exactly_what_they_added_and_the_counters_return_to_zero
             decoding = [o.flight.output for o in live if id(o.flight) in run.decoding]
             assert left >= c.output_tokens - sum(decoding)  # a flight without a first byte: none
             assert c._decoding == len(decoding)
+            # room_schedule: the flights decoding and those awaiting their first byte (each with
+            # an expected output), each freeing its tokens less its cached blocks another holds
+            plan = c.room_schedule(run.now)
+            ahead = [o for o in live if o.prefill_open and o.flight.output > 0]
+            running = [o for o in live if o.flight._first_at is not None]  # first byte at a time
+            assert [kv for _out, kv, _u in plan.waiting] == [_frees(o, refs) for o in ahead]
+            assert sorted(kv for *_, kv in plan.running) == sorted(_frees(o, refs) for o in running)
         for o in run.flights:
             o.flight.end()
             o.flight.end(run.now)
@@ -127,6 +134,11 @@ def test_flights_release_exactly_what_they_added_and_the_counters_return_to_zero
         assert c.pending_prefill_pairs == 0.0 and c.oldest_pending_start() is None
         assert not c.held_keys() and not c.prompt_keys()
         assert (c.output_tokens, c.unproduced_tokens(run.now)) == (0, 0)
+        assert c.room_schedule(run.now) == RoomSchedule(c.s_per_output_token * 1000.0)
+
+
+def _frees(o: _Open, refs: Counter[int]) -> int:
+    return int(o.flight.tokens - BS * sum(refs[k] > 1 for k in o.cached))
 
 
 # ---------------------------------------------------------------------- placement.py

@@ -129,6 +129,19 @@ def test_waits_within_the_band_are_left_to_the_rules_cost() -> None:
     assert KvAware(KvAwareParams(soonest_band=1.05)).choose(req(), snap).replica == "soon"
 
 
+def _random_replica(rng: random.Random, name: str, blocks: int) -> ReplicaState:
+    """A replica short of room for most prompts, with a schedule of two decodes (or none)."""
+    ends = sorted((rng.choice([50.0, 400.0, 3_000.0]), rng.choice([500, 3_000, 6_000])) for _ in range(2))
+    return rep(
+        name,
+        tuple(ends) if rng.random() < 0.8 else None,
+        in_flight_requests=rng.randint(0, 4),
+        in_flight_tokens=rng.choice([3_000, 6_000, 6_000]),
+        held_blocks=rng.choice([0, 100, 400]),
+        matched_blocks=rng.choice([0, 0, 0, blocks]),
+    )
+
+
 @pytest.mark.parametrize("rule", ["tokens", "ms"])
 def test_room_soonest_is_the_stated_rule_on_random_fleets(rule: str) -> None:
     """Property: where room first finds no room within the guard for a prompt held nowhere, the
@@ -137,26 +150,8 @@ def test_room_soonest_is_the_stated_rule_on_random_fleets(rule: str) -> None:
     soonest off."""
     rng = random.Random(12)
     moved = 0
-    for _ in range(600):
-        blocks = rng.choice([20, BLOCKS])
-        reps = tuple(
-            rep(
-                f"r{i}",
-                tuple(
-                    sorted(
-                        (rng.choice([50.0, 400.0, 3_000.0]), rng.choice([500, 3_000, 6_000]))
-                        for _ in range(2)
-                    )
-                )
-                if rng.random() < 0.8
-                else None,
-                in_flight_requests=rng.randint(0, 4),
-                in_flight_tokens=rng.choice([3_000, 6_000, 6_000]),
-                held_blocks=rng.choice([0, 100, 400]),
-                matched_blocks=rng.choice([0, 0, 0, blocks]),
-            )
-            for i in range(4)
-        )
+    for blocks in rng.choices([20, BLOCKS], k=600):
+        reps = tuple(_random_replica(rng, f"r{i}", blocks) for i in range(4))
         snap = FleetSnapshot(reps)
         plain = KvAware(KvAwareParams(rule=rule, room_soonest=False, stall_ms=0.0)).choose(req(blocks), snap)
         got = KvAware(KvAwareParams(rule=rule, stall_ms=0.0)).choose(req(blocks), snap)
