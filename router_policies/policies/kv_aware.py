@@ -155,8 +155,8 @@ excluded (impossible while the mean is a mean, kept for safety) the least loaded
 Room first and room soonest (``room_first``, ``room_soonest``; router_policies/policies/
 kv_stall.py): a prompt no replica holds (matched_r 0 on every replica) is priced only on the
 replicas within the guard whose KV cache holds it beside their requests in flight (room_r), when
-there is one; else on those where room comes soonest, within ``soonest_band`` x the least wait_r
-(``room_wait_ms`` in the terms). Reason ``kv_aware:room`` when either passes over a cheaper
+there is one; else, when every wait_r there is known, on those where room comes soonest, within
+``soonest_band`` x the least (``room_wait_ms`` in the terms). Reason ``kv_aware:room`` when either passes over a cheaper
 replica within the guard.
 
 Stall relief (``stall_ms``, ``stall_factor``; router_policies/policies/kv_stall.py): when the
@@ -359,9 +359,8 @@ class KvAware:
                 eligible = roomy
             elif p.room_soonest:  # room soonest (docstring)
                 waits = self._room_waits(healthy, guarded, prompt)
-                first = min(waits)
-                if first < math.inf:
-                    eligible = [w <= p.soonest_band * first for w in waits]
+                if all(w < math.inf for w, ok in zip(waits, guarded, strict=True) if ok):
+                    eligible = [w <= p.soonest_band * min(waits) for w in waits]
         best: int | None = None
         best_cost = 0.0
         scores: dict[str, float] = {}

@@ -68,8 +68,8 @@ conversation window (hit rate / oracle at load 1.0 0.859 against 0.847, p99 9.9 
 
 Room soonest (``room_soonest``, ``soonest_band``). When room first finds no replica within the
 guard with room for a prompt no replica holds, the prompt is priced only on the replicas within
-the guard whose wait_r is at most soonest_band x the least wait_r, when that is finite (else on
-all within the guard):
+the guard whose wait_r is at most soonest_band x the least wait_r, when every wait_r within the
+guard is finite (else on all within the guard, as before):
 
     wait_r = when r's KV cache has room for the prompt, played forward from r.room_schedule:
              free = capacity - (in-flight KV, shared blocks once, less what the waiting take);
@@ -87,7 +87,10 @@ frees first is set by the decodes and queued prefills already there, not by the 
 the rule prices nor by how full the index believes each cache is: the rule sent such prompts
 behind a decode of hundreds of tokens while another replica's last decode was ending. A prompt
 held nowhere has no hit to lose by going where it is admitted first. Only this router's flights
-are in the schedule: KV that others' requests hold is never taken as freed.
+are in the schedule: KV that others' requests hold (other gateways, the other workers of
+``--workers N``) or that flights without max_tokens hold is never taken as freed, and a replica
+whose wait is not known so is not compared with those whose wait is (it would lose to every
+one of them for what the schedule does not know).
 """
 
 from __future__ import annotations
