@@ -173,7 +173,7 @@ def test_room_soonest_is_the_stated_rule_on_random_fleets(rule: str) -> None:
         held_nowhere = all(r.matched_blocks * BS < 0.1 * blocks * BS for r in reps)
         if held_nowhere and not room and max(waits.values()) < math.inf:
             first = min(waits.values())
-            soonest = [i for i in guarded if waits[i] <= 1.2 * first]  # soonest_band
+            soonest = [i for i in guarded if waits[i] <= KvAwareParams().soonest_band * first]
             best = min(soonest, key=lambda i: plain.scores[reps[i].id])
             assert got.scores[got.replica] == plain.scores[reps[best].id]
             assert got.replica in {reps[i].id for i in soonest}
