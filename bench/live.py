@@ -16,7 +16,8 @@ will not start). One row per (workload, router): engine-counted prefix hit rate 
 ``vllm:prefix_cache_hits_total`` / ``vllm:prefix_cache_queries_total`` over the fleet), client
 TTFT p50/p99 of streamed completions, engine TTFT p50/p99 (the engines' own
 ``vllm:time_to_first_token_seconds`` histograms, summed over the fleet: placement apart from the
-hop), completed requests per second, errors; for kvgate also its audits (``live_metrics``): the
+hop), the inbound hop p50/p99 (client send to engine handler, per request, ``bench/live_hop.py``)
+and the engines' parse p50 after it, completed requests per second, errors; for kvgate also its audits (``live_metrics``): the
 TTFT model's median absolute error and the cached-token audit's exact share and causes. Each
 seed of ``--seeds`` (default three) is another slice of the workload replayed through every
 router; a row pools a router's replays (``bench/live_pool.py``) and keeps each seed's figures
@@ -45,6 +46,7 @@ import uvloop
 from bench import live_metrics
 from bench.live_fleet import start_fleet, stream_completion
 from bench.live_floor import floor_run
+from bench.live_hop import inbound_ms, read_logs, send_key
 from bench.live_kvgate import MODEL, merged, start_agents, start_kvgate, wait_agents
 from bench.live_pool import RunMeasure, pooled_floor, pooled_row
 from bench.live_workloads import (
@@ -68,14 +70,17 @@ KVGATE_RULES = {"kvgate_kv_aware": None, "kvgate_kv_aware_ms": "ms", "kvgate_kv_
 
 async def replay(
     url: str, reqs: list[tuple[float, str, int]], speedup: float, timeout_s: float
-) -> tuple[list[tuple[int, float, float]], float]:
-    """Open-loop replay; returns per request (status, ttft s, total s) and the wall time."""
+) -> tuple[list[tuple[int, float, float]], list[tuple[float, int]], float]:
+    """Open-loop replay; returns per request (status, ttft s, total s), per request its send
+    time on the host's monotonic clock and its prompt's key (``live_hop``), and the wall time."""
     results: list[tuple[int, float, float]] = []
+    sends: list[tuple[float, int]] = []
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
 
         async def one(at: float, prompt: str, max_tokens: int) -> None:
             await asyncio.sleep(max(0.0, at / speedup - (time.perf_counter() - start)))
+            sends.append((time.monotonic(), send_key(prompt)))
             t0 = time.perf_counter()
             try:
                 results.append(await stream_completion(http, url, prompt, max_tokens))
@@ -84,7 +89,7 @@ async def replay(
 
         start = time.perf_counter()
         await asyncio.gather(*(one(*r) for r in reqs))
-        return results, time.perf_counter() - start
+        return results, sends, time.perf_counter() - start
 
 
 _HITS, _QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
@@ -189,12 +194,15 @@ def one_run(w: LiveWorkload, router: str, run: SeedRun, args: argparse.Namespace
     tmp = args.out.parent / "tmp" / "live" / f"{w.name.replace(':', '_')}-{router}-{run.seed}"
     audit: dict[str, Any] = {}
     with ProcessGroup(tmp) as procs:
-        fleet = start_fleet(procs, args.replicas, args, w, run.cache_blocks)
+        fleet = start_fleet(procs, args.replicas, args, w, run.cache_blocks, request_logs=tmp)
         url, policy = start_router(procs, router, fleet, tmp, args.kvgate_params, args.kvgate_config)
         urls = [u for u, *_ in fleet]
         h0, q0, b0, e0 = engine_state(urls)
-        results, wall = uvloop.run(replay(url, run.reqs, args.speedup, args.timeout))
+        results, sends, wall = uvloop.run(replay(url, run.reqs, args.speedup, args.timeout))
         h1, q1, b1, e1 = engine_state(urls)
+        hop, parse = inbound_ms(
+            sends, read_logs([tmp / f"engine{i}_requests.jsonl" for i in range(len(fleet))])
+        )
         if router.startswith("kvgate"):
             audit = dict(live_metrics.kvgate_audit(live_metrics.scrape(url)))
             # the fleet as kvgate saw it (fitted TTFT models)
@@ -214,6 +222,8 @@ def one_run(w: LiveWorkload, router: str, run: SeedRun, args: argparse.Namespace
         engine_queries=[a - b for a, b in zip(e1, e0, strict=True)],
         engine_ttft=live_metrics.delta(b1, b0),
         audit=audit,
+        inbound_ms=hop,
+        engine_parse_ms=parse,
     )
 
 
@@ -257,11 +267,14 @@ def workload_rows(wl: str, routers: list[str], args: argparse.Namespace) -> list
 
 
 def _print_row(name: str, router: str, seed: int | None, row: dict[str, Any]) -> None:
-    engine_p99 = row["engine_ttft_p99_ms"]
+    def ms(key: str) -> float:
+        value = row.get(key)
+        return float("nan") if value is None else float(value)
+
     print(
         f"{name:12} {router:20} ({'seed ' + str(seed) if seed is not None else 'pooled':>8}) hit "
         f"{row['hit_rate']:.3f} ttft p50 {row['ttft_p50_ms']:8.1f} p99 {row['ttft_p99_ms']:8.1f} ms "
-        f"(engine p99 {engine_p99 if engine_p99 is not None else float('nan'):8.1f})  "
+        f"(engine p99 {ms('engine_ttft_p99_ms'):8.1f}; inbound p50 {ms('inbound_p50_ms'):6.1f})  "
         f"{row['throughput_rps']:6.2f} req/s errors {row['errors']}",
         flush=True,
     )

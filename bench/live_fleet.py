@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
 
@@ -21,9 +22,11 @@ def start_fleet(
     args: argparse.Namespace,
     w: LiveWorkload | None = None,
     cache_blocks: int | None = None,
+    request_logs: Path | None = None,
 ) -> list[tuple[str, str, str]]:
     """(http url, events endpoint, replay endpoint) per engine (``w``: its speeds; the KV blocks
-    per engine are ``cache_blocks``, else ``--cache-blocks``)."""
+    per engine are ``cache_blocks``, else ``--cache-blocks``; ``request_logs``: a folder where
+    engine i logs its requests' arrivals to ``engine{i}_requests.jsonl``, bench/live_hop.py)."""
     procs_ = []
     slowdowns = w.slowdowns if w is not None else (1.0,)
     cache_blocks = cache_blocks or args.cache_blocks
@@ -56,6 +59,11 @@ def start_fleet(
                     str(i),
                     "--block-size",
                     "16",
+                    *(
+                        ["--request-log", str(request_logs / f"engine{i}_requests.jsonl")]
+                        if request_logs is not None
+                        else []
+                    ),
                 ],
             )
         )

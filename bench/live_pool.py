@@ -38,6 +38,10 @@ class RunMeasure:
     engine_queries: list[float]  # each engine's, in fleet order
     engine_ttft: dict[float, float]  # cumulative buckets, the run's delta summed over the fleet
     audit: dict[str, Any] = field(default_factory=dict)  # kvgate only (live_metrics.kvgate_audit)
+    # per request an engine logged (bench/live_hop.py): client send -> engine handler, and the
+    # engine's parse (its tokenizer thread's queue and work) after it
+    inbound_ms: list[float] = field(default_factory=list)
+    engine_parse_ms: list[float] = field(default_factory=list)
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -73,6 +77,20 @@ def _audit(runs: Sequence[RunMeasure]) -> dict[str, Any]:
         "cached_audit_exact_fraction": exact / audited if audited else None,
         "cached_audit_requests": audited,
         "cached_audit_causes": dict(sorted(causes.items())),
+    }
+
+
+def _hop(runs: Sequence[RunMeasure]) -> dict[str, Any]:
+    """The inbound hop and the engines' parse, pooled like the first tokens (None: not logged)."""
+    hop = [t for r in runs for t in r.inbound_ms]
+    parse = [t for r in runs for t in r.engine_parse_ms]
+    if not hop:
+        return {"inbound_p50_ms": None, "inbound_p99_ms": None, "engine_parse_p50_ms": None}
+    (h50, h99), (p50, _p99) = _quantiles(hop), _quantiles(parse)
+    return {
+        "inbound_p50_ms": round(h50, 3),
+        "inbound_p99_ms": round(h99, 3),
+        "engine_parse_p50_ms": round(p50, 3),
     }
 
 
@@ -112,6 +130,7 @@ def pooled_row(runs: Sequence[RunMeasure]) -> dict[str, Any]:
         "ttft_p99_ms": p99,
         "engine_ttft_p50_ms": _ms(live_metrics.quantile(engine, 0.5)),
         "engine_ttft_p99_ms": _ms(live_metrics.quantile(engine, 0.99)),
+        **_hop(runs),
         "hit_rate": hits / queries if queries > 0 else 0.0,
         "queried_tokens": queries,
         # the share of the prompt tokens each engine was sent (engine order: hetero's slow ones odd)

@@ -79,6 +79,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a("--default-max-tokens", type=int, default=16, help="max_tokens when a request gives none (default 16)")
     a("--max-num-seqs", type=int, default=None, help="running requests per step (default: the profile's)")
     a("--max-num-batched-tokens", type=int, default=None, help="tokens per step (default: the profile's)")
+    a(
+        "--request-log",
+        type=Path,
+        default=None,
+        help="write each generation request's arrival and parse time here, one JSON line a request "
+        "(the live bench's inbound hop; default: none)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

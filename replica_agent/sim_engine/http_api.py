@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from replica_agent.sim_engine.core import EngineCore, RequestHandle
 from replica_agent.sim_engine.kv_events import MAX_FAULT_COUNT, KvEventPublisher
 from replica_agent.sim_engine.metrics import CONTENT_TYPE, EngineMetrics
 from replica_agent.sim_engine.request_faults import FaultFieldError, RequestFaults
+from replica_agent.sim_engine.request_log import RequestLog
 from replica_agent.sim_engine.tokenization import EngineTokenizer
 from router_policies.sim.replica_model import ReplicaModel
 
@@ -82,6 +84,7 @@ class Deps:
     seed: int
     model_root: str
     started: int
+    request_log: RequestLog | None = None  # --request-log: each request's arrival and parse
 
 
 class Routes:
@@ -109,12 +112,17 @@ class Routes:
     async def _parsed(
         self, request: web.Request, parse: Callable[[Any, EngineTokenizer, proto.ServingLimits], _T]
     ) -> _T:
-        """``parse`` of the request's JSON body (validation and tokenization) on ``tokenize_pool``."""
+        """``parse`` of the request's JSON body (validation and tokenization) on ``tokenize_pool``;
+        with a request log, its arrival here and the parse's end are recorded."""
+        arrived = time.monotonic()
         body = await read_json(request)
         d = self.d
-        return await asyncio.get_running_loop().run_in_executor(
+        parsed = await asyncio.get_running_loop().run_in_executor(
             d.tokenize_pool, parse, body, d.tokenizer, d.limits
         )
+        if d.request_log is not None:
+            d.request_log.record(arrived, time.monotonic(), body)
+        return parsed
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, await self._parsed(request, proto.parse_completion), "cmpl-")

@@ -41,6 +41,7 @@ class EngineOptions:
     default_max_tokens: int
     max_num_seqs: int | None  # None: the profile's
     max_num_batched_tokens: int | None
+    request_log: Path | None = None  # each generation request's arrival and parse (request_log.py)
 
     def __post_init__(self) -> None:
         def port_ok(name: str, value: int | None) -> None:

@@ -25,6 +25,7 @@ from replica_agent.sim_engine.http_api import Deps, Routes, errors_middleware
 from replica_agent.sim_engine.kv_events import KvEventPublisher
 from replica_agent.sim_engine.metrics import EngineMetrics
 from replica_agent.sim_engine.options import EngineOptions
+from replica_agent.sim_engine.request_log import RequestLog
 from replica_agent.sim_engine.tokenization import EngineTokenizer
 from router_policies.sim.profiles import get_profile
 from router_policies.sim.replica_model import EngineConfig, ReplicaModel, StepCosts
@@ -82,6 +83,7 @@ class SimEngine:
         # the requests' tokenization (http_api.Deps.tokenize_pool); shut down after the HTTP
         # site, which is the only one to submit to it
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        self.request_log = RequestLog(opts.request_log) if opts.request_log is not None else None
 
     async def start(self) -> BoundAddresses:
         opts = self.opts
@@ -112,6 +114,7 @@ class SimEngine:
             seed=opts.seed,
             model_root=str(opts.tokenizer),
             started=proto.now_s(),
+            request_log=self.request_log,
         )
         Routes(deps).add_to(app)
         self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0, access_log=None)
@@ -133,6 +136,8 @@ class SimEngine:
             await self._runner.cleanup()
             self._runner = None
         self._tokenize_pool.shutdown(wait=True, cancel_futures=True)
+        if self.request_log is not None:
+            self.request_log.close()
         await self.publisher.close()
 
 
