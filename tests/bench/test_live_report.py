@@ -82,3 +82,17 @@ def test_the_live_summary_takes_the_worst_workload_against_the_best_peer() -> No
     assert s["new_replica_share"] == 0.3
     # the floor's p99 over the best peer's: 40 / 100 on a, 54 / 60 on b; the higher is reported
     assert s["live_ttft_p99_floor_vs_best_peer"] == 0.9
+
+
+def test_the_live_table_shows_the_engines_ttft_and_the_inbound_hop_or_a_dash() -> None:
+    base = {"policy": "kv_aware", "throughput_rps": 1.0, "errors": 0, "per_seed": []}
+    rows = [
+        {**_row("a", "kvgate_kv_aware", 10, 80, 0.5, 0.1), **base, "engine_ttft_p50_ms": 7.25,
+         "engine_ttft_p99_ms": 30.0, "inbound_p50_ms": 3.04, "inbound_p99_ms": 12.0},
+        {**_row("a", "p1", 20, 100, 0.4), **base},  # a row from before the figures: dashes
+    ]  # fmt: skip
+    live = {"rows": rows}
+    text = report.table(None, None, live, report.summarize(None, None, live, {"new_replica_share": 0.3}))
+    lines = [ln for ln in text.splitlines() if ln.startswith("| a |")]
+    assert "| 7.2 / 30.0 | 3.0 / 12.0 |" in lines[0]
+    assert "| - / - | - / - | - |" in lines[1]
