@@ -3,8 +3,9 @@
 Start: tokenizer and model (sync), publisher sockets bound, core task, HTTP site; then one ready
 line on stdout naming the bound addresses (ports given as 0 are resolved there).
 Stop (SIGTERM/SIGINT): the core first (it fails every outstanding request, so handlers finish
-and new ones get 503), then the HTTP runner (closes connections), then the publisher (replay
-task, sockets, contexts). Each background task has exactly one owner that cancels and awaits it.
+and new ones get 503), then the HTTP runner (closes connections), then the tokenizer's thread
+and the request log (only HTTP handlers use them), then the publisher (replay task, sockets,
+contexts). Each background task has exactly one owner that cancels and awaits it.
 """
 
 from __future__ import annotations

@@ -176,9 +176,13 @@ async def test_stop_fails_every_outstanding_request_and_call() -> None:
 
 
 async def test_sim_engine_stops_the_core_then_http_then_the_publisher() -> None:
-    """server.py: stop: the core first, then the HTTP runner, then the tokenizer's thread (only
-    HTTP handlers submit to it), then the publisher."""
+    """server.py: stop: the core first, then the HTTP runner, then the tokenizer's thread and the
+    request log (only HTTP handlers use them), then the publisher."""
     order: list[str] = []
+
+    class Log:
+        def close(self) -> None:
+            order.append("request log")
 
     class Part:
         def __init__(self, name: str) -> None:
@@ -195,9 +199,9 @@ async def test_sim_engine_stops_the_core_then_http_then_the_publisher() -> None:
 
     engine = cast(Any, SimEngine.__new__(SimEngine))
     engine._core, engine._runner, engine.publisher = Part("core"), Part("http"), Part("publisher")
-    engine._tokenize_pool = Part("tokenizer")
+    engine._tokenize_pool, engine.request_log = Part("tokenizer"), Log()
     await SimEngine.stop(engine)
-    assert order == ["core", "http", "tokenizer", "publisher"]
+    assert order == ["core", "http", "tokenizer", "request log", "publisher"]
 
 
 @pytest.mark.parametrize("seed", SEEDS)
