@@ -6,8 +6,8 @@ The client notes when it sent each prompt (``time.monotonic``); each ``kvgate si
 the fleet logs when each request reached its handler and when its parse ended
 (``--request-log``, replica_agent/sim_engine/request_log.py), on the same host clock. A send is
 matched to an arrival by the prompt's key (``prompt_key``); a prompt sent more than once matches
-its arrivals in order (a router that retried a request elsewhere leaves a second arrival, which
-matches nothing). Sends no engine logged (failed before any engine) have no hop.
+its arrivals in order, each send the first arrival not before it (a router that retried a
+request elsewhere leaves a second arrival, which matches nothing). Sends no engine logged (failed before any engine) have no hop.
 
 Why: on the Mooncake slice kvgate's engines answer first (engine-side TTFT p50 below the
 peers'), yet its client p50 was above theirs; the engines' histograms could not say whether the
@@ -51,14 +51,23 @@ def inbound_ms(
     sends: Sequence[tuple[float, int]], arrivals: dict[int, list[tuple[float, float]]]
 ) -> tuple[list[float], list[float]]:
     """(inbound hop ms, engine parse ms) of each send (``(sent, key)``) that an engine logged:
-    the i-th send of a key is matched to the i-th arrival of that key."""
+    the sends of a key, in order, each matched to the first arrival of that key not before it
+    and not matched yet (an arrival before a send is another request's: not this one's)."""
     sent_by_key: dict[int, list[float]] = defaultdict(list)
     for sent, key in sends:
         sent_by_key[key].append(sent)
     hop: list[float] = []
     parse: list[float] = []
     for key, times in sent_by_key.items():
-        for sent, (arrived, parsed) in zip(sorted(times), arrivals.get(key, ()), strict=False):
+        seen = arrivals.get(key, [])
+        i = 0
+        for sent in sorted(times):
+            while i < len(seen) and seen[i][0] < sent:
+                i += 1
+            if i == len(seen):
+                break
+            arrived, parsed = seen[i]
+            i += 1
             hop.append((arrived - sent) * 1e3)
             parse.append((parsed - arrived) * 1e3)
     return hop, parse

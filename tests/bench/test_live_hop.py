@@ -34,6 +34,9 @@ def test_each_send_meets_its_own_arrival_in_order() -> None:
     hop, parse = inbound_ms(sends, arrivals)
     assert sorted(round(h, 6) for h in hop) == [2.0, 4.0, 20.0]
     assert sorted(round(p, 6) for p in parse) == [1.0, 6.0, 80.0]
+    # an arrival before the first send of its prompt is another request's: skipped
+    early = {**arrivals, a: [(9.0, 9.1), *arrivals[a]]}
+    assert inbound_ms(sends, early) == (hop, parse)
 
 
 def test_logs_are_read_across_engines_earliest_first_and_a_missing_log_is_empty(tmp_path: Path) -> None:
