@@ -44,7 +44,7 @@ import aiohttp
 import uvloop
 
 from bench import live_metrics
-from bench.live_fleet import start_fleet, stream_completion
+from bench.live_fleet import request_log_path, start_fleet, stream_completion
 from bench.live_floor import floor_run
 from bench.live_hop import inbound_ms, read_logs, send_key
 from bench.live_kvgate import MODEL, merged, start_agents, start_kvgate, wait_agents
@@ -200,9 +200,7 @@ def one_run(w: LiveWorkload, router: str, run: SeedRun, args: argparse.Namespace
         h0, q0, b0, e0 = engine_state(urls)
         results, sends, wall = uvloop.run(replay(url, run.reqs, args.speedup, args.timeout))
         h1, q1, b1, e1 = engine_state(urls)
-        hop, parse = inbound_ms(
-            sends, read_logs([tmp / f"engine{i}_requests.jsonl" for i in range(len(fleet))])
-        )
+        hop, parse = inbound_ms(sends, read_logs([request_log_path(tmp, i) for i in range(len(fleet))]))
         if router.startswith("kvgate"):
             audit = dict(live_metrics.kvgate_audit(live_metrics.scrape(url)))
             # the fleet as kvgate saw it (fitted TTFT models)

@@ -16,6 +16,11 @@ from bench.live_workloads import TOKENIZER, LiveWorkload
 from kvgate_tools.procs import ProcessGroup, Ready
 
 
+def request_log_path(folder: Path, engine: int) -> Path:
+    """Where engine ``engine`` of a fleet started with ``request_logs=folder`` logs its requests."""
+    return folder / f"engine{engine}_requests.jsonl"
+
+
 def start_fleet(
     procs: ProcessGroup,
     n: int,
@@ -26,7 +31,7 @@ def start_fleet(
 ) -> list[tuple[str, str, str]]:
     """(http url, events endpoint, replay endpoint) per engine (``w``: its speeds; the KV blocks
     per engine are ``cache_blocks``, else ``--cache-blocks``; ``request_logs``: a folder where
-    engine i logs its requests' arrivals to ``engine{i}_requests.jsonl``, bench/live_hop.py)."""
+    each engine logs its requests' arrivals, ``request_log_path``; bench/live_hop.py)."""
     procs_ = []
     slowdowns = w.slowdowns if w is not None else (1.0,)
     cache_blocks = cache_blocks or args.cache_blocks
@@ -60,7 +65,7 @@ def start_fleet(
                     "--block-size",
                     "16",
                     *(
-                        ["--request-log", str(request_logs / f"engine{i}_requests.jsonl")]
+                        ["--request-log", str(request_log_path(request_logs, i))]
                         if request_logs is not None
                         else []
                     ),

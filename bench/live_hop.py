@@ -7,7 +7,8 @@ the fleet logs when each request reached its handler and when its parse ended
 (``--request-log``, replica_agent/sim_engine/request_log.py), on the same host clock. A send is
 matched to an arrival by the prompt's key (``prompt_key``); a prompt sent more than once matches
 its arrivals in order, each send the first arrival not before it (a router that retried a
-request elsewhere leaves a second arrival, which matches nothing). Sends no engine logged (failed before any engine) have no hop.
+request elsewhere leaves a second arrival, which matches nothing). A send no engine logged
+(it failed before reaching one) has no hop.
 
 Why: on the Mooncake slice kvgate's engines answer first (engine-side TTFT p50 below the
 peers'), yet its client p50 was above theirs; the engines' histograms could not say whether the
