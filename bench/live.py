@@ -17,11 +17,12 @@ will not start). One row per (workload, router): engine-counted prefix hit rate 
 TTFT p50/p99 of streamed completions, engine TTFT p50/p99 (the engines' own
 ``vllm:time_to_first_token_seconds`` histograms, summed over the fleet: placement apart from the
 hop), the inbound hop p50/p99 (client send to engine handler, per request, ``bench/live_hop.py``)
-and the engines' parse p50 after it, completed requests per second, errors; for kvgate also its audits (``live_metrics``): the
-TTFT model's median absolute error and the cached-token audit's exact share and causes. Each
-seed of ``--seeds`` (default three) is another slice of the workload replayed through every
-router; a row pools a router's replays (``bench/live_pool.py``) and keeps each seed's figures
-under ``per_seed``.
+and the engines' parse p50 after it, the router's CPU milliseconds per request during the replay
+(its process tree; kvgate's agents apart, ``router_cpu_s``), completed requests per second,
+errors; for kvgate also its audits (``live_metrics``): the TTFT model's median absolute error
+and the cached-token audit's exact share and causes. Each seed of ``--seeds`` (default three) is
+another slice of the workload replayed through every router; a row pools a router's replays
+(``bench/live_pool.py``) and keeps each seed's figures under ``per_seed``.
 
     .venv/bin/python -m bench.live [--requests 300] [--replicas 4] [--seeds 5 6 7] [--trace FILE] [--out bench/results/live.json]
 """
@@ -33,6 +34,7 @@ import asyncio
 import contextlib
 import json
 import os
+import subprocess
 import sys
 import time
 import urllib.request
@@ -44,6 +46,7 @@ import aiohttp
 import uvloop
 
 from bench import live_metrics
+from bench.cpu_time import tree_cpu_s
 from bench.live_fleet import request_log_path, start_fleet, stream_completion
 from bench.live_floor import floor_run
 from bench.live_hop import inbound_ms, read_logs, send_key
@@ -195,10 +198,13 @@ def one_run(w: LiveWorkload, router: str, run: SeedRun, args: argparse.Namespace
     audit: dict[str, Any] = {}
     with ProcessGroup(tmp) as procs:
         fleet = start_fleet(procs, args.replicas, args, w, run.cache_blocks, request_logs=tmp)
+        ours = len(procs.started)
         url, policy = start_router(procs, router, fleet, tmp, args.kvgate_params, args.kvgate_config)
         urls = [u for u, *_ in fleet]
         h0, q0, b0, e0 = engine_state(urls)
+        cpu0 = router_cpu_s(procs.started[ours:])
         results, sends, wall = uvloop.run(replay(url, run.reqs, args.speedup, args.timeout))
+        cpu1 = router_cpu_s(procs.started[ours:])
         h1, q1, b1, e1 = engine_state(urls)
         hop, parse = inbound_ms(sends, read_logs([request_log_path(tmp, i) for i in range(len(fleet))]))
         if router.startswith("kvgate"):
@@ -222,7 +228,17 @@ def one_run(w: LiveWorkload, router: str, run: SeedRun, args: argparse.Namespace
         audit=audit,
         inbound_ms=hop,
         engine_parse_ms=parse,
+        router_cpu_s=cpu1[0] - cpu0[0],
+        agents_cpu_s=cpu1[1] - cpu0[1],
     )
+
+
+def router_cpu_s(started: list[tuple[str, subprocess.Popen[bytes]]]) -> tuple[float, float]:
+    """CPU seconds so far of the router's processes (with their children: kvgate's workers) and
+    of its agents (kvgate's, named ``agent<i>`` by ``start_agents``), from ``started``: what
+    ``start_router`` started. A process that has exited counts 0 (vllm-router's failed start)."""
+    agents = sum(tree_cpu_s(p.pid) for name, p in started if name.startswith("agent"))
+    return sum(tree_cpu_s(p.pid) for name, p in started if not name.startswith("agent")), agents
 
 
 def workload_rows(wl: str, routers: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -272,7 +288,8 @@ def _print_row(name: str, router: str, seed: int | None, row: dict[str, Any]) ->
     print(
         f"{name:12} {router:20} ({'seed ' + str(seed) if seed is not None else 'pooled':>8}) hit "
         f"{row['hit_rate']:.3f} ttft p50 {row['ttft_p50_ms']:8.1f} p99 {row['ttft_p99_ms']:8.1f} ms "
-        f"(engine p99 {ms('engine_ttft_p99_ms'):8.1f}; inbound p50 {ms('inbound_p50_ms'):6.1f})  "
+        f"(engine p99 {ms('engine_ttft_p99_ms'):8.1f}; inbound p50 {ms('inbound_p50_ms'):6.1f}; "
+        f"router CPU {ms('router_cpu_ms_per_request'):5.2f} ms/req)  "
         f"{row['throughput_rps']:6.2f} req/s errors {row['errors']}",
         flush=True,
     )

@@ -42,6 +42,10 @@ class RunMeasure:
     # engine's parse (its tokenizer thread's queue and work) after it
     inbound_ms: list[float] = field(default_factory=list)
     engine_parse_ms: list[float] = field(default_factory=list)
+    # CPU seconds during the replay: the router's process tree, and kvgate's agents (0 for a
+    # router with none: the peers read the engines' events in their own process)
+    router_cpu_s: float = 0.0
+    agents_cpu_s: float = 0.0
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -94,6 +98,17 @@ def _hop(runs: Sequence[RunMeasure]) -> dict[str, Any]:
     }
 
 
+def _cpu(runs: Sequence[RunMeasure]) -> dict[str, Any]:
+    """CPU milliseconds per request sent, the router's and its agents', pooled as sums."""
+    requests = sum(len(r.statuses) for r in runs)
+    if not requests:
+        return {"router_cpu_ms_per_request": None, "agents_cpu_ms_per_request": None}
+    return {
+        "router_cpu_ms_per_request": round(sum(r.router_cpu_s for r in runs) * 1e3 / requests, 3),
+        "agents_cpu_ms_per_request": round(sum(r.agents_cpu_s for r in runs) * 1e3 / requests, 3),
+    }
+
+
 def _one_seed(r: RunMeasure) -> dict[str, Any]:
     p50, p99 = _quantiles(r.ttft_ms)
     return {
@@ -131,6 +146,7 @@ def pooled_row(runs: Sequence[RunMeasure]) -> dict[str, Any]:
         "engine_ttft_p50_ms": _ms(live_metrics.quantile(engine, 0.5)),
         "engine_ttft_p99_ms": _ms(live_metrics.quantile(engine, 0.99)),
         **_hop(runs),
+        **_cpu(runs),
         "hit_rate": hits / queries if queries > 0 else 0.0,
         "queried_tokens": queries,
         # the share of the prompt tokens each engine was sent (engine order: hetero's slow ones odd)

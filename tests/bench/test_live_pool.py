@@ -52,6 +52,15 @@ def test_rates_are_ratios_of_sums_and_histograms_add() -> None:
     assert row["engine_ttft_p50_ms"] is not None and 10.0 < row["engine_ttft_p50_ms"] <= 100.0
 
 
+def test_cpu_per_request_pools_as_sums_over_every_request_sent() -> None:
+    a, b = _run(5, [1.0] * 9, 10, 100), _run(6, [2.0] * 29, 90, 300)  # 10 and 30 requests sent
+    a.router_cpu_s, a.agents_cpu_s, b.router_cpu_s, b.agents_cpu_s = 0.5, 0.1, 0.3, 0.3
+    row = pooled_row([a, b])
+    # not the mean of each seed's 50 and 10 ms
+    assert row["router_cpu_ms_per_request"] == 800 / 40 and row["agents_cpu_ms_per_request"] == 400 / 40
+    assert pooled_row([_run(5, [], 0, 0)])["router_cpu_ms_per_request"] == 0.0
+
+
 def test_audits_pool_by_their_counts() -> None:
     def audit(err: float, firsts: int, exact: float, causes: dict[str, int]) -> dict[str, Any]:
         return {
