@@ -16,10 +16,11 @@ will not start). One row per (workload, router): engine-counted prefix hit rate 
 ``vllm:prefix_cache_hits_total`` / ``vllm:prefix_cache_queries_total`` over the fleet), client
 TTFT p50/p99 of streamed completions, engine TTFT p50/p99 (the engines' own
 ``vllm:time_to_first_token_seconds`` histograms, summed over the fleet: placement apart from the
-hop), the inbound hop p50/p99 (client send to engine handler, per request, ``bench/live_hop.py``)
-and the engines' parse p50 after it, the router's CPU milliseconds per request during the replay
-(its process tree; kvgate's agents apart, ``router_cpu_s``), completed requests per second,
-errors; for kvgate also its audits (``live_metrics``): the TTFT model's median absolute error
+hop), the stages of each first token (per request, ``bench/live_hop.py``): the hop in (client send
+to engine handler), the engines' parse, the engine to its first token written, and the hop out
+(that token to the client's first read), p50/p99 each, the router's CPU milliseconds per
+request during the replay (its process tree; kvgate's agents apart, ``router_cpu_s``),
+completed requests per second, errors; for kvgate also its audits (``live_metrics``): the TTFT model's median absolute error
 and the cached-token audit's exact share and causes. Each seed of ``--seeds`` (default three) is
 another slice of the workload replayed through every router; a row pools a router's replays
 (``bench/live_pool.py``) and keeps each seed's figures under ``per_seed``.
@@ -49,7 +50,7 @@ from bench import live_metrics
 from bench.cpu_time import tree_cpu_s
 from bench.live_fleet import request_log_path, start_fleet, stream_completion
 from bench.live_floor import floor_run
-from bench.live_hop import inbound_ms, read_logs, send_key
+from bench.live_hop import Sent, read_logs, send_key, stages
 from bench.live_kvgate import MODEL, merged, start_agents, start_kvgate, wait_agents
 from bench.live_pool import RunMeasure, pooled_floor, pooled_row
 from bench.live_workloads import (
@@ -73,22 +74,28 @@ KVGATE_RULES = {"kvgate_kv_aware": None, "kvgate_kv_aware_ms": "ms", "kvgate_kv_
 
 async def replay(
     url: str, reqs: list[tuple[float, str, int]], speedup: float, timeout_s: float
-) -> tuple[list[tuple[int, float, float]], list[tuple[float, int]], float]:
+) -> tuple[list[tuple[int, float, float]], list[Sent], float]:
     """Open-loop replay; returns per request (status, ttft s, total s), per request its send
-    time on the host's monotonic clock and its prompt's key (``live_hop``), and the wall time."""
+    time on the host's monotonic clock, its prompt's key and when its first data was read
+    (``live_hop``), and the wall time."""
     results: list[tuple[int, float, float]] = []
-    sends: list[tuple[float, int]] = []
+    sends: list[Sent] = []
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
 
         async def one(at: float, prompt: str, max_tokens: int) -> None:
             await asyncio.sleep(max(0.0, at / speedup - (time.perf_counter() - start)))
-            sends.append((time.monotonic(), send_key(prompt)))
+            # the send on the clock the engines log on; its first data read that long after
+            # (``stream_completion`` starts its own clock microseconds later)
+            key = send_key(prompt)
+            sent = time.monotonic()
             t0 = time.perf_counter()
             try:
-                results.append(await stream_completion(http, url, prompt, max_tokens))
+                status, ttft, total = await stream_completion(http, url, prompt, max_tokens)
             except (TimeoutError, aiohttp.ClientError):
-                results.append((0, 0.0, time.perf_counter() - t0))
+                status, ttft, total = 0, 0.0, time.perf_counter() - t0
+            results.append((status, ttft, total))
+            sends.append((sent, key, sent + ttft if ttft > 0 else None))
 
         start = time.perf_counter()
         await asyncio.gather(*(one(*r) for r in reqs))
@@ -206,7 +213,7 @@ def one_run(w: LiveWorkload, router: str, run: SeedRun, args: argparse.Namespace
         results, sends, wall = uvloop.run(replay(url, run.reqs, args.speedup, args.timeout))
         cpu1 = router_cpu_s(procs.started[ours:])
         h1, q1, b1, e1 = engine_state(urls)
-        hop, parse = inbound_ms(sends, read_logs([request_log_path(tmp, i) for i in range(len(fleet))]))
+        hops = stages(sends, read_logs([request_log_path(tmp, i) for i in range(len(fleet))]))
         if router.startswith("kvgate"):
             audit = dict(live_metrics.kvgate_audit(live_metrics.scrape(url)))
             # the fleet as kvgate saw it (fitted TTFT models)
@@ -226,8 +233,7 @@ def one_run(w: LiveWorkload, router: str, run: SeedRun, args: argparse.Namespace
         engine_queries=[a - b for a, b in zip(e1, e0, strict=True)],
         engine_ttft=live_metrics.delta(b1, b0),
         audit=audit,
-        inbound_ms=hop,
-        engine_parse_ms=parse,
+        stages=hops,
         router_cpu_s=cpu1[0] - cpu0[0],
         agents_cpu_s=cpu1[1] - cpu0[1],
     )
@@ -288,7 +294,8 @@ def _print_row(name: str, router: str, seed: int | None, row: dict[str, Any]) ->
     print(
         f"{name:12} {router:20} ({'seed ' + str(seed) if seed is not None else 'pooled':>8}) hit "
         f"{row['hit_rate']:.3f} ttft p50 {row['ttft_p50_ms']:8.1f} p99 {row['ttft_p99_ms']:8.1f} ms "
-        f"(engine p99 {ms('engine_ttft_p99_ms'):8.1f}; inbound p50 {ms('inbound_p50_ms'):6.1f}; "
+        f"(engine p99 {ms('engine_ttft_p99_ms'):8.1f}; hop in / out p50 {ms('inbound_p50_ms'):5.1f} / "
+        f"{ms('outbound_p50_ms'):5.1f}; "
         f"router CPU {ms('router_cpu_ms_per_request'):5.2f} ms/req)  "
         f"{row['throughput_rps']:6.2f} req/s errors {row['errors']}",
         flush=True,

@@ -1,19 +1,23 @@
-"""The inbound hop of each request of a live replay (bench/live.py): the time from the client's
-send to the engine's HTTP handler, told apart from the engine's parse queue (its tokenizer
-thread) that follows it, for any router alike.
+"""The stages of each request's first token in a live replay (bench/live.py), for any router
+alike: the hop in (client send -> engine handler), the engine's parse queue (its tokenizer
+thread), the engine itself (parsed -> first token written) and the hop out (first token written
+-> the client's first data).
 
-The client notes when it sent each prompt (``time.monotonic``); each ``kvgate sim-engine`` of
-the fleet logs when each request reached its handler and when its parse ended
-(``--request-log``, replica_agent/sim_engine/request_log.py), on the same host clock. A send is
-matched to an arrival by the prompt's key (``prompt_key``); a prompt sent more than once matches
-its arrivals in order, each send the first arrival not before it (a router that retried a
-request elsewhere leaves a second arrival, which matches nothing). A send no engine logged
-(it failed before reaching one) has no hop.
+The client notes when it sent each prompt and when it read its first data (``time.monotonic``);
+each ``kvgate sim-engine`` of the fleet logs when each request reached its handler, when its
+parse ended and when it wrote the first token (``--request-log``,
+replica_agent/sim_engine/request_log.py), on the same host clock. A send is matched to an
+arrival by the prompt's key (``prompt_key``); a prompt sent more than once matches its arrivals
+in order, each send the first arrival not before it (a router that retried a request elsewhere
+leaves a second arrival, which matches nothing). A send no engine logged (it failed before
+reaching one) has no stages; one with no first token on either side has no engine or hop-out
+figure.
 
 Why: on the Mooncake slice kvgate's engines answer first (engine-side TTFT p50 below the
 peers'), yet its client p50 was above theirs; the engines' histograms could not say whether the
-difference was the gateway or the engines' queue before scheduling. This says so per request
-(docs/performance.md, "The inbound hop, per request").
+difference was the gateway or the engines' queue before scheduling, nor which way through the
+gateway. This says so per request (docs/performance.md, "The inbound hop, per request", and
+"Both hops, per request").
 """
 
 from __future__ import annotations
@@ -21,9 +25,15 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from replica_agent.sim_engine.request_log import prompt_key
+
+# an engine's logged request: (arrived, parsed, first token written or None)
+Logged = tuple[float, float, float | None]
+# a client's request: (sent, prompt key, first data read or None)
+Sent = tuple[float, int, float | None]
 
 
 def send_key(prompt: str) -> int:
@@ -33,42 +43,59 @@ def send_key(prompt: str) -> int:
     return key
 
 
-def read_logs(paths: Sequence[Path]) -> dict[int, list[tuple[float, float]]]:
-    """Per prompt key, its (arrived, parsed) times over the engines' logs, earliest first; a
+def read_logs(paths: Sequence[Path]) -> dict[int, list[Logged]]:
+    """Per prompt key, its logged requests over the engines' logs, earliest arrival first; a
     missing log (an engine that logged nothing) counts as empty."""
-    by_key: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    by_key: dict[int, list[Logged]] = defaultdict(list)
     for path in paths:
         if not path.exists():
             continue
         for line in path.read_text(encoding="utf-8").splitlines():
             rec = json.loads(line)
-            by_key[int(rec["key"])].append((float(rec["arrived"]), float(rec["parsed"])))
+            first = rec.get("first")
+            by_key[int(rec["key"])].append(
+                (float(rec["arrived"]), float(rec["parsed"]), None if first is None else float(first))
+            )
     for arrivals in by_key.values():
-        arrivals.sort()
+        arrivals.sort(key=lambda a: a[0])
     return by_key
 
 
-def inbound_ms(
-    sends: Sequence[tuple[float, int]], arrivals: dict[int, list[tuple[float, float]]]
-) -> tuple[list[float], list[float]]:
-    """(inbound hop ms, engine parse ms) of each send (``(sent, key)``) that an engine logged:
-    the sends of a key, in order, each matched to the first arrival of that key not before it
-    and not matched yet (an arrival before a send is another request's: not this one's)."""
-    sent_by_key: dict[int, list[float]] = defaultdict(list)
-    for sent, key in sends:
-        sent_by_key[key].append(sent)
-    hop: list[float] = []
-    parse: list[float] = []
-    for key, times in sent_by_key.items():
+@dataclass
+class Stages:
+    """Milliseconds of each matched request's stages (a request without a first token on both
+    sides has no ``engine`` or ``outbound`` figure)."""
+
+    inbound: list[float] = field(default_factory=list)
+    parse: list[float] = field(default_factory=list)
+    engine: list[float] = field(default_factory=list)
+    outbound: list[float] = field(default_factory=list)
+
+    def add(self, sent: Sent, logged: Logged) -> None:
+        (at, _key, read), (arrived, parsed, first) = sent, logged
+        self.inbound.append((arrived - at) * 1e3)
+        self.parse.append((parsed - arrived) * 1e3)
+        if first is not None and read is not None:
+            self.engine.append((first - parsed) * 1e3)
+            self.outbound.append((read - first) * 1e3)
+
+
+def stages(sends: Sequence[Sent], arrivals: dict[int, list[Logged]]) -> Stages:
+    """The stages of each send that an engine logged: the sends of a key, in order, each matched
+    to the first arrival of that key not before it and not matched yet (an arrival before a send
+    is another request's: not this one's)."""
+    by_key: dict[int, list[Sent]] = defaultdict(list)
+    for s in sends:
+        by_key[s[1]].append(s)
+    out = Stages()
+    for key, mine in by_key.items():
         seen = arrivals.get(key, [])
         i = 0
-        for sent in sorted(times):
-            while i < len(seen) and seen[i][0] < sent:
+        for s in sorted(mine, key=lambda x: x[0]):
+            while i < len(seen) and seen[i][0] < s[0]:
                 i += 1
             if i == len(seen):
                 break
-            arrived, parsed = seen[i]
+            out.add(s, seen[i])
             i += 1
-            hop.append((arrived - sent) * 1e3)
-            parse.append((parsed - arrived) * 1e3)
-    return hop, parse
+    return out

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from bench import live_metrics
+from bench.live_hop import Stages
 
 
 @dataclass
@@ -38,10 +39,10 @@ class RunMeasure:
     engine_queries: list[float]  # each engine's, in fleet order
     engine_ttft: dict[float, float]  # cumulative buckets, the run's delta summed over the fleet
     audit: dict[str, Any] = field(default_factory=dict)  # kvgate only (live_metrics.kvgate_audit)
-    # per request an engine logged (bench/live_hop.py): client send -> engine handler, and the
-    # engine's parse (its tokenizer thread's queue and work) after it
-    inbound_ms: list[float] = field(default_factory=list)
-    engine_parse_ms: list[float] = field(default_factory=list)
+    # per request an engine logged (bench/live_hop.py): client send -> engine handler, the
+    # engine's parse (its tokenizer thread's queue and work), the engine to its first token, and
+    # that token's way back to the client
+    stages: Stages = field(default_factory=Stages)
     # CPU seconds during the replay: the router's process tree, and kvgate's agents (0 for a
     # router with none: the peers read the engines' events in their own process)
     router_cpu_s: float = 0.0
@@ -85,17 +86,21 @@ def _audit(runs: Sequence[RunMeasure]) -> dict[str, Any]:
 
 
 def _hop(runs: Sequence[RunMeasure]) -> dict[str, Any]:
-    """The inbound hop and the engines' parse, pooled like the first tokens (None: not logged)."""
-    hop = [t for r in runs for t in r.inbound_ms]
-    parse = [t for r in runs for t in r.engine_parse_ms]
-    if not hop:
-        return {"inbound_p50_ms": None, "inbound_p99_ms": None, "engine_parse_p50_ms": None}
-    (h50, h99), (p50, _p99) = _quantiles(hop), _quantiles(parse)
-    return {
-        "inbound_p50_ms": round(h50, 3),
-        "inbound_p99_ms": round(h99, 3),
-        "engine_parse_p50_ms": round(p50, 3),
-    }
+    """The stages of the first token, pooled like the first tokens (None: not logged)."""
+
+    def pooled(name: str) -> tuple[float, float] | None:
+        ms = [t for r in runs for t in getattr(r.stages, name)]
+        return _quantiles(ms) if ms else None
+
+    out: dict[str, Any] = {}
+    for name, key in (
+        ("inbound", "inbound"), ("parse", "engine_parse"), ("engine", "engine_first_token"),
+        ("outbound", "outbound"),
+    ):  # fmt: skip
+        q = pooled(name)
+        out[f"{key}_p50_ms"] = None if q is None else round(q[0], 3)
+        out[f"{key}_p99_ms"] = None if q is None else round(q[1], 3)
+    return out
 
 
 def _cpu(runs: Sequence[RunMeasure]) -> dict[str, Any]:

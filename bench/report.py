@@ -219,9 +219,10 @@ def table(
             "## Live fleet (simulated engines)",
             "",
             "| workload | router | policy | hit rate | TTFT p50 ms | TTFT p99 ms | TTFT p99 ms per seed "
-            "| engine TTFT p50 / p99 ms | inbound hop p50 / p99 ms | router (agents) CPU ms per request "
-            "| floor TTFT p99 ms | req/s | errors | TTFT audit median abs error |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| engine TTFT p50 / p99 ms | hop in p50 / p99 ms | hop out p50 / p99 ms "
+            "| router (agents) CPU ms per request | floor TTFT p99 ms | req/s | errors "
+            "| TTFT audit median abs error |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in live["rows"]:
             audit = r.get("ttft_audit_median_abs_error")
@@ -231,6 +232,7 @@ def table(
                 f"| {r['ttft_p99_ms']:.1f} | {each or '-'} "
                 f"| {_ms(r.get('engine_ttft_p50_ms'))} / {_ms(r.get('engine_ttft_p99_ms'))} "
                 f"| {_ms(r.get('inbound_p50_ms'))} / {_ms(r.get('inbound_p99_ms'))} "
+                f"| {_ms(r.get('outbound_p50_ms'))} / {_ms(r.get('outbound_p99_ms'))} "
                 f"| {_cpu(r)} "
                 f"| {_ms(r.get('floor_ttft_p99_ms'))} "
                 f"| {r['throughput_rps']:.2f} | {r['errors']} | {'-' if audit is None else f'{audit:.3f}'} |"

@@ -25,7 +25,7 @@ from replica_agent.sim_engine.core import EngineCore, RequestHandle
 from replica_agent.sim_engine.kv_events import MAX_FAULT_COUNT, KvEventPublisher
 from replica_agent.sim_engine.metrics import CONTENT_TYPE, EngineMetrics
 from replica_agent.sim_engine.request_faults import FaultFieldError, RequestFaults
-from replica_agent.sim_engine.request_log import RequestLog
+from replica_agent.sim_engine.request_log import RequestLog, Stamps, prompt_key
 from replica_agent.sim_engine.tokenization import EngineTokenizer
 from router_policies.sim.replica_model import ReplicaModel
 
@@ -84,7 +84,11 @@ class Deps:
     seed: int
     model_root: str
     started: int
-    request_log: RequestLog | None = None  # --request-log: each request's arrival and parse
+    request_log: RequestLog | None = None  # --request-log: each request's arrival, parse, first token
+
+
+# a request's ``Stamps`` (with a request log) in the request's own state
+STAMPS = web.RequestKey("kvgate_request_stamps", Stamps)
 
 
 class Routes:
@@ -113,7 +117,8 @@ class Routes:
         self, request: web.Request, parse: Callable[[Any, EngineTokenizer, proto.ServingLimits], _T]
     ) -> _T:
         """``parse`` of the request's JSON body (validation and tokenization) on ``tokenize_pool``;
-        with a request log, its arrival here and the parse's end are recorded."""
+        with a request log, its arrival here and the parse's end are noted in the request's
+        ``STAMPS``, logged when its handler ends (``_log``)."""
         arrived = time.monotonic()
         body = await read_json(request)
         d = self.d
@@ -121,14 +126,20 @@ class Routes:
             d.tokenize_pool, parse, body, d.tokenizer, d.limits
         )
         if d.request_log is not None:
-            d.request_log.record(arrived, time.monotonic(), body)
+            request[STAMPS] = Stamps(prompt_key(body), arrived, time.monotonic())
         return parsed
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, await self._parsed(request, proto.parse_completion), "cmpl-")
+        try:
+            return await self._generate(request, await self._parsed(request, proto.parse_completion), "cmpl-")
+        finally:  # however it ends (an error, a fault, the client gone): its line, if parsed
+            self._log(request)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, await self._parsed(request, proto.parse_chat), "chatcmpl-")
+        try:
+            return await self._generate(request, await self._parsed(request, proto.parse_chat), "chatcmpl-")
+        finally:
+            self._log(request)
 
     async def models(self, _request: web.Request) -> web.StreamResponse:
         d = self.d
@@ -148,7 +159,16 @@ class Routes:
         return web.Response(body=self.d.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def tokenize(self, request: web.Request) -> web.StreamResponse:
-        return json_response(await self._parsed(request, proto.parse_tokenize))
+        try:
+            return json_response(await self._parsed(request, proto.parse_tokenize))
+        finally:
+            self._log(request)
+
+    def _log(self, request: web.Request) -> None:
+        """The request's line in the request log (when there is one)."""
+        stamps = request.get(STAMPS)
+        if stamps is not None and self.d.request_log is not None:
+            self.d.request_log.record(stamps)
 
     async def reset_prefix_cache(self, _request: web.Request) -> web.StreamResponse:
         if not await self.d.core.call(self.d.model.clear):
@@ -288,6 +308,8 @@ class Routes:
         async def send(obj: Any) -> None:
             await resp.write(b"data: " + orjson.dumps(obj) + b"\n\n")
 
+        stamps = request.get(STAMPS)
+
         sent = 0
         try:
             while True:
@@ -314,6 +336,8 @@ class Routes:
                             req, rid, created, tok.decode([out[i]]), "length" if final else None, False, use
                         )
                     )
+                    if stamps is not None:
+                        stamps.first_token(time.monotonic())
                 sent = last
                 if handle.finished:
                     if req.include_usage:

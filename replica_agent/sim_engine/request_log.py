@@ -1,21 +1,26 @@
-"""Each generation request's arrival at the simulated engine's HTTP handler and the end of its
-parse (validation and tokenization), one JSON line a request (``kvgate sim-engine
---request-log PATH``), for the live bench's inbound hop (bench/live_hop.py).
+"""Each generation request's arrival at the simulated engine's HTTP handler, the end of its
+parse (validation and tokenization) and the write of its first token, one JSON line a request
+(``kvgate sim-engine --request-log PATH``), for the live bench's hops (bench/live_hop.py).
 
 A router's client-side TTFT is its own hop in, the engine's queue before the request is
-scheduled (its tokenizer thread, one per engine as in vLLM's OpenAI server), the engine's TTFT,
-and the hop out. The engines' histograms give the TTFT alone; with the time the client sent the
-same prompt, this log tells the hop in (client send -> engine handler) from the engine's
-parse queue (handler -> parsed), per request and for any router, with no help from the router.
+scheduled (its tokenizer thread, one per engine as in vLLM's OpenAI server), the engine's own
+time to the first token, and the hop out. The engines' histograms give the engine's part alone;
+with the times the client sent the same prompt and read its first token, this log tells each
+stage apart, per request and for any router, with no help from the router: the hop in (client
+send -> engine handler), the parse queue (handler -> parsed), the engine (parsed -> first token
+written) and the hop out (first token written -> client's first data).
 
-Lines: ``{"arrived": s, "parsed": s, "key": int}``, times on ``time.monotonic`` (the host's
-monotonic clock, which the bench's client reads too); ``key`` is ``prompt_key`` of the body.
+Lines: ``{"arrived": s, "parsed": s, "first": s or null, "key": int}``, times on
+``time.monotonic`` (the host's monotonic clock, which the bench's client reads too); ``first``
+is null for a request that wrote no token (an error, a non-streamed answer, a client gone);
+``key`` is ``prompt_key`` of the body. A line is written when its request's handler ends.
 Bounded: at most ``max_lines`` lines, then nothing more is written (counted in ``skipped``).
 Each line is written as it comes (line-buffered), so the file is whole while the engine runs.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -40,6 +45,20 @@ def prompt_key(body: Any) -> int | None:
     return None
 
 
+@dataclass(slots=True)
+class Stamps:
+    """One request's times on ``time.monotonic``, noted by the handler as they happen."""
+
+    key: int | None  # ``prompt_key`` of its body (None: not logged)
+    arrived: float
+    parsed: float = 0.0
+    first: float | None = None  # its first token written to the client
+
+    def first_token(self, now: float) -> None:
+        if self.first is None:
+            self.first = now
+
+
 class RequestLog:
     """Appends to ``path`` (created, or truncated, at the first line). Single writer: the
     engine's event loop."""
@@ -52,17 +71,20 @@ class RequestLog:
         self.skipped = 0
         self._file: IO[str] | None = None
 
-    def record(self, arrived: float, parsed: float, body: Any) -> None:
-        """A request that reached the handler at ``arrived`` and was parsed at ``parsed``."""
-        key = prompt_key(body)
-        if key is None:
+    def record(self, stamps: Stamps) -> None:
+        """A request whose handler has ended (nothing for a body with no key)."""
+        if stamps.key is None:
             return
         if self.lines >= self.max_lines:
             self.skipped += 1
             return
         if self._file is None:
             self._file = self.path.open("w", buffering=1, encoding="utf-8")
-        self._file.write(f'{{"arrived": {arrived:.6f}, "parsed": {parsed:.6f}, "key": {key}}}\n')
+        first = "null" if stamps.first is None else f"{stamps.first:.6f}"
+        self._file.write(
+            f'{{"arrived": {stamps.arrived:.6f}, "parsed": {stamps.parsed:.6f}, "first": {first}, '
+            f'"key": {stamps.key}}}\n'
+        )
         self.lines += 1
 
     def close(self) -> None:

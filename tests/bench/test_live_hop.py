@@ -1,5 +1,6 @@
-"""The live bench's inbound hop (``bench/live_hop.py``): the client's sends matched to the engines'
-logged arrivals by prompt key, in order; and the simulated engine's request log
+"""The live bench's stages of the first token (``bench/live_hop.py``): the client's sends matched
+to the engines' logged arrivals by prompt key, in order, each split into the hop in, the parse,
+the engine and the hop out; and the simulated engine's request log
 (``replica_agent/sim_engine/request_log.py``) on a real engine over HTTP."""
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from bench.live_hop import inbound_ms, read_logs, send_key
+from bench.live_hop import Logged, Sent, Stages, read_logs, send_key, stages
 from bench.live_pool import RunMeasure, pooled_row
 from replica_agent.sim_engine.engine_hashes import HashFormat
 from replica_agent.sim_engine.kv_events import EventEncoding
 from replica_agent.sim_engine.options import EngineOptions
-from replica_agent.sim_engine.request_log import RequestLog, prompt_key
+from replica_agent.sim_engine.request_log import RequestLog, Stamps, prompt_key
 from replica_agent.sim_engine.server import SimEngine
 from replica_agent.sim_engine_cli import configure
 from router_policies.flags import options_from_flags
@@ -26,25 +27,34 @@ from router_policies.flags import options_from_flags
 
 def test_each_send_meets_its_own_arrival_in_order() -> None:
     a, b, c = send_key("a"), send_key("b"), send_key("c")
-    sends = [(10.0, a), (10.5, b), (11.0, a), (12.0, c)]  # "a" sent twice; "c" reached no engine
-    arrivals = {
-        a: [(10.004, 10.010), (11.002, 11.003)],
-        b: [(10.52, 10.60), (10.9, 10.95)],  # "b" retried elsewhere: the second arrival is extra
+    # "a" sent twice (its second read no first data); "c" reached no engine
+    sends: list[Sent] = [(10.0, a, 10.05), (10.5, b, 10.7), (11.0, a, None), (12.0, c, None)]
+    arrivals: dict[int, list[Logged]] = {
+        a: [(10.004, 10.010, 10.04), (11.002, 11.003, None)],
+        # "b" retried elsewhere: the second arrival is extra
+        b: [(10.52, 10.60, 10.65), (10.9, 10.95, 11.0)],
     }
-    hop, parse = inbound_ms(sends, arrivals)
-    assert sorted(round(h, 6) for h in hop) == [2.0, 4.0, 20.0]
-    assert sorted(round(p, 6) for p in parse) == [1.0, 6.0, 80.0]
+    got = stages(sends, arrivals)
+    assert sorted(round(h, 6) for h in got.inbound) == [2.0, 4.0, 20.0]
+    assert sorted(round(p, 6) for p in got.parse) == [1.0, 6.0, 80.0]
+    # only the requests with a first token on both sides: "a"'s first and "b"
+    assert sorted(round(e, 6) for e in got.engine) == [30.0, 50.0]
+    assert sorted(round(o, 6) for o in got.outbound) == [10.0, 50.0]
     # an arrival before the first send of its prompt is another request's: skipped
-    early = {**arrivals, a: [(9.0, 9.1), *arrivals[a]]}
-    assert inbound_ms(sends, early) == (hop, parse)
+    early = {**arrivals, a: [(9.0, 9.1, 9.2), *arrivals[a]]}
+    assert stages(sends, early) == got
 
 
 def test_logs_are_read_across_engines_earliest_first_and_a_missing_log_is_empty(tmp_path: Path) -> None:
     k = send_key("x")
-    (tmp_path / "e0.jsonl").write_text(json.dumps({"arrived": 5.0, "parsed": 5.5, "key": k}) + "\n")
-    (tmp_path / "e1.jsonl").write_text(json.dumps({"arrived": 2.0, "parsed": 2.1, "key": k}) + "\n")
+    (tmp_path / "e0.jsonl").write_text(
+        json.dumps({"arrived": 5.0, "parsed": 5.5, "first": None, "key": k}) + "\n"
+    )
+    (tmp_path / "e1.jsonl").write_text(
+        json.dumps({"arrived": 2.0, "parsed": 2.1, "first": 2.5, "key": k}) + "\n"
+    )
     got = read_logs([tmp_path / "e0.jsonl", tmp_path / "e1.jsonl", tmp_path / "none.jsonl"])
-    assert got == {k: [(2.0, 2.1), (5.0, 5.5)]}
+    assert got == {k: [(2.0, 2.1, 2.5), (5.0, 5.5, None)]}
 
 
 def test_prompt_keys_name_completions_and_chats_and_nothing_else() -> None:
@@ -57,21 +67,31 @@ def test_prompt_keys_name_completions_and_chats_and_nothing_else() -> None:
 def test_the_log_stops_at_its_bound(tmp_path: Path) -> None:
     log = RequestLog(tmp_path / "r.jsonl", max_lines=2)
     for i in range(5):
-        log.record(float(i), float(i) + 0.5, {"prompt": f"p{i}"})
-    log.record(9.0, 9.5, {"prompt": [1, 2]})  # no key: not a line, not skipped
+        log.record(Stamps(prompt_key({"prompt": f"p{i}"}), float(i), float(i) + 0.5))
+    log.record(Stamps(None, 9.0, 9.5))  # no key: not a line, not skipped
     log.close()
     assert len((tmp_path / "r.jsonl").read_text().splitlines()) == 2 and log.skipped == 3
 
 
-def test_the_pooled_row_reports_the_hop_or_none() -> None:
+def test_a_requests_first_token_is_its_first_and_is_logged() -> None:
+    s = Stamps(1, 1.0, 2.0)
+    s.first_token(3.0)
+    s.first_token(4.0)
+    assert s.first == 3.0
+
+
+def test_the_pooled_row_reports_each_stage_or_none() -> None:
     def run(seed: int, hop: list[float]) -> RunMeasure:
-        return RunMeasure(
-            seed, "kv_aware", [200], [10.0], 1.0, 1.0, 2.0, [2.0], {}, {}, hop, [1.0] * len(hop)
-        )
+        n = len(hop)
+        # every other request without a first token on both sides: no engine or hop-out figure
+        staged = Stages(hop, [1.0] * n, [20.0] * (n // 2), [0.5] * (n // 2))
+        return RunMeasure(seed, "kv_aware", [200], [10.0], 1.0, 1.0, 2.0, [2.0], {}, {}, staged)
 
     row = pooled_row([run(5, [1.0, 2.0, 3.0]), run(6, [4.0, 5.0])])
     assert row["inbound_p50_ms"] == 3.0 and row["engine_parse_p50_ms"] == 1.0
-    assert pooled_row([run(5, [])])["inbound_p50_ms"] is None
+    assert row["engine_first_token_p50_ms"] == 20.0 and row["outbound_p99_ms"] == 0.5
+    empty = pooled_row([run(5, [])])
+    assert empty["inbound_p50_ms"] is None and empty["outbound_p50_ms"] is None
 
 
 def _options(log: Path) -> EngineOptions:
@@ -93,31 +113,50 @@ def _options(log: Path) -> EngineOptions:
     [
         ("/v1/completions", {"model": "kvgate-sim", "prompt": "hello " * 200, "max_tokens": 2}),
         (
+            "/v1/completions",
+            {"model": "kvgate-sim", "prompt": "hello " * 200, "max_tokens": 3, "stream": True},
+        ),
+        (
             "/v1/chat/completions",
             {"model": "kvgate-sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
         ),
+        (
+            "/v1/chat/completions",
+            {
+                "model": "kvgate-sim",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+                "stream": True,
+            },
+        ),
     ],
 )
-def test_the_engine_logs_each_requests_arrival_before_its_parse(
+def test_the_engine_logs_each_requests_arrival_parse_and_first_token(
     tmp_path: Path, path: str, body: dict[str, object]
 ) -> None:
     log = tmp_path / "engine_requests.jsonl"
 
-    async def main() -> tuple[float, float]:
+    async def main() -> tuple[float, float | None, float]:
         engine = SimEngine(_options(log))
         bound = await engine.start()
         try:
             async with aiohttp.ClientSession() as http:
-                sent = time.monotonic()
+                sent, read = time.monotonic(), None
                 async with http.post(bound.http + path, json=body) as resp:
                     assert resp.status == 200
-                    await resp.read()
-                return sent, time.monotonic()
+                    async for chunk in resp.content.iter_any():
+                        if read is None and b"data:" in chunk:
+                            read = time.monotonic()
+                return sent, read, time.monotonic()
         finally:
             await engine.stop()
 
-    sent, done = asyncio.run(main())
+    sent, read, done = asyncio.run(main())
     (line,) = log.read_text().splitlines()
     rec = json.loads(line)
     assert rec["key"] == prompt_key(body)
     assert sent <= rec["arrived"] <= rec["parsed"] <= done  # one clock for client and engine
+    if body.get("stream"):
+        assert read is not None and rec["parsed"] <= rec["first"] <= read
+    else:  # a whole answer: no first token written on its own
+        assert rec["first"] is None

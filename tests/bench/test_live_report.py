@@ -84,11 +84,12 @@ def test_the_live_summary_takes_the_worst_workload_against_the_best_peer() -> No
     assert s["live_ttft_p99_floor_vs_best_peer"] == 0.9
 
 
-def test_the_live_table_shows_the_engines_ttft_and_the_inbound_hop_or_a_dash() -> None:
+def test_the_live_table_shows_the_engines_ttft_both_hops_and_cpu_or_a_dash() -> None:
     base = {"policy": "kv_aware", "throughput_rps": 1.0, "errors": 0, "per_seed": []}
     rows = [
         {**_row("a", "kvgate_kv_aware", 10, 80, 0.5, 0.1), **base, "engine_ttft_p50_ms": 7.25,
          "engine_ttft_p99_ms": 30.0, "inbound_p50_ms": 3.04, "inbound_p99_ms": 12.0,
+         "outbound_p50_ms": 0.96, "outbound_p99_ms": 4.0,
          "router_cpu_ms_per_request": 10.934, "agents_cpu_ms_per_request": 6.2},
         {**_row("a", "p1", 20, 100, 0.4), **base},  # a row from before the figures: dashes
         {**_row("a", "p2", 20, 100, 0.4), **base,  # a router with no agents
@@ -97,6 +98,6 @@ def test_the_live_table_shows_the_engines_ttft_and_the_inbound_hop_or_a_dash() -
     live = {"rows": rows}
     text = report.table(None, None, live, report.summarize(None, None, live, {"new_replica_share": 0.3}))
     lines = [ln for ln in text.splitlines() if ln.startswith("| a |")]
-    assert "| 7.2 / 30.0 | 3.0 / 12.0 | 10.93 (6.20) |" in lines[0]
-    assert "| - / - | - / - | - | - |" in lines[1]
-    assert "| - / - | - / - | 2.23 |" in lines[2]
+    assert "| 7.2 / 30.0 | 3.0 / 12.0 | 1.0 / 4.0 | 10.93 (6.20) |" in lines[0]
+    assert "| - / - | - / - | - / - | - | - |" in lines[1]
+    assert "| - / - | - / - | - / - | 2.23 |" in lines[2]
