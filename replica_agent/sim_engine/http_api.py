@@ -114,18 +114,21 @@ class Routes:
 
     # ------------------------------------------------------------------ vLLM API
     async def _parsed(
-        self, request: web.Request, parse: Callable[[Any, EngineTokenizer, proto.ServingLimits], _T]
+        self,
+        request: web.Request,
+        parse: Callable[[Any, EngineTokenizer, proto.ServingLimits], _T],
+        log: bool = True,
     ) -> _T:
         """``parse`` of the request's JSON body (validation and tokenization) on ``tokenize_pool``;
-        with a request log, its arrival here and the parse's end are noted in the request's
-        ``STAMPS``, logged when its handler ends (``_log``)."""
+        with a request log and ``log`` (a generation request), its arrival here and the parse's
+        end are noted in the request's ``STAMPS``, logged when its handler ends (``_log``)."""
         arrived = time.monotonic()
         body = await read_json(request)
         d = self.d
         parsed = await asyncio.get_running_loop().run_in_executor(
             d.tokenize_pool, parse, body, d.tokenizer, d.limits
         )
-        if d.request_log is not None:
+        if d.request_log is not None and log:
             request[STAMPS] = Stamps(prompt_key(body), arrived, time.monotonic())
         return parsed
 
@@ -159,10 +162,10 @@ class Routes:
         return web.Response(body=self.d.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def tokenize(self, request: web.Request) -> web.StreamResponse:
-        try:
-            return json_response(await self._parsed(request, proto.parse_tokenize))
-        finally:
-            self._log(request)
+        # not a generation request: no line in the request log (vllm-router's kv_aware calls it
+        # on every engine with the same prompt before its completion, which the bench's
+        # matching by prompt would take for the completion's arrival)
+        return json_response(await self._parsed(request, proto.parse_tokenize, log=False))
 
     def _log(self, request: web.Request) -> None:
         """The request's line in the request log (when there is one)."""

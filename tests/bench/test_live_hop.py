@@ -160,3 +160,26 @@ def test_the_engine_logs_each_requests_arrival_parse_and_first_token(
         assert read is not None and rec["parsed"] <= rec["first"] <= read
     else:  # a whole answer: no first token written on its own
         assert rec["first"] is None
+
+
+def test_a_tokenize_call_is_not_a_generation_request_and_is_not_logged(tmp_path: Path) -> None:
+    log = tmp_path / "engine_requests.jsonl"
+    body = {"model": "kvgate-sim", "prompt": "hello " * 50}
+
+    async def main() -> None:
+        engine = SimEngine(_options(log))
+        bound = await engine.start()
+        try:
+            async with aiohttp.ClientSession() as http:
+                # vllm-router's kv_aware asks each engine for the prompt's tokens first
+                async with http.post(bound.http + "/tokenize", json=body) as resp:
+                    assert resp.status == 200
+                async with http.post(bound.http + "/v1/completions", json={**body, "max_tokens": 1}) as resp:
+                    assert resp.status == 200
+                    await resp.read()
+        finally:
+            await engine.stop()
+
+    asyncio.run(main())
+    (line,) = log.read_text().splitlines()  # the completion's only
+    assert json.loads(line)["key"] == prompt_key(body)
