@@ -20,10 +20,11 @@ hop), the stages of each first token (per request, ``bench/live_hop.py``): the h
 to engine handler), the engines' parse, the engine to its first token written, and the hop out
 (that token to the client's first read), p50/p99 each, the router's CPU milliseconds per
 request during the replay (its process tree; kvgate's agents apart, ``router_cpu_s``),
-completed requests per second, errors; for kvgate also its audits (``live_metrics``): the TTFT model's median absolute error
-and the cached-token audit's exact share and causes. Each seed of ``--seeds`` (default three) is
-another slice of the workload replayed through every router; a row pools a router's replays
-(``bench/live_pool.py``) and keeps each seed's figures under ``per_seed``.
+completed requests per second, errors; for kvgate also its audits (``live_metrics``): the TTFT
+model's median absolute error and the cached-token audit's exact share and causes. Each seed of
+``--seeds`` (default three) is another slice of the workload replayed through every router; a
+row pools a router's replays (``bench/live_pool.py``) and keeps each seed's figures under
+``per_seed``.
 
     .venv/bin/python -m bench.live [--requests 300] [--replicas 4] [--seeds 5 6 7] [--trace FILE] [--out bench/results/live.json]
 """
