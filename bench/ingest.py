@@ -25,6 +25,7 @@ import asyncio
 import cProfile
 import pstats
 import random
+import sys
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -196,6 +197,7 @@ def stage_gateway(messages: list[bytes]) -> Callable[[], None]:
     def run() -> None:
         async def go() -> None:
             index = PrefixIndex(IndexConfig(max_blocks_per_replica=10_000_000, max_total_blocks=20_000_000))
+            index.add_replica("r0")  # a configured replica: the fleet gives it to the index
             server = InventoryServer(
                 index,
                 _Fleet(),
@@ -249,7 +251,7 @@ def timed(fn: Callable[[], None], repeat: int) -> float:
     return best
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, default=20_000)
     ap.add_argument("--blocks-per-store", type=int, default=8)
@@ -257,7 +259,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", default=None, help="stage name to profile (e.g. 'agent+index')")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     payloads, n_events = make_payloads(args.batches, args.blocks_per_store, args.block_size, args.seed)
     rec = RecordingSink()
@@ -282,7 +284,7 @@ def main() -> None:
         stages[args.profile]()
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(12)
-        return
+        return 0
     print(
         f"{args.batches} engine batches, {n_events} block events "
         f"({args.blocks_per_store} blocks per store, block size {args.block_size}), best of {args.repeat}, one core"
@@ -291,7 +293,8 @@ def main() -> None:
     for name, fn in stages.items():
         s = timed(fn, args.repeat)
         print(f"{name:<16} {s:>8.3f} {n_events / s:>15,.0f} {1e6 * s / n_events:>9.2f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

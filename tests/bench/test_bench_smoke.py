@@ -7,7 +7,9 @@ import json
 import math
 from pathlib import Path
 
-from bench import index_bench, live, overhead, report
+import pytest
+
+from bench import index_bench, ingest, live, overhead, report
 
 
 def _number(x: object) -> bool:
@@ -58,6 +60,11 @@ def test_benchmarks_run_and_report_every_headline(tmp_path: Path) -> None:
     (lrow,) = lv["rows"]
     assert lrow["router"] == "kvgate_kv_aware" and lrow["requests"] == 8 and lrow["errors"] == 0
     assert 0.0 <= lrow["hit_rate"] <= 1.0 and lrow["queried_tokens"] > 0
+    # the stages of each first token and the router's CPU, measured for every row
+    for key in ("inbound_p50_ms", "engine_parse_p50_ms", "engine_first_token_p50_ms", "outbound_p50_ms"):
+        assert _number(lrow[key]) and lrow[key] >= 0, key
+    # /proc counts CPU in clock ticks (10 ms): a replay of 8 requests may show none for the agents
+    assert lrow["router_cpu_ms_per_request"] > 0 and lrow["agents_cpu_ms_per_request"] >= 0
 
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert tuple(summary) == report.SUMMARY_KEYS
@@ -81,3 +88,13 @@ def test_benchmarks_run_and_report_every_headline(tmp_path: Path) -> None:
         assert summary[key] is None, key
     assert "| kvgate |" in (tmp_path / "table.md").read_text().replace("| json | 8 KB | 32 ", "| ")
     assert (tmp_path / "index_match.png").stat().st_size > 0 and (tmp_path / "live.png").stat().st_size > 0
+
+
+def test_the_ingest_benchmark_runs_every_stage(capsys: pytest.CaptureFixture[str]) -> None:
+    assert ingest.main(["--batches", "200", "--repeat", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    stages = [ln.split("  ")[0] for ln in lines[2:]]
+    assert stages == [
+        "decode", "decode+rekey", "agent total", "gateway apply", "gateway apply x8", "index apply",
+        "agent+index",
+    ]  # fmt: skip
