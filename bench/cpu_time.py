@@ -6,6 +6,7 @@ started and stopped by ``kvgate_tools.procs.ProcessGroup``.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -41,8 +42,9 @@ def threads_cpu_s(pid: int, name: str) -> float:
     return total
 
 
-def _tree(root: int) -> dict[int, float]:
-    """CPU seconds so far of ``root`` and each of its live descendants, by pid."""
+def _trees(roots: Sequence[int]) -> dict[int, dict[int, float]]:
+    """Per root, CPU seconds so far of it and each of its live descendants, by pid (one read of
+    /proc for them all)."""
     parents: dict[int, int] = {}
     cpu: dict[int, float] = {}
     for entry in os.listdir("/proc"):
@@ -50,14 +52,26 @@ def _tree(root: int) -> dict[int, float]:
             st = _stat(int(entry))
             if st is not None:
                 parents[int(entry)], cpu[int(entry)] = st
-    out: dict[int, float] = {}
+    wanted = set(roots)
+    out: dict[int, dict[int, float]] = {root: {} for root in roots}
     for pid, c in cpu.items():
         p = pid
-        while p and p != root:
+        while p and p not in wanted:
             p = parents.get(p, 0)
-        if p == root:
-            out[pid] = c
+        if p:
+            out[p][pid] = c
     return out
+
+
+def _tree(root: int) -> dict[int, float]:
+    """CPU seconds so far of ``root`` and each of its live descendants, by pid."""
+    return _trees([root])[root]
+
+
+def trees_cpu_s(roots: Sequence[int]) -> list[float]:
+    """``tree_cpu_s`` of each of ``roots`` (disjoint trees: a pid counts for its nearest root)."""
+    trees = _trees(roots)
+    return [sum(trees[root].values()) for root in roots]
 
 
 def tree_pids(root: int) -> list[int]:

@@ -48,7 +48,7 @@ import aiohttp
 import uvloop
 
 from bench import live_metrics
-from bench.cpu_time import tree_cpu_s
+from bench.cpu_time import trees_cpu_s
 from bench.live_fleet import request_log_path, start_fleet, stream_completion
 from bench.live_floor import floor_run
 from bench.live_hop import Sent, read_logs, send_key, stages
@@ -244,8 +244,9 @@ def router_cpu_s(started: list[tuple[str, subprocess.Popen[bytes]]]) -> tuple[fl
     """CPU seconds so far of the router's processes (with their children: kvgate's workers) and
     of its agents (kvgate's, named ``agent<i>`` by ``start_agents``), from ``started``: what
     ``start_router`` started. A process that has exited counts 0 (vllm-router's failed start)."""
-    agents = sum(tree_cpu_s(p.pid) for name, p in started if name.startswith("agent"))
-    return sum(tree_cpu_s(p.pid) for name, p in started if not name.startswith("agent")), agents
+    cpu = trees_cpu_s([p.pid for _name, p in started])
+    agents = sum(c for (name, _p), c in zip(started, cpu, strict=True) if name.startswith("agent"))
+    return sum(cpu) - agents, agents
 
 
 def workload_rows(wl: str, routers: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:

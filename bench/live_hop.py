@@ -63,20 +63,21 @@ def read_logs(paths: Sequence[Path]) -> dict[int, list[Logged]]:
 
 @dataclass
 class Stages:
-    """Milliseconds of each matched request's stages (a request without a first token on both
-    sides has no ``engine`` or ``outbound`` figure)."""
+    """Milliseconds of each matched request's stages, a field a stage, named as the live rows
+    name them (``<field>_p50_ms``); a request without a first token on both sides has no
+    ``engine_first_token`` or ``outbound`` figure."""
 
     inbound: list[float] = field(default_factory=list)
-    parse: list[float] = field(default_factory=list)
-    engine: list[float] = field(default_factory=list)
+    engine_parse: list[float] = field(default_factory=list)
+    engine_first_token: list[float] = field(default_factory=list)
     outbound: list[float] = field(default_factory=list)
 
     def add(self, sent: Sent, logged: Logged) -> None:
         (at, _key, read), (arrived, parsed, first) = sent, logged
         self.inbound.append((arrived - at) * 1e3)
-        self.parse.append((parsed - arrived) * 1e3)
+        self.engine_parse.append((parsed - arrived) * 1e3)
         if first is not None and read is not None:
-            self.engine.append((first - parsed) * 1e3)
+            self.engine_first_token.append((first - parsed) * 1e3)
             self.outbound.append((read - first) * 1e3)
 
 

@@ -16,7 +16,7 @@ figures stay in the row under ``per_seed``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -87,19 +87,12 @@ def _audit(runs: Sequence[RunMeasure]) -> dict[str, Any]:
 
 def _hop(runs: Sequence[RunMeasure]) -> dict[str, Any]:
     """The stages of the first token, pooled like the first tokens (None: not logged)."""
-
-    def pooled(name: str) -> tuple[float, float] | None:
-        ms = [t for r in runs for t in getattr(r.stages, name)]
-        return _quantiles(ms) if ms else None
-
     out: dict[str, Any] = {}
-    for name, key in (
-        ("inbound", "inbound"), ("parse", "engine_parse"), ("engine", "engine_first_token"),
-        ("outbound", "outbound"),
-    ):  # fmt: skip
-        q = pooled(name)
-        out[f"{key}_p50_ms"] = None if q is None else round(q[0], 3)
-        out[f"{key}_p99_ms"] = None if q is None else round(q[1], 3)
+    for stage in fields(Stages):
+        ms = [t for r in runs for t in getattr(r.stages, stage.name)]
+        q = _quantiles(ms) if ms else None
+        out[f"{stage.name}_p50_ms"] = None if q is None else round(q[0], 3)
+        out[f"{stage.name}_p99_ms"] = None if q is None else round(q[1], 3)
     return out
 
 

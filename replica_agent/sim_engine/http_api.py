@@ -87,7 +87,7 @@ class Deps:
     request_log: RequestLog | None = None  # --request-log: each request's arrival, parse, first token
 
 
-# a request's ``Stamps`` (with a request log) in the request's own state
+# a generation request's ``Stamps`` (with a request log) in the request's own state
 STAMPS = web.RequestKey("kvgate_request_stamps", Stamps)
 
 
@@ -114,35 +114,43 @@ class Routes:
 
     # ------------------------------------------------------------------ vLLM API
     async def _parsed(
-        self,
-        request: web.Request,
-        parse: Callable[[Any, EngineTokenizer, proto.ServingLimits], _T],
-        log: bool = True,
-    ) -> _T:
-        """``parse`` of the request's JSON body (validation and tokenization) on ``tokenize_pool``;
-        with a request log and ``log`` (a generation request), its arrival here and the parse's
-        end are noted in the request's ``STAMPS``, logged when its handler ends (``_log``)."""
-        arrived = time.monotonic()
+        self, request: web.Request, parse: Callable[[Any, EngineTokenizer, proto.ServingLimits], _T]
+    ) -> tuple[Any, _T]:
+        """The request's JSON body and ``parse`` of it (validation and tokenization) on
+        ``tokenize_pool``."""
         body = await read_json(request)
         d = self.d
         parsed = await asyncio.get_running_loop().run_in_executor(
             d.tokenize_pool, parse, body, d.tokenizer, d.limits
         )
-        if d.request_log is not None and log:
-            request[STAMPS] = Stamps(prompt_key(body), arrived, time.monotonic())
-        return parsed
+        return body, parsed
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        try:
-            return await self._generate(request, await self._parsed(request, proto.parse_completion), "cmpl-")
-        finally:  # however it ends (an error, a fault, the client gone): its line, if parsed
-            self._log(request)
+        return await self._generation(request, proto.parse_completion, "cmpl-")
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generation(request, proto.parse_chat, "chatcmpl-")
+
+    async def _generation(
+        self,
+        request: web.Request,
+        parse: Callable[[Any, EngineTokenizer, proto.ServingLimits], proto.GenerationRequest],
+        prefix: str,
+    ) -> web.StreamResponse:
+        """A generation request, parsed then generated. With a request log, its arrival here, the
+        parse's end and (``_stream``) its first token are noted in the request's ``STAMPS``, and
+        logged however the handler ends (an error, a fault, the client gone); a request whose
+        parse failed has no line."""
+        arrived = time.monotonic()
+        body, req = await self._parsed(request, parse)
+        log = self.d.request_log
+        if log is not None:
+            request[STAMPS] = Stamps(prompt_key(body), arrived, time.monotonic())
         try:
-            return await self._generate(request, await self._parsed(request, proto.parse_chat), "chatcmpl-")
+            return await self._generate(request, req, prefix)
         finally:
-            self._log(request)
+            if log is not None:
+                log.record(request[STAMPS])
 
     async def models(self, _request: web.Request) -> web.StreamResponse:
         d = self.d
@@ -165,13 +173,8 @@ class Routes:
         # not a generation request: no line in the request log (vllm-router's kv_aware calls it
         # on every engine with the same prompt before its completion, which the bench's
         # matching by prompt would take for the completion's arrival)
-        return json_response(await self._parsed(request, proto.parse_tokenize, log=False))
-
-    def _log(self, request: web.Request) -> None:
-        """The request's line in the request log (when there is one)."""
-        stamps = request.get(STAMPS)
-        if stamps is not None and self.d.request_log is not None:
-            self.d.request_log.record(stamps)
+        _body, parsed = await self._parsed(request, proto.parse_tokenize)
+        return json_response(parsed)
 
     async def reset_prefix_cache(self, _request: web.Request) -> web.StreamResponse:
         if not await self.d.core.call(self.d.model.clear):

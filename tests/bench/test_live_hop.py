@@ -36,9 +36,9 @@ def test_each_send_meets_its_own_arrival_in_order() -> None:
     }
     got = stages(sends, arrivals)
     assert sorted(round(h, 6) for h in got.inbound) == [2.0, 4.0, 20.0]
-    assert sorted(round(p, 6) for p in got.parse) == [1.0, 6.0, 80.0]
+    assert sorted(round(p, 6) for p in got.engine_parse) == [1.0, 6.0, 80.0]
     # only the requests with a first token on both sides: "a"'s first and "b"
-    assert sorted(round(e, 6) for e in got.engine) == [30.0, 50.0]
+    assert sorted(round(e, 6) for e in got.engine_first_token) == [30.0, 50.0]
     assert sorted(round(o, 6) for o in got.outbound) == [10.0, 50.0]
     # an arrival before the first send of its prompt is another request's: skipped
     early = {**arrivals, a: [(9.0, 9.1, 9.2), *arrivals[a]]}
@@ -73,7 +73,7 @@ def test_the_log_stops_at_its_bound(tmp_path: Path) -> None:
     assert len((tmp_path / "r.jsonl").read_text().splitlines()) == 2 and log.skipped == 3
 
 
-def test_a_requests_first_token_is_its_first_and_is_logged() -> None:
+def test_a_requests_first_token_stamp_keeps_the_first() -> None:
     s = Stamps(1, 1.0, 2.0)
     s.first_token(3.0)
     s.first_token(4.0)
