@@ -1,5 +1,11 @@
 """Asking an engine's replay endpoint (vLLM's and SGLang's ZMQ ROUTER) for its buffered KV-event
-batches from a sequence number on (docs/agent.md): the subscriber's one request and its answer."""
+batches from a sequence number on (docs/agent.md): the subscriber's request and its answer.
+
+With ``keep`` the DEALER socket (and its connection to the engine) serves the next ask too, but
+only after an ask that ended cleanly (the engine's end marker read): after a timeout, a refusal
+of too many batches or an error, frames of that answer may still come, so the socket is closed
+and the next ask opens a new one. A quiet stream asks once per quiet period (subscriber.py's tail
+probe); a connection per ask cost the agent and the engine a ZMTP handshake each time."""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -16,12 +22,28 @@ import zmq.asyncio
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ReplayAsk:
     ctx: zmq.asyncio.Context
     endpoint: str
     timeout_s: float
     max_batches: int
+    keep: bool = False  # the socket serves the next ask after a clean answer (``close`` ends it)
+    _dealer: zmq.asyncio.Socket | None = field(default=None, init=False)
+
+    def close(self) -> None:
+        dealer, self._dealer = self._dealer, None
+        if dealer is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                dealer.close(linger=0)
+
+    def _socket(self) -> zmq.asyncio.Socket:
+        if self._dealer is None:
+            dealer = self.ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(self.endpoint)
+            self._dealer = dealer
+        return self._dealer
 
     async def batches(
         self, start: int, seq_of: Callable[[list[bytes], int], int | None]
@@ -29,10 +51,9 @@ class ReplayAsk:
         """The batches from ``start`` on as (seq, payload); None when the endpoint did not answer
         in time or sent more than ``max_batches``. ``seq_of(frames, 2)`` reads a reply's seq (None:
         a malformed reply, skipped)."""
-        dealer = self.ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(self.endpoint)
+        dealer = self._socket()
         out: list[tuple[int, bytes]] = []
+        clean = False
         try:
             try:
                 # a DEALER's send waits for a connected peer: bound it, or a replay endpoint that
@@ -54,9 +75,10 @@ class ReplayAsk:
                 if seq is None:
                     continue
                 if seq == -1:
+                    clean = True
                     return out
                 out.append((seq, frames[1]))
             return None
         finally:
-            with contextlib.suppress(zmq.ZMQError):
-                dealer.close(linger=0)
+            if not (clean and self.keep):
+                self.close()

@@ -51,6 +51,7 @@ import zmq.utils.monitor
 
 from replica_agent.engine_events import EventBatch, MalformedEvent, decode_payload, parse_seq
 from replica_agent.engine_replay import ReplayAsk
+from replica_agent.event_sockets import EventSockets
 from replica_agent.inventory import AgentInventory
 
 log = logging.getLogger(__name__)
@@ -97,18 +98,16 @@ class EventSubscriber:
     # monotonic time at which to ask replay for batches after the last one applied; None: no
     # probe owed (none since the last probe, or the engine is gone)
     _probe_due: float | None = field(default=None, init=False)
+    _sockets: EventSockets | None = field(default=None, init=False)  # run's
+    _replay: ReplayAsk | None = field(default=None, init=False)  # run's, kept between asks
 
     async def run(self) -> None:
         """Subscribe and apply until cancelled."""
-        sub = self.ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, 1_000_000)
-        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
-        sub.connect(self.events_endpoint)
-        poller = zmq.asyncio.Poller()
-        poller.register(sub, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
+        socks = self._sockets = EventSockets(self.ctx, self.events_endpoint, self.topic)
+        if self.replay_endpoint is not None:
+            self._replay = ReplayAsk(
+                self.ctx, self.replay_endpoint, self.replay_timeout_s, self.max_replay_batches, keep=True
+            )
         try:
             if self.replay_endpoint is not None:
                 try:
@@ -121,38 +120,46 @@ class EventSubscriber:
                         await self.probe_tail()
                     except Exception as exc:
                         self._internal_error(exc)
-                # bounded wait: a re-key request (from the gateway stream's task) is applied here,
-                # between frames, never in the middle of a batch
-                ready = dict(await poller.poll(100 if self._rekey is None else 0))
+                # a re-key request (from the gateway stream's task) is applied here, between
+                # frames, never in the middle of a batch
                 if self._rekey is not None:
                     try:
                         await self.rekey(self._rekey)
                     except Exception as exc:
                         self._internal_error(exc)
                     self._rekey = None
-                if sub in ready:
-                    await self._drain(sub)
-                if monitor in ready:
-                    event = zmq.utils.monitor.parse_monitor_message(await monitor.recv_multipart())
-                    log.debug("event socket monitor: %s", event)
-                    if event["event"] == zmq.EVENT_DISCONNECTED:
-                        await self._drain(sub)  # everything the engine sent before it went away
-                        self.engine_gone()
-                    elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED and self._rejoin:
-                        # Connected to the engine that came back. What it published before our
-                        # subscription reached it was dropped by its PUB socket (and if it then
-                        # went quiet, no later seq would reveal the gap): take it from replay.
-                        self._rejoin = False
-                        if self.replay_endpoint is not None:
-                            try:
-                                await self.catch_up()
-                            except Exception as exc:
-                                self._internal_error(exc)
+                frames, monitored = socks.pending()
+                if frames:
+                    await self._drain(socks.sub)
+                if monitored:
+                    await self._monitored(socks)
+                if not (frames or monitored or self._rekey is not None):
+                    due = self._probe_due  # no probe owed: nothing to do until a socket wakes us
+                    await socks.wait(None if due is None else max(0.0, due - time.monotonic()))
         finally:
-            with contextlib.suppress(zmq.ZMQError):
-                sub.disable_monitor()
-            monitor.close(linger=0)
-            sub.close(linger=0)
+            self._sockets = None
+            if self._replay is not None:
+                self._replay.close()
+                self._replay = None
+            socks.close()
+
+    async def _monitored(self, socks: EventSockets) -> None:
+        """The events socket's monitor: the engine's publisher went away, or came back."""
+        event = socks.monitor_event()
+        log.debug("event socket monitor: event %d", event)
+        if event == zmq.EVENT_DISCONNECTED:
+            await self._drain(socks.sub)  # everything the engine sent before it went away
+            self.engine_gone()
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and self._rejoin:
+            # Connected to the engine that came back. What it published before our
+            # subscription reached it was dropped by its PUB socket (and if it then
+            # went quiet, no later seq would reveal the gap): take it from replay.
+            self._rejoin = False
+            if self.replay_endpoint is not None:
+                try:
+                    await self.catch_up()
+                except Exception as exc:
+                    self._internal_error(exc)
 
     @property
     def rekey_pending(self) -> bool:
@@ -162,6 +169,8 @@ class EventSubscriber:
         """Rebuild the inventory with keys of ``key_block_size`` tokens (the gateway's block size),
         from the engine's replay buffer, at the run loop's next turn."""
         self._rekey = key_block_size
+        if self._sockets is not None:
+            self._sockets.poke()
 
     async def rekey(self, key_block_size: int) -> None:
         """Forget the keys (they cover the old block size) and key the engine's cache again from
@@ -231,13 +240,13 @@ class EventSubscriber:
             if batch is not None:
                 await self._handle(seq, batch)
 
-    async def _drain(self, sub: zmq.asyncio.Socket) -> None:
+    async def _drain(self, sub: zmq.Socket[bytes]) -> None:
         """Handle every frame already queued on ``sub``, without waiting for more (yielding to the
         event loop every 256 frames, so that a flood cannot starve the gateway stream)."""
         handled = 0
         while True:
             try:
-                frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
+                frames = sub.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
             handled += 1
@@ -379,5 +388,7 @@ class EventSubscriber:
     async def replay(self, start: int) -> list[tuple[int, bytes]] | None:
         """The engine's buffered batches from ``start`` on; None when replay did not answer."""
         assert self.replay_endpoint is not None
-        ask = ReplayAsk(self.ctx, self.replay_endpoint, self.replay_timeout_s, self.max_replay_batches)
+        ask = self._replay or ReplayAsk(
+            self.ctx, self.replay_endpoint, self.replay_timeout_s, self.max_replay_batches
+        )
         return await ask.batches(start, self._seq)

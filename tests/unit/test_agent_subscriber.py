@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import msgpack
 import pytest
 import zmq
 import zmq.asyncio
@@ -21,81 +20,9 @@ from replica_agent.inventory import AgentInventory
 from replica_agent.subscriber import EventSubscriber
 from router_policies.block_keys import block_keys
 from tests.polling import until
+from tests.zmq_publisher import Publisher
 
 BS = 2
-
-
-class Publisher:
-    """vLLM's ZmqEventPublisher behaviour: PUB frames [topic, seq, payload], a ROUTER that replays
-    buffered batches from a start seq then sends seq -1."""
-
-    def __init__(self, ctx: zmq.asyncio.Context, buffer: int = 100) -> None:
-        self.ctx = ctx
-        # XPUB: a PUB that also hands over its subscribers' subscriptions (``subscribed``)
-        self.pub = ctx.socket(zmq.XPUB)
-        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
-        self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub_port = self.pub.bind_to_random_port("tcp://127.0.0.1")
-        self.router = ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self.replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
-        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer)
-        self.replays_answered = 0
-        self.seq = 0
-        self.ts = 1000.0
-        self._task = asyncio.create_task(self._serve_replay())
-
-    def subscriber(self, inv: AgentInventory, replay: bool | int = True, **kw: Any) -> EventSubscriber:
-        """An agent subscriber of this publisher, replaying from its ROUTER (``True``), from
-        another port (an int), or not at all (``False``)."""
-        port = self.replay_port if replay is True else replay
-        endpoint = f"tcp://127.0.0.1:{port}" if port is not False else None
-        return EventSubscriber(self.ctx, f"tcp://127.0.0.1:{self.pub_port}", endpoint, inv, **kw)
-
-    async def _serve_replay(self) -> None:
-        while True:
-            ident, _empty, start = await self.router.recv_multipart()
-            start_seq = int.from_bytes(start, "big")
-            for seq, payload in list(self.buffer):
-                if seq >= start_seq:
-                    await self.router.send_multipart([ident, b"", b"kv", seq.to_bytes(8, "big"), payload])
-            await self.router.send_multipart([ident, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
-            self.replays_answered += 1
-
-    async def joined(self, replay: bool = True) -> None:
-        """Wait until a new subscriber's subscription has reached this socket (from then on it
-        gets what is published; before, a PUB socket drops it) and, with ``replay``, its start-up
-        replay has been answered (what is published from then on is not in that answer)."""
-        while (await asyncio.wait_for(self.pub.recv(), 5.0))[:1] != b"\x01":
-            pass  # an unsubscription (a subscriber gone)
-        if replay:
-            await wait_for(lambda: self.replays_answered >= 1)
-
-    def batch(self, events: list[Any]) -> tuple[int, bytes]:
-        self.ts += 1.0
-        payload = msgpack.packb([self.ts, events, 0])
-        seq = self.seq
-        self.seq += 1
-        self.buffer.append((seq, payload))
-        return seq, payload
-
-    async def send(self, seq: int, payload: bytes) -> None:
-        await self.pub.send_multipart([b"kv", seq.to_bytes(8, "big"), payload])
-
-    async def publish(self, events: list[Any]) -> tuple[int, bytes]:
-        seq, payload = self.batch(events)
-        await self.send(seq, payload)
-        return seq, payload
-
-    def restart(self) -> None:
-        """The engine restarted: seq from 0, empty buffer (the clock goes on)."""
-        self.seq = 0
-        self.buffer.clear()
-
-    async def close(self) -> None:
-        await cancel_and_wait(self._task)
-        self.pub.close(linger=0)
-        self.router.close(linger=0)
 
 
 @pytest.fixture
@@ -207,6 +134,48 @@ async def test_a_quiet_stream_probes_once(rig: Rig) -> None:
     assert probes >= 1
     await asyncio.sleep(3 * rig.sub.tail_probe_s)
     assert rig.sub.stats.tail_probes == probes and rig.sub.stats.gaps == 0
+
+
+def probed(sub: EventSubscriber, probes: int) -> bool:
+    """``probes`` tail probes done, and none owed."""
+    return sub.stats.tail_probes == probes and sub._probe_due is None
+
+
+async def test_replay_keeps_its_connection_after_a_clean_answer_only(pub: Publisher) -> None:
+    """engine_replay.py ``keep``: the start-up replay and the tail probes after it ask through
+    one DEALER socket; an ask left unanswered (timed out: its answer may still come) closes it,
+    and the next ask opens another."""
+    inv = AgentInventory("m", BS, max_blocks=1000)
+    sub = pub.subscriber(inv, replay_timeout_s=0.3, tail_probe_s=0.05)
+    async with running(sub):
+        await pub.joined()
+        for i in range(3):  # each batch owes a tail probe once the stream is quiet
+            await pub.publish([stored(10 + i, None, [i, i])])
+            await wait_for(functools.partial(probed, sub, i + 1))
+        assert len(pub.askers) == 4 and len(set(pub.askers)) == 1  # catch-up and three probes
+        pub.mute = 1
+        await pub.publish([stored(20, None, [5, 5])])
+        await wait_for(functools.partial(probed, sub, 4))  # timed out
+        await pub.publish([stored(21, None, [6, 6])])
+        await wait_for(functools.partial(probed, sub, 5))
+        assert len(pub.askers) == 6 and pub.askers[4] == pub.askers[0] != pub.askers[5]
+        assert sub.expected == pub.seq and not inv.degraded
+
+
+async def test_an_idle_subscriber_wakes_for_a_batch_and_for_a_rekey(rig: Rig) -> None:
+    """subscriber.py ``run``: with no tail probe owed it waits on its sockets alone (no polling
+    timeout), and still applies the next batch and a re-key asked from another task."""
+    await rig.pub.publish([stored(1, None, [1, 2])])
+    await rig.synced()
+    await wait_for(lambda: rig.sub._probe_due is None)
+    await asyncio.sleep(0.3)  # idle: nothing owed, nothing published
+    await rig.pub.publish([stored(2, 1, [3, 4])])
+    await rig.synced()
+    assert sorted(rig.inv.keys()) == sorted(block_keys([1, 2, 3, 4], BS, "m"))
+    await wait_for(lambda: rig.sub._probe_due is None)
+    rig.sub.request_rekey(2 * BS)
+    await wait_for(lambda: not rig.sub.rekey_pending and rig.inv.key_block_size == 2 * BS)
+    assert rig.inv.keys() == [block_keys([1, 2, 3, 4], 2 * BS, "m")[-1]]
 
 
 async def test_unrecoverable_gap_clears_and_degrades(rig: Rig) -> None:

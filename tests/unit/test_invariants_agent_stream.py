@@ -184,7 +184,7 @@ async def test_catch_up_and_rekey_are_complete_only_from_seq_0_whole(
 
 
 class Burst(list[list[bytes]]):  # a SUB socket with frames queued
-    async def recv_multipart(self, flags: int = 0) -> list[bytes]:
+    def recv_multipart(self, flags: int = 0) -> list[bytes]:
         assert flags == zmq.NOBLOCK  # never waits for more
         if not self:
             raise zmq.Again()

@@ -26,8 +26,8 @@ from replica_agent.subscriber import EventSubscriber
 from router_policies.prefix_index import PrefixIndex
 from tests.integration.gateway_harness import low_free_port
 from tests.integration.test_inventory_stream_agent import until
-from tests.unit.test_agent_subscriber import Publisher
 from tests.unit.test_sglang_events import _expected_keys, _load
+from tests.zmq_publisher import Publisher
 
 REC = "0.5.23/page1"
 
