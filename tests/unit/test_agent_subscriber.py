@@ -163,8 +163,8 @@ async def test_replay_keeps_its_connection_after_a_clean_answer_only(pub: Publis
 
 
 async def test_an_idle_subscriber_wakes_for_a_batch_and_for_a_rekey(rig: Rig) -> None:
-    """subscriber.py ``run``: with no tail probe owed it waits on its sockets alone (no polling
-    timeout), and still applies the next batch and a re-key asked from another task."""
+    """subscriber.py ``run``: idle (no tail probe owed, so it waits on its sockets with no
+    timeout), it still applies the next batch, and a re-key asked from another task wakes it."""
     await rig.pub.publish([stored(1, None, [1, 2])])
     await rig.synced()
     await wait_for(lambda: rig.sub._probe_due is None)
