@@ -42,7 +42,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import KW_ONLY, dataclass, field
 
 import zmq
@@ -104,29 +104,17 @@ class EventSubscriber:
     async def run(self) -> None:
         """Subscribe and apply until cancelled."""
         socks = self._sockets = EventSockets(self.ctx, self.events_endpoint, self.topic)
-        if self.replay_endpoint is not None:
-            self._replay = ReplayAsk(
-                self.ctx, self.replay_endpoint, self.replay_timeout_s, self.max_replay_batches, keep=True
-            )
         try:
             if self.replay_endpoint is not None:
-                try:
-                    await self.catch_up()
-                except Exception as exc:
-                    self._internal_error(exc)
+                self._replay = self._ask(keep=True)
+                await self._guarded(self.catch_up())
             while True:
                 if self._probe_due is not None and time.monotonic() >= self._probe_due:
-                    try:
-                        await self.probe_tail()
-                    except Exception as exc:
-                        self._internal_error(exc)
+                    await self._guarded(self.probe_tail())
                 # a re-key request (from the gateway stream's task) is applied here, between
                 # frames, never in the middle of a batch
                 if self._rekey is not None:
-                    try:
-                        await self.rekey(self._rekey)
-                    except Exception as exc:
-                        self._internal_error(exc)
+                    await self._guarded(self.rekey(self._rekey))
                     self._rekey = None
                 frames, monitored = socks.pending()
                 if frames:
@@ -134,7 +122,9 @@ class EventSubscriber:
                 if monitored:
                     await self._monitored(socks)
                 if not (frames or monitored or self._rekey is not None):
-                    due = self._probe_due  # no probe owed: nothing to do until a socket wakes us
+                    # nothing to read: sleep until a socket or a re-key wakes us, or the tail
+                    # probe is due (no probe owed: no timeout)
+                    due = self._probe_due
                     await socks.wait(None if due is None else max(0.0, due - time.monotonic()))
         finally:
             self._sockets = None
@@ -156,10 +146,21 @@ class EventSubscriber:
             # went quiet, no later seq would reveal the gap): take it from replay.
             self._rejoin = False
             if self.replay_endpoint is not None:
-                try:
-                    await self.catch_up()
-                except Exception as exc:
-                    self._internal_error(exc)
+                await self._guarded(self.catch_up())
+
+    async def _guarded(self, step: Awaitable[object]) -> None:
+        """Run one step of the loop (a catch-up, a probe, a re-key): nothing an engine sends
+        may stop the subscriber (``_internal_error``)."""
+        try:
+            await step
+        except Exception as exc:
+            self._internal_error(exc)
+
+    def _ask(self, *, keep: bool) -> ReplayAsk:
+        assert self.replay_endpoint is not None
+        return ReplayAsk(
+            self.ctx, self.replay_endpoint, self.replay_timeout_s, self.max_replay_batches, keep=keep
+        )
 
     @property
     def rekey_pending(self) -> bool:
@@ -388,7 +389,5 @@ class EventSubscriber:
     async def replay(self, start: int) -> list[tuple[int, bytes]] | None:
         """The engine's buffered batches from ``start`` on; None when replay did not answer."""
         assert self.replay_endpoint is not None
-        ask = self._replay or ReplayAsk(
-            self.ctx, self.replay_endpoint, self.replay_timeout_s, self.max_replay_batches
-        )
+        ask = self._replay or self._ask(keep=False)  # outside run (a test): a socket per ask
         return await ask.batches(start, self._seq)
