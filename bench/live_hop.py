@@ -1,7 +1,9 @@
 """The stages of each request's first token in a live replay (bench/live.py), for any router
 alike: the hop in (client send -> engine handler), the engine's parse queue (its tokenizer
 thread), the engine itself (parsed -> first token written) and the hop out (first token written
--> the client's first data).
+-> the client's first data); and how many of the requests the engines served with prompt tokens
+from their prefix caches (``hit_requests``): on a trace of little reuse the engine-counted hit
+rate is made by a few requests, and this says how many.
 
 The client notes when it sent each prompt and when it read its first data (``time.monotonic``);
 each ``kvgate sim-engine`` of the fleet logs when each request reached its handler, when its
@@ -27,11 +29,13 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from replica_agent.sim_engine.request_log import prompt_key
 
-# an engine's logged request: (arrived, parsed, first token written or None)
-Logged = tuple[float, float, float | None]
+# an engine's logged request: (arrived, parsed, first token written or None, cached prompt
+# tokens or None: its prefill never scheduled)
+Logged = tuple[float, float, float | None, int | None]
 # a client's request: (sent, prompt key, first data read or None)
 Sent = tuple[float, int, float | None]
 
@@ -52,9 +56,14 @@ def read_logs(paths: Sequence[Path]) -> dict[int, list[Logged]]:
             continue
         for line in path.read_text(encoding="utf-8").splitlines():
             rec = json.loads(line)
-            first = rec.get("first")
+            first, cached = rec.get("first"), rec.get("cached")
             by_key[int(rec["key"])].append(
-                (float(rec["arrived"]), float(rec["parsed"]), None if first is None else float(first))
+                (
+                    float(rec["arrived"]),
+                    float(rec["parsed"]),
+                    None if first is None else float(first),
+                    None if cached is None else int(cached),
+                )
             )
     for arrivals in by_key.values():
         arrivals.sort(key=lambda a: a[0])
@@ -63,17 +72,23 @@ def read_logs(paths: Sequence[Path]) -> dict[int, list[Logged]]:
 
 @dataclass
 class Stages:
-    """Milliseconds of each matched request's stages, a field a stage, named as the live rows
-    name them (``<field>_p50_ms``); a request without a first token on both sides has no
-    ``engine_first_token`` or ``outbound`` figure."""
+    """Milliseconds of each matched request's stages, a list a stage (``NAMES``), named as the
+    live rows name them (``<name>_p50_ms``); a request without a first token on both sides has
+    no ``engine_first_token`` or ``outbound`` figure. ``hit_requests``: the matched requests
+    whose engine served any prompt token from its cache."""
+
+    NAMES: ClassVar[tuple[str, ...]] = ("inbound", "engine_parse", "engine_first_token", "outbound")
 
     inbound: list[float] = field(default_factory=list)
     engine_parse: list[float] = field(default_factory=list)
     engine_first_token: list[float] = field(default_factory=list)
     outbound: list[float] = field(default_factory=list)
+    hit_requests: int = 0
 
     def add(self, sent: Sent, logged: Logged) -> None:
-        (at, _key, read), (arrived, parsed, first) = sent, logged
+        (at, _key, read), (arrived, parsed, first, cached) = sent, logged
+        if cached:
+            self.hit_requests += 1
         self.inbound.append((arrived - at) * 1e3)
         self.engine_parse.append((parsed - arrived) * 1e3)
         if first is not None and read is not None:

@@ -16,7 +16,7 @@ figures stay in the row under ``per_seed``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -88,11 +88,13 @@ def _audit(runs: Sequence[RunMeasure]) -> dict[str, Any]:
 def _hop(runs: Sequence[RunMeasure]) -> dict[str, Any]:
     """The stages of the first token, pooled like the first tokens (None: not logged)."""
     out: dict[str, Any] = {}
-    for stage in fields(Stages):
-        ms = [t for r in runs for t in getattr(r.stages, stage.name)]
+    for name in Stages.NAMES:
+        ms = [t for r in runs for t in getattr(r.stages, name)]
         q = _quantiles(ms) if ms else None
-        out[f"{stage.name}_p50_ms"] = None if q is None else round(q[0], 3)
-        out[f"{stage.name}_p99_ms"] = None if q is None else round(q[1], 3)
+        out[f"{name}_p50_ms"] = None if q is None else round(q[0], 3)
+        out[f"{name}_p99_ms"] = None if q is None else round(q[1], 3)
+    # the requests behind the engine-counted hit rate (bench/live_hop.py)
+    out["engine_hit_requests"] = sum(r.stages.hit_requests for r in runs)
     return out
 
 

@@ -293,6 +293,9 @@ class Routes:
             text = d.tokenizer.decode(out[: handle.produced])
             return json_response(proto.full_response(req, rid, created, text, "length", use))
         finally:
+            stamps = request.get(STAMPS)
+            if stamps is not None and handle.first_token_at is not None:
+                stamps.cached = handle.cached_tokens  # set with its first token (core.py)
             if not handle.finished:
                 d.core.abort(handle)
 

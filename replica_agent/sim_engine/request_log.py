@@ -10,10 +10,14 @@ stage apart, per request and for any router, with no help from the router: the h
 send -> engine handler), the parse queue (handler -> parsed), the engine (parsed -> first token
 written) and the hop out (first token written -> client's first data).
 
-Lines: ``{"arrived": s, "parsed": s, "first": s or null, "key": int}``, times on
-``time.monotonic`` (the host's monotonic clock, which the bench's client reads too); ``first``
-is null for a request that wrote no token (an error, a non-streamed answer, a client gone);
-``key`` is ``prompt_key`` of the body. A line is written when its request's handler ends.
+Lines: ``{"arrived": s, "parsed": s, "first": s or null, "key": int, "cached": int or null}``,
+times on ``time.monotonic`` (the host's monotonic clock, which the bench's client reads too);
+``first`` is null for a request that wrote no token (an error, a non-streamed answer, a client
+gone); ``key`` is ``prompt_key`` of the body; ``cached`` is the prompt tokens the engine served
+from its prefix cache (what its usage reports as ``cached_tokens``), null for a request whose
+prefill was never scheduled. Per request, so that a difference in the engine-counted hit rate
+between two routers can be traced to the requests that make it (docs/performance.md, "The
+synthetic trace's hit rate, request by request"). A line is written when its request's handler ends.
 Bounded: at most ``max_lines`` lines, then nothing more is written (counted in ``skipped``).
 Each line is written as it comes (line-buffered), so the file is whole while the engine runs.
 """
@@ -53,6 +57,7 @@ class Stamps:
     arrived: float
     parsed: float = 0.0
     first: float | None = None  # its first token written to the client
+    cached: int | None = None  # its prompt tokens served from the prefix cache, once prefilled
 
     def first_token(self, now: float) -> None:
         if self.first is None:
@@ -81,9 +86,10 @@ class RequestLog:
         if self._file is None:
             self._file = self.path.open("w", buffering=1, encoding="utf-8")
         first = "null" if stamps.first is None else f"{stamps.first:.6f}"
+        cached = "null" if stamps.cached is None else str(stamps.cached)
         self._file.write(
             f'{{"arrived": {stamps.arrived:.6f}, "parsed": {stamps.parsed:.6f}, "first": {first}, '
-            f'"key": {stamps.key}}}\n'
+            f'"key": {stamps.key}, "cached": {cached}}}\n'
         )
         self.lines += 1
 

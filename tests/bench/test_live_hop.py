@@ -10,6 +10,7 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -30,9 +31,9 @@ def test_each_send_meets_its_own_arrival_in_order() -> None:
     # "a" sent twice (its second read no first data); "c" reached no engine
     sends: list[Sent] = [(10.0, a, 10.05), (10.5, b, 10.7), (11.0, a, None), (12.0, c, None)]
     arrivals: dict[int, list[Logged]] = {
-        a: [(10.004, 10.010, 10.04), (11.002, 11.003, None)],
-        # "b" retried elsewhere: the second arrival is extra
-        b: [(10.52, 10.60, 10.65), (10.9, 10.95, 11.0)],
+        a: [(10.004, 10.010, 10.04, 0), (11.002, 11.003, None, 64)],
+        # "b" retried elsewhere: the second arrival is extra (and its cached tokens not counted)
+        b: [(10.52, 10.60, 10.65, None), (10.9, 10.95, 11.0, 32)],
     }
     got = stages(sends, arrivals)
     assert sorted(round(h, 6) for h in got.inbound) == [2.0, 4.0, 20.0]
@@ -40,21 +41,22 @@ def test_each_send_meets_its_own_arrival_in_order() -> None:
     # only the requests with a first token on both sides: "a"'s first and "b"
     assert sorted(round(e, 6) for e in got.engine_first_token) == [30.0, 50.0]
     assert sorted(round(o, 6) for o in got.outbound) == [10.0, 50.0]
+    assert got.hit_requests == 1  # "a"'s second send only
     # an arrival before the first send of its prompt is another request's: skipped
-    early = {**arrivals, a: [(9.0, 9.1, 9.2), *arrivals[a]]}
+    early = {**arrivals, a: [(9.0, 9.1, 9.2, 16), *arrivals[a]]}
     assert stages(sends, early) == got
 
 
 def test_logs_are_read_across_engines_earliest_first_and_a_missing_log_is_empty(tmp_path: Path) -> None:
     k = send_key("x")
     (tmp_path / "e0.jsonl").write_text(
-        json.dumps({"arrived": 5.0, "parsed": 5.5, "first": None, "key": k}) + "\n"
+        json.dumps({"arrived": 5.0, "parsed": 5.5, "first": None, "key": k, "cached": None}) + "\n"
     )
     (tmp_path / "e1.jsonl").write_text(
-        json.dumps({"arrived": 2.0, "parsed": 2.1, "first": 2.5, "key": k}) + "\n"
+        json.dumps({"arrived": 2.0, "parsed": 2.1, "first": 2.5, "key": k, "cached": 48}) + "\n"
     )
     got = read_logs([tmp_path / "e0.jsonl", tmp_path / "e1.jsonl", tmp_path / "none.jsonl"])
-    assert got == {k: [(2.0, 2.1, 2.5), (5.0, 5.5, None)]}
+    assert got == {k: [(2.0, 2.1, 2.5, 48), (5.0, 5.5, None, None)]}
 
 
 def test_prompt_keys_name_completions_and_chats_and_nothing_else() -> None:
@@ -84,12 +86,13 @@ def test_the_pooled_row_reports_each_stage_or_none() -> None:
     def run(seed: int, hop: list[float]) -> RunMeasure:
         n = len(hop)
         # every other request without a first token on both sides: no engine or hop-out figure
-        staged = Stages(hop, [1.0] * n, [20.0] * (n // 2), [0.5] * (n // 2))
+        staged = Stages(hop, [1.0] * n, [20.0] * (n // 2), [0.5] * (n // 2), hit_requests=seed)
         return RunMeasure(seed, "kv_aware", [200], [10.0], 1.0, 1.0, 2.0, [2.0], {}, {}, staged)
 
     row = pooled_row([run(5, [1.0, 2.0, 3.0]), run(6, [4.0, 5.0])])
     assert row["inbound_p50_ms"] == 3.0 and row["engine_parse_p50_ms"] == 1.0
     assert row["engine_first_token_p50_ms"] == 20.0 and row["outbound_p99_ms"] == 0.5
+    assert row["engine_hit_requests"] == 11
     empty = pooled_row([run(5, [])])
     assert empty["inbound_p50_ms"] is None and empty["outbound_p50_ms"] is None
 
@@ -136,6 +139,8 @@ def test_the_engine_logs_each_requests_arrival_parse_and_first_token(
 ) -> None:
     log = tmp_path / "engine_requests.jsonl"
 
+    again_usage: dict[str, Any] = {}
+
     async def main() -> tuple[float, float | None, float]:
         engine = SimEngine(_options(log))
         bound = await engine.start()
@@ -147,19 +152,28 @@ def test_the_engine_logs_each_requests_arrival_parse_and_first_token(
                     async for chunk in resp.content.iter_any():
                         if read is None and b"data:" in chunk:
                             read = time.monotonic()
-                return sent, read, time.monotonic()
+                done = time.monotonic()
+                usage_body = {**body, "stream": False}  # the second time, read its usage whole
+                async with http.post(bound.http + path, json=usage_body) as resp:
+                    again_usage.update((await resp.json())["usage"])
+                return sent, read, done
         finally:
             await engine.stop()
 
     sent, read, done = asyncio.run(main())
-    (line,) = log.read_text().splitlines()
-    rec = json.loads(line)
-    assert rec["key"] == prompt_key(body)
+    first, again = (json.loads(line) for line in log.read_text().splitlines())
+    rec = first
+    assert rec["key"] == again["key"] == prompt_key(body)
     assert sent <= rec["arrived"] <= rec["parsed"] <= done  # one clock for client and engine
     if body.get("stream"):
         assert read is not None and rec["parsed"] <= rec["first"] <= read
     else:  # a whole answer: no first token written on its own
         assert rec["first"] is None
+    # the engine's cached prompt tokens, as its usage reports them: none the first time; the same
+    # prompt again is served from the cache when it spans a whole block (the long prompts)
+    assert rec["cached"] == 0
+    assert again["cached"] == again_usage["prompt_tokens_details"]["cached_tokens"]
+    assert (again["cached"] > 0) == (len(str(body.get("prompt", ""))) > 100)
 
 
 def test_a_tokenize_call_is_not_a_generation_request_and_is_not_logged(tmp_path: Path) -> None:
