@@ -24,7 +24,9 @@ completed requests per second, errors; for kvgate also its audits (``live_metric
 model's median absolute error and the cached-token audit's exact share and causes. Each seed of
 ``--seeds`` (default three) is another slice of the workload replayed through every router; a
 row pools a router's replays (``bench/live_pool.py``) and keeps each seed's figures under
-``per_seed``.
+``per_seed``. Each replay leaves its processes' logs and one record a request (``requests.jsonl``,
+``bench/live_requests.py`` compares two routers' request by request) in
+``<out's folder>/tmp/live/<workload>-<router>-<seed>``.
 
     .venv/bin/python -m bench.live [--requests 300] [--replicas 4] [--seeds 5 6 7] [--trace FILE] [--out bench/results/live.json]
 """
@@ -51,7 +53,7 @@ from bench import live_metrics
 from bench.cpu_time import trees_cpu_s
 from bench.live_fleet import request_log_path, start_fleet, stream_completion
 from bench.live_floor import floor_run
-from bench.live_hop import Sent, read_logs, send_key, stages
+from bench.live_hop import REQUESTS_FILE, Sent, read_logs, request_records, send_key, stages, write_requests
 from bench.live_kvgate import MODEL, merged, start_agents, start_kvgate, wait_agents
 from bench.live_pool import RunMeasure, pooled_floor, pooled_row
 from bench.live_workloads import (
@@ -76,15 +78,15 @@ KVGATE_RULES = {"kvgate_kv_aware": None, "kvgate_kv_aware_ms": "ms", "kvgate_kv_
 async def replay(
     url: str, reqs: list[tuple[float, str, int]], speedup: float, timeout_s: float
 ) -> tuple[list[tuple[int, float, float]], list[Sent], float]:
-    """Open-loop replay; returns per request (status, ttft s, total s), per request its send
-    time on the host's monotonic clock, its prompt's key and when its first data was read
-    (``live_hop``), and the wall time."""
+    """Open-loop replay; returns per request (status, ttft s, total s), per request in the order
+    of ``reqs`` its send time on the host's monotonic clock, its prompt's key and when its first
+    data was read (``live_hop``), and the wall time."""
     results: list[tuple[int, float, float]] = []
-    sends: list[Sent] = []
+    sends: list[Sent] = [(0.0, 0, None)] * len(reqs)  # each set by its request
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
 
-        async def one(at: float, prompt: str, max_tokens: int) -> None:
+        async def one(i: int, at: float, prompt: str, max_tokens: int) -> None:
             await asyncio.sleep(max(0.0, at / speedup - (time.perf_counter() - start)))
             # the send on the clock the engines log on; its first data read that long after
             # (``stream_completion`` starts its own clock microseconds later)
@@ -96,10 +98,10 @@ async def replay(
             except (TimeoutError, aiohttp.ClientError):
                 status, ttft, total = 0, 0.0, time.perf_counter() - t0
             results.append((status, ttft, total))
-            sends.append((sent, key, sent + ttft if ttft > 0 else None))
+            sends[i] = (sent, key, sent + ttft if ttft > 0 else None)
 
         start = time.perf_counter()
-        await asyncio.gather(*(one(*r) for r in reqs))
+        await asyncio.gather(*(one(i, *r) for i, r in enumerate(reqs)))
         return results, sends, time.perf_counter() - start
 
 
@@ -214,7 +216,9 @@ def one_run(w: LiveWorkload, router: str, run: SeedRun, args: argparse.Namespace
         results, sends, wall = uvloop.run(replay(url, run.reqs, args.speedup, args.timeout))
         cpu1 = router_cpu_s(procs.started[ours:])
         h1, q1, b1, e1 = engine_state(urls)
-        hops = stages(sends, read_logs([request_log_path(tmp, i) for i in range(len(fleet))]))
+        logs = read_logs([request_log_path(tmp, i) for i in range(len(fleet))])
+        hops = stages(sends, logs)
+        write_requests(tmp / REQUESTS_FILE, request_records(sends, logs))
         if router.startswith("kvgate"):
             audit = dict(live_metrics.kvgate_audit(live_metrics.scrape(url)))
             # the fleet as kvgate saw it (fitted TTFT models)

@@ -29,13 +29,15 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from replica_agent.sim_engine.request_log import prompt_key
 
 # an engine's logged request: (arrived, parsed, first token written or None, cached prompt
-# tokens or None: its prefill never scheduled)
-Logged = tuple[float, float, float | None, int | None]
+# tokens or None: its prefill never scheduled, the engine's place in the logs read)
+Logged = tuple[float, float, float | None, int | None, int]
+# each request's record in a run's requests.jsonl (``request_records``)
+REQUESTS_FILE = "requests.jsonl"
 # a client's request: (sent, prompt key, first data read or None)
 Sent = tuple[float, int, float | None]
 
@@ -51,7 +53,7 @@ def read_logs(paths: Sequence[Path]) -> dict[int, list[Logged]]:
     """Per prompt key, its logged requests over the engines' logs, earliest arrival first; a
     missing log (an engine that logged nothing) counts as empty."""
     by_key: dict[int, list[Logged]] = defaultdict(list)
-    for path in paths:
+    for engine, path in enumerate(paths):
         if not path.exists():
             continue
         for line in path.read_text(encoding="utf-8").splitlines():
@@ -63,6 +65,7 @@ def read_logs(paths: Sequence[Path]) -> dict[int, list[Logged]]:
                     float(rec["parsed"]),
                     None if first is None else float(first),
                     None if cached is None else int(cached),
+                    engine,
                 )
             )
     for arrivals in by_key.values():
@@ -86,7 +89,7 @@ class Stages:
     hit_requests: int = 0
 
     def add(self, sent: Sent, logged: Logged) -> None:
-        (at, _key, read), (arrived, parsed, first, cached) = sent, logged
+        (at, _key, read), (arrived, parsed, first, cached, _engine) = sent, logged
         if cached:
             self.hit_requests += 1
         self.inbound.append((arrived - at) * 1e3)
@@ -96,22 +99,65 @@ class Stages:
             self.outbound.append((read - first) * 1e3)
 
 
-def stages(sends: Sequence[Sent], arrivals: dict[int, list[Logged]]) -> Stages:
-    """The stages of each send that an engine logged: the sends of a key, in order, each matched
-    to the first arrival of that key not before it and not matched yet (an arrival before a send
-    is another request's: not this one's)."""
-    by_key: dict[int, list[Sent]] = defaultdict(list)
-    for s in sends:
-        by_key[s[1]].append(s)
-    out = Stages()
+def matched(sends: Sequence[Sent], arrivals: dict[int, list[Logged]]) -> list[Logged | None]:
+    """Each send's logged request, in the order of ``sends`` (None: no engine logged it): the
+    sends of a key, in the order they were sent, each matched to the first arrival of that key
+    not before it and not matched yet (an arrival before a send is another request's: not this
+    one's)."""
+    by_key: dict[int, list[int]] = defaultdict(list)
+    for n, s in enumerate(sends):
+        by_key[s[1]].append(n)
+    out: list[Logged | None] = [None] * len(sends)
     for key, mine in by_key.items():
         seen = arrivals.get(key, [])
         i = 0
-        for s in sorted(mine, key=lambda x: x[0]):
-            while i < len(seen) and seen[i][0] < s[0]:
+        for n in sorted(mine, key=lambda m: sends[m][0]):
+            while i < len(seen) and seen[i][0] < sends[n][0]:
                 i += 1
             if i == len(seen):
                 break
-            out.add(s, seen[i])
+            out[n] = seen[i]
             i += 1
     return out
+
+
+def stages(sends: Sequence[Sent], arrivals: dict[int, list[Logged]]) -> Stages:
+    """The stages of each send that an engine logged (``matched``)."""
+    out = Stages()
+    for s, logged in zip(sends, matched(sends, arrivals), strict=True):
+        if logged is not None:
+            out.add(s, logged)
+    return out
+
+
+def request_records(sends: Sequence[Sent], arrivals: dict[int, list[Logged]]) -> list[dict[str, Any]]:
+    """One record a send, in the order of ``sends`` (the replay's order of requests, so that the
+    same request can be found in another router's run: ``bench.live_requests``): its client
+    TTFT, the engine that served it, its cached prompt tokens and its stages in ms (None where
+    not known)."""
+
+    def ms(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None else round((b - a) * 1e3, 3)
+
+    out = []
+    for i, ((at, key, read), logged) in enumerate(zip(sends, matched(sends, arrivals), strict=True)):
+        arrived, parsed, first, cached, engine = logged or (None, None, None, None, None)
+        out.append(
+            {
+                "i": i,
+                "key": key,
+                "ttft_ms": ms(at, read),
+                "engine": engine,
+                "cached": cached,
+                "inbound_ms": ms(at, arrived),
+                "engine_parse_ms": ms(arrived, parsed),
+                "engine_first_token_ms": ms(parsed, first),
+                "outbound_ms": ms(first, read),
+            }
+        )
+    return out
+
+
+def write_requests(path: Path, records: Sequence[dict[str, Any]]) -> None:
+    """``records`` as JSON lines (a run's ``REQUESTS_FILE``)."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")

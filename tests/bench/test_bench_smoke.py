@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench import index_bench, ingest, live, overhead, report
+from bench.live_requests import read_requests
 
 
 def _number(x: object) -> bool:
@@ -65,6 +66,10 @@ def test_benchmarks_run_and_report_every_headline(tmp_path: Path) -> None:
         assert _number(lrow[key]) and lrow[key] >= 0, key
     # /proc counts CPU in clock ticks (10 ms): a replay of 8 requests may show none for the agents
     assert lrow["router_cpu_ms_per_request"] > 0 and lrow["agents_cpu_ms_per_request"] >= 0
+    # each request's record in the run's folder, in the replay's order (bench.live_requests)
+    recs = read_requests(tmp_path / "tmp" / "live" / "agent-kvgate_kv_aware-5")
+    assert [r["i"] for r in recs] == list(range(8)) and all(r["engine"] in (0, 1) for r in recs)
+    assert sum(1 for r in recs if r["cached"]) == lrow["engine_hit_requests"]
 
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert tuple(summary) == report.SUMMARY_KEYS

@@ -31,9 +31,9 @@ def test_each_send_meets_its_own_arrival_in_order() -> None:
     # "a" sent twice (its second read no first data); "c" reached no engine
     sends: list[Sent] = [(10.0, a, 10.05), (10.5, b, 10.7), (11.0, a, None), (12.0, c, None)]
     arrivals: dict[int, list[Logged]] = {
-        a: [(10.004, 10.010, 10.04, 0), (11.002, 11.003, None, 64)],
+        a: [(10.004, 10.010, 10.04, 0, 0), (11.002, 11.003, None, 64, 1)],
         # "b" retried elsewhere: the second arrival is extra (and its cached tokens not counted)
-        b: [(10.52, 10.60, 10.65, None), (10.9, 10.95, 11.0, 32)],
+        b: [(10.52, 10.60, 10.65, None, 2), (10.9, 10.95, 11.0, 32, 3)],
     }
     got = stages(sends, arrivals)
     assert sorted(round(h, 6) for h in got.inbound) == [2.0, 4.0, 20.0]
@@ -43,7 +43,7 @@ def test_each_send_meets_its_own_arrival_in_order() -> None:
     assert sorted(round(o, 6) for o in got.outbound) == [10.0, 50.0]
     assert got.hit_requests == 1  # "a"'s second send only
     # an arrival before the first send of its prompt is another request's: skipped
-    early = {**arrivals, a: [(9.0, 9.1, 9.2, 16), *arrivals[a]]}
+    early = {**arrivals, a: [(9.0, 9.1, 9.2, 16, 0), *arrivals[a]]}
     assert stages(sends, early) == got
 
 
@@ -56,7 +56,7 @@ def test_logs_are_read_across_engines_earliest_first_and_a_missing_log_is_empty(
         json.dumps({"arrived": 2.0, "parsed": 2.1, "first": 2.5, "key": k, "cached": 48}) + "\n"
     )
     got = read_logs([tmp_path / "e0.jsonl", tmp_path / "e1.jsonl", tmp_path / "none.jsonl"])
-    assert got == {k: [(2.0, 2.1, 2.5, 48), (5.0, 5.5, None, None)]}
+    assert got == {k: [(2.0, 2.1, 2.5, 48, 1), (5.0, 5.5, None, None, 0)]}
 
 
 def test_prompt_keys_name_completions_and_chats_and_nothing_else() -> None:
