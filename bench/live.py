@@ -216,9 +216,9 @@ def one_run(w: LiveWorkload, router: str, run: SeedRun, args: argparse.Namespace
         results, sends, wall = uvloop.run(replay(url, run.reqs, args.speedup, args.timeout))
         cpu1 = router_cpu_s(procs.started[ours:])
         h1, q1, b1, e1 = engine_state(urls)
-        logs = read_logs([request_log_path(tmp, i) for i in range(len(fleet))])
-        hops = stages(sends, logs)
-        write_requests(tmp / REQUESTS_FILE, request_records(sends, logs))
+        records = request_records(sends, read_logs([request_log_path(tmp, i) for i in range(len(fleet))]))
+        write_requests(tmp / REQUESTS_FILE, records)
+        hops = stages(records)
         if router.startswith("kvgate"):
             audit = dict(live_metrics.kvgate_audit(live_metrics.scrape(url)))
             # the fleet as kvgate saw it (fitted TTFT models)

@@ -88,16 +88,6 @@ class Stages:
     outbound: list[float] = field(default_factory=list)
     hit_requests: int = 0
 
-    def add(self, sent: Sent, logged: Logged) -> None:
-        (at, _key, read), (arrived, parsed, first, cached, _engine) = sent, logged
-        if cached:
-            self.hit_requests += 1
-        self.inbound.append((arrived - at) * 1e3)
-        self.engine_parse.append((parsed - arrived) * 1e3)
-        if first is not None and read is not None:
-            self.engine_first_token.append((first - parsed) * 1e3)
-            self.outbound.append((read - first) * 1e3)
-
 
 def matched(sends: Sequence[Sent], arrivals: dict[int, list[Logged]]) -> list[Logged | None]:
     """Each send's logged request, in the order of ``sends`` (None: no engine logged it): the
@@ -118,15 +108,6 @@ def matched(sends: Sequence[Sent], arrivals: dict[int, list[Logged]]) -> list[Lo
                 break
             out[n] = seen[i]
             i += 1
-    return out
-
-
-def stages(sends: Sequence[Sent], arrivals: dict[int, list[Logged]]) -> Stages:
-    """The stages of each send that an engine logged (``matched``)."""
-    out = Stages()
-    for s, logged in zip(sends, matched(sends, arrivals), strict=True):
-        if logged is not None:
-            out.add(s, logged)
     return out
 
 
@@ -155,6 +136,22 @@ def request_records(sends: Sequence[Sent], arrivals: dict[int, list[Logged]]) ->
                 "outbound_ms": ms(first, read),
             }
         )
+    return out
+
+
+def stages(records: Sequence[dict[str, Any]]) -> Stages:
+    """The stages of the requests an engine logged, from their records (``request_records``,
+    the one place sends meet the engines' logs)."""
+    out = Stages()
+    for r in records:
+        if r["engine"] is None:
+            continue
+        out.hit_requests += bool(r["cached"])
+        out.inbound.append(r["inbound_ms"])
+        out.engine_parse.append(r["engine_parse_ms"])
+        if r["engine_first_token_ms"] is not None and r["outbound_ms"] is not None:
+            out.engine_first_token.append(r["engine_first_token_ms"])
+            out.outbound.append(r["outbound_ms"])
     return out
 
 

@@ -69,6 +69,8 @@ def test_benchmarks_run_and_report_every_headline(tmp_path: Path) -> None:
     # each request's record in the run's folder, in the replay's order (bench.live_requests)
     recs = read_requests(tmp_path / "tmp" / "live" / "agent-kvgate_kv_aware-5")
     assert [r["i"] for r in recs] == list(range(8)) and all(r["engine"] in (0, 1) for r in recs)
+    # every request was answered (errors 0), so each engine noted its cached tokens (0 or more)
+    assert all(isinstance(r["cached"], int) and r["cached"] >= 0 for r in recs)
     assert sum(1 for r in recs if r["cached"]) == lrow["engine_hit_requests"]
 
     summary = json.loads((tmp_path / "summary.json").read_text())

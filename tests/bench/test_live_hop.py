@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from bench.live_hop import Logged, Sent, Stages, read_logs, send_key, stages
+from bench.live_hop import Logged, Sent, Stages, read_logs, request_records, send_key, stages
 from bench.live_pool import RunMeasure, pooled_row
 from replica_agent.sim_engine.engine_hashes import HashFormat
 from replica_agent.sim_engine.kv_events import EventEncoding
@@ -35,7 +35,7 @@ def test_each_send_meets_its_own_arrival_in_order() -> None:
         # "b" retried elsewhere: the second arrival is extra (and its cached tokens not counted)
         b: [(10.52, 10.60, 10.65, None, 2), (10.9, 10.95, 11.0, 32, 3)],
     }
-    got = stages(sends, arrivals)
+    got = stages(request_records(sends, arrivals))
     assert sorted(round(h, 6) for h in got.inbound) == [2.0, 4.0, 20.0]
     assert sorted(round(p, 6) for p in got.engine_parse) == [1.0, 6.0, 80.0]
     # only the requests with a first token on both sides: "a"'s first and "b"
@@ -44,7 +44,7 @@ def test_each_send_meets_its_own_arrival_in_order() -> None:
     assert got.hit_requests == 1  # "a"'s second send only
     # an arrival before the first send of its prompt is another request's: skipped
     early = {**arrivals, a: [(9.0, 9.1, 9.2, 16, 0), *arrivals[a]]}
-    assert stages(sends, early) == got
+    assert stages(request_records(sends, early)) == got
 
 
 def test_logs_are_read_across_engines_earliest_first_and_a_missing_log_is_empty(tmp_path: Path) -> None:
